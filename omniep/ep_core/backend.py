@@ -1,0 +1,62 @@
+"""The EPBackend interface (DESIGN §3): one object per (backend, framework, EP group)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Optional
+
+from .types import Availability, Capabilities, DispatchConfig, Handle
+
+
+class EPBackend(abc.ABC):
+    """prepare / dispatch / combine and both backward passes for ONE rank of an EP group.
+
+    ``group`` is what the framework names the group with: the ``shard_map`` axis name in JAX, a
+    ``ProcessGroup`` in PyTorch. Arrays are the framework's own. Methods assume validated input
+    (the frontends validate with :mod:`omniep.ep_core.validation` first) and must produce exactly the
+    results of :mod:`omniep.ep_core.reference` for this rank.
+    """
+
+    name: ClassVar[str]
+    framework: ClassVar[str]
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    @classmethod
+    @abc.abstractmethod
+    def availability(cls) -> Availability:
+        """Whether this backend can run here, and why not."""
+
+    @classmethod
+    @abc.abstractmethod
+    def capabilities(cls) -> Capabilities:
+        """Dtypes, layouts, process models, ... this backend serves."""
+
+    @abc.abstractmethod
+    def num_ranks(self) -> int:
+        """Size of the EP group."""
+
+    @abc.abstractmethod
+    def prepare(self, topk_idx, config: DispatchConfig) -> Handle:
+        """Local layout (counts, ``is_token_in_rank``) plus the exchange of counts. The returned handle
+        may still lack receive-side routing (``recv_topk_idx``); :meth:`dispatch` completes it."""
+
+    @abc.abstractmethod
+    def dispatch(self, x, topk_weights, handle: Handle) -> tuple[tuple, Handle]:
+        """Move ``x[T, ...]`` (rows moved unchanged) and ``topk_weights``. Returns
+        ``((recv_x, recv_topk_idx, recv_topk_weights, num_recv, num_recv_tokens_per_expert, dropped),
+        handle)`` with the handle completed; dispatching again with that handle is a cached dispatch."""
+
+    @abc.abstractmethod
+    def combine(self, y, handle: Handle, bias: tuple = ()):
+        """``out[T, H]`` in ``y``'s dtype: fp32 sum in contract order, bias added last, rounded once."""
+
+    @abc.abstractmethod
+    def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: Handle):
+        """Adjoint of dispatch: ``(g_x, g_topk_weights)``."""
+
+    @abc.abstractmethod
+    def combine_bwd(self, g_out, handle: Handle, y: Optional[Any] = None):
+        """Adjoint of combine: ``(g_y, g_topk_weights)``; ``g_topk_weights`` is None for rank-major and
+        needs ``y`` (the forward input) for expert-major."""

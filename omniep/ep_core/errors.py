@@ -1,0 +1,61 @@
+"""Typed errors of omniep. Every message says what was wrong, what was expected and what to do."""
+
+
+class OmniEPError(Exception):
+    """Base class of every error omniep raises on purpose."""
+
+
+class InputError(OmniEPError, ValueError):
+    """Bad input detected before any communication or kernel runs (dtype, shape, rank, expert id)."""
+
+
+class CapacityError(OmniEPError, RuntimeError):
+    """A static receive buffer was too small: ``needed`` rows arrived for ``capacity`` slots.
+
+    Raised by eager calls; inside ``jit`` the overflow is returned as the ``dropped`` count instead.
+    """
+
+    def __init__(self, needed: int, capacity: int, *, rank: int | None = None, what: str = "rows"):
+        where = f" on rank {rank}" if rank is not None else ""
+        super().__init__(
+            f"capacity overflow{where}: {needed} {what} must be received but capacity is {capacity}; "
+            f"{needed - capacity} would be dropped. Raise `capacity` to at least {needed} "
+            f"(or leave it None for the exact worst case)."
+        )
+        self.needed = needed
+        self.capacity = capacity
+        self.rank = rank
+
+
+class UnsupportedError(OmniEPError, NotImplementedError):
+    """A backend was asked for a feature it does not serve."""
+
+    def __init__(self, backend: str, feature: str, served_by: list[str] | tuple[str, ...] = ()):
+        alt = f"; backends that serve it: {', '.join(served_by)}" if served_by else "; no registered backend serves it"
+        super().__init__(f"backend {backend!r} does not support {feature}{alt}")
+        self.backend = backend
+        self.feature = feature
+        self.served_by = tuple(served_by)
+
+
+class BackendUnavailableError(OmniEPError, RuntimeError):
+    """A named backend cannot run on this machine; the message carries the reason."""
+
+    def __init__(self, backend: str, reason: str):
+        super().__init__(f"backend {backend!r} is not available here: {reason}")
+        self.backend = backend
+        self.reason = reason
+
+
+class PeerTimeoutError(OmniEPError, TimeoutError):
+    """A wait on a peer rank did not finish in time; names the rank that did not answer."""
+
+    def __init__(self, rank: int, peer: int | None, seconds: float, what: str = "communication"):
+        who = f"peer rank {peer}" if peer is not None else "a peer rank"
+        super().__init__(f"rank {rank}: {what} timed out after {seconds:g} s waiting for {who}")
+        self.rank = rank
+        self.peer = peer
+
+
+class DestroyedError(OmniEPError, RuntimeError):
+    """A buffer or backend object was used after ``destroy()``."""

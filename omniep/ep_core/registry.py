@@ -1,0 +1,119 @@
+"""Backend registry and run-time selection (DESIGN §6).
+
+Backends are registered by import path so that importing omniep never imports a native module or
+a framework it does not need. ``OMNIEP_BACKEND`` (default ``auto``) or a per-call ``backend=`` picks one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Optional
+
+from .errors import BackendUnavailableError, InputError, UnsupportedError
+from .types import Availability
+
+log = logging.getLogger("omniep")
+
+# name -> framework -> "module:Class". Order of names is the order `auto` tries them in.
+_REGISTRY: dict[str, dict[str, str]] = {
+    "cuda_nvshmem": {},
+    "nccl_ep": {},
+    "rocm_rocshmem": {},
+    "collective": {
+        "jax": "omniep.backends.collective.jax_backend:CollectiveJax",
+        "torch": "omniep.backends.collective.torch_backend:CollectiveTorch",
+    },
+}
+FRAMEWORKS = ("jax", "torch")
+_auto_logged: set = set()
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def register(name: str, framework: str, target: str) -> None:
+    """Register ``module:Class`` as backend ``name`` for ``framework`` (used by native backends)."""
+    if framework not in FRAMEWORKS:
+        raise InputError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    _REGISTRY.setdefault(name, {})[framework] = target
+
+
+def get_backend_class(name: str, framework: str):
+    """The backend class, or raise BackendUnavailableError saying why it cannot be loaded."""
+    if name not in _REGISTRY:
+        raise InputError(f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)} (or 'auto')")
+    target = _REGISTRY[name].get(framework)
+    if target is None:
+        raise BackendUnavailableError(name, f"not implemented for {framework} in this version of omniep")
+    module, cls = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise BackendUnavailableError(name, f"cannot import {module}: {exc}") from exc
+
+
+def availability(name: str, framework: str) -> Availability:
+    try:
+        return get_backend_class(name, framework).availability()
+    except BackendUnavailableError as exc:
+        return Availability(False, exc.reason)
+
+
+def select_backend(framework: str, name: Optional[str] = None):
+    """Resolve ``name`` (or ``$OMNIEP_BACKEND``, default ``auto``) to an available backend class.
+
+    ``auto`` takes the first available backend in registry order and logs once what it chose and why;
+    a named backend that cannot run raises :class:`BackendUnavailableError` with the reason.
+    """
+    requested = name or os.environ.get("OMNIEP_BACKEND", "auto") or "auto"
+    if requested != "auto":
+        cls = get_backend_class(requested, framework)
+        avail = cls.availability()
+        if not avail:
+            raise BackendUnavailableError(requested, avail.reason)
+        return cls
+    skipped = []
+    for candidate in _REGISTRY:
+        avail = availability(candidate, framework)
+        if avail:
+            key = (framework, candidate)
+            if key not in _auto_logged:
+                _auto_logged.add(key)
+                why = "; ".join(f"{n}: {r}" for n, r in skipped) or "first in preference order"
+                log.info("omniep: OMNIEP_BACKEND=auto chose %r for %s (%s)", candidate, framework, why)
+            return get_backend_class(candidate, framework)
+        skipped.append((candidate, avail.reason))
+    raise BackendUnavailableError("auto", "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+def require(cls, framework: str, *, layout=None, dtype: Optional[str] = None, fp8: bool = False,
+            num_ranks: Optional[int] = None) -> None:
+    """Raise UnsupportedError if backend ``cls`` cannot serve this request, naming who can."""
+    caps = cls.capabilities()
+    checks = []
+    if layout is not None and layout not in caps.layouts:
+        checks.append((f"layout {layout.value}", lambda c: layout in c.layouts))
+    if dtype is not None and dtype not in caps.dtypes and not (fp8 and caps.fp8):
+        checks.append((f"dtype {dtype}", lambda c: dtype in c.dtypes or (fp8 and c.fp8)))
+    if num_ranks is not None and caps.max_ranks is not None and num_ranks > caps.max_ranks:
+        checks.append((f"{num_ranks} ranks (max {caps.max_ranks})",
+                       lambda c: c.max_ranks is None or num_ranks <= c.max_ranks))
+    for feature, ok in checks:
+        served = []
+        for other in _REGISTRY:
+            try:
+                other_cls = get_backend_class(other, framework)
+            except BackendUnavailableError:
+                continue
+            if other_cls is not cls and ok(other_cls.capabilities()):
+                served.append(other)
+        raise UnsupportedError(cls.name, feature, served)
+
+
+def report(framework: Optional[str] = None) -> dict[str, dict[str, Availability]]:
+    """Availability of every backend for every framework (what ``omniep info`` prints)."""
+    frameworks = (framework,) if framework else FRAMEWORKS
+    return {name: {fw: availability(name, fw) for fw in frameworks} for name in _REGISTRY}
