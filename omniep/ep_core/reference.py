@@ -6,7 +6,7 @@ matched to rounding. Inputs are lists indexed by rank; ranks may hold different 
 
 Fixed arithmetic, so that results are reproducible on every vendor:
   * dispatch moves bytes unchanged;
-  * every sum is accumulated in float32 starting from +0.0, contributions added one at a time in the
+  * every sum is accumulated in float32 (float64 for float64 input, used by adjointness checks) starting from +0.0, contributions added one at a time in the
     contract order (ascending rank for rank-major, ascending k for expert-major), each product
     ``w * y`` rounded to float32 before it is added (no fused multiply-add), bias terms added last in
     the order given, and the result rounded once to the output dtype (round to nearest even).
@@ -169,8 +169,9 @@ def dispatch(xs, topk_weights, plan: Plan) -> list[RefDispatched]:
     return out
 
 
-def _round(acc32: np.ndarray, dtype) -> np.ndarray:
-    return acc32.astype(dtype)
+def _acc_dtype(dtype):
+    """float32 for every supported dtype; float64 stays float64 (for exact adjointness checks)."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
 def combine(ys, plan: Plan, *, topk_weights=None, bias=None) -> list[np.ndarray]:
@@ -186,25 +187,26 @@ def combine(ys, plan: Plan, *, topk_weights=None, bias=None) -> list[np.ndarray]
     outs = []
     for s in range(R):
         T = plan.topk_idx[s].shape[0]
-        acc = np.zeros((T, H), np.float32)
+        acc_t = _acc_dtype(dtype)
+        acc = np.zeros((T, H), acc_t)
         if cfg.layout == Layout.RANK_MAJOR:
             for r in range(R):
                 ts = np.nonzero(plan.row_slot[s][:, r] >= 0)[0]
-                acc[ts] = acc[ts] + ys[r][plan.row_slot[s][ts, r]].astype(np.float32)
+                acc[ts] = acc[ts] + ys[r][plan.row_slot[s][ts, r]].astype(acc_t)
         else:
-            w = np.asarray(topk_weights[s], np.float32)
+            w = np.asarray(topk_weights[s], np.float32).astype(acc_t)
             for k in range(plan.topk_idx[s].shape[1]):
-                contrib = np.zeros((T, H), np.float32)
+                contrib = np.zeros((T, H), acc_t)
                 valid = plan.copy_slot[s][:, k] >= 0
                 for r in range(R):
                     ts = np.nonzero(valid & (plan.owner[s][:, k] == r))[0]
                     ls = plan.topk_idx[s][ts, k] - r * L
-                    y = ys[r][ls, plan.copy_slot[s][ts, k]].astype(np.float32)
+                    y = ys[r][ls, plan.copy_slot[s][ts, k]].astype(acc_t)
                     contrib[ts] = w[ts, k][:, None] * y
                 acc[valid] = acc[valid] + contrib[valid]
         for b in (bias[s] if bias is not None else ()):
-            acc = acc + np.asarray(b).astype(np.float32)
-        outs.append(_round(acc, dtype))
+            acc = acc + np.asarray(b).astype(acc_t)
+        outs.append(acc.astype(dtype))
     return outs
 
 
@@ -254,8 +256,9 @@ def combine_bwd(g_out, plan: Plan, *, ys=None, topk_weights=None):
         gw = np.zeros(plan.topk_idx[s].shape, np.float32)
         for t, k in zip(*np.nonzero(plan.copy_slot[s] >= 0)):
             r, l, c = plan.owner[s][t, k], plan.topk_idx[s][t, k] - plan.owner[s][t, k] * L, plan.copy_slot[s][t, k]
-            g32 = np.asarray(g_out[s][t]).astype(np.float32)
-            g_y[r][l, c] = (np.float32(topk_weights[s][t, k]) * g32).astype(dtype)
+            acc_t = _acc_dtype(dtype)
+            g32 = np.asarray(g_out[s][t]).astype(acc_t)
+            g_y[r][l, c] = (acc_t(topk_weights[s][t, k]) * g32).astype(dtype)
             gw[t, k] = np.float32(np.dot(g32.astype(np.float64), ys[r][l, c].astype(np.float64)))
         g_w.append(gw)
     return g_y, g_w

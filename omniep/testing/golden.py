@@ -1,0 +1,155 @@
+"""Golden vectors: small cases with the reference's results, stored as ``tests/golden/*.npz``.
+
+Every backend on every vendor must reproduce them bit for bit. Arrays are stored as raw bits
+(bfloat16 as uint16) with their dtype name beside them, so the files need nothing but numpy to read.
+
+Per rank ``r`` a file holds inputs ``x``, ``topk_idx``, ``topk_weights``, ``y`` (combine input shaped
+like ``recv_x``), ``bias`` (one ``[T, H]``), ``g_out`` (combine backward input), ``g_recv_x`` and
+``g_recv_w`` (dispatch backward inputs), and the expected ``recv_x``, ``recv_topk_idx``,
+``recv_topk_weights``, ``num_recv``, ``num_recv_tokens_per_expert``, ``dropped``, ``out`` (combine of
+``y`` with ``bias``), ``g_x``, ``g_w`` (dispatch backward) and ``g_y`` (combine backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+from ..ep_core import reference as ref
+from ..ep_core.types import Layout
+from .cases import Case, make_case, np_dtype
+
+GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[2] / "tests" / "golden"
+
+INPUTS = ("x", "topk_idx", "topk_weights", "y", "bias", "g_out", "g_recv_x", "g_recv_w")
+EXPECTED = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv", "num_recv_tokens_per_expert",
+            "dropped", "out", "g_x", "g_w", "g_y")
+
+# (name, make_case keyword arguments). Equal token counts on every rank, so static-shape frameworks
+# can run every file.
+GOLDEN_CASES = [
+    ("rm_r2_bf16", dict(num_ranks=2, num_experts=4, num_topk=2, hidden=8, num_tokens=5, dtype="bfloat16")),
+    ("rm_r4_fp32_int64", dict(num_ranks=4, num_experts=8, num_topk=3, hidden=8, num_tokens=6,
+                              index_dtype="int64")),
+    ("rm_r4_fp16_align4", dict(num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_tokens=4,
+                               dtype="float16", expert_alignment=4)),
+    ("rm_r2_overflow", dict(num_ranks=2, num_experts=2, num_topk=2, hidden=8, num_tokens=6, capacity=7,
+                            skew="one_rank", dtype="bfloat16")),
+    ("rm_r4_empty_rank", dict(num_ranks=4, num_experts=4, num_topk=2, hidden=8, num_tokens=3,
+                              skew="empty_rank")),
+    ("em_r2_bf16", dict(num_ranks=2, num_experts=4, num_topk=2, hidden=8, num_tokens=5, dtype="bfloat16",
+                        layout=Layout.EXPERT_MAJOR)),
+    ("em_r4_fp32", dict(num_ranks=4, num_experts=8, num_topk=3, hidden=8, num_tokens=4,
+                        layout=Layout.EXPERT_MAJOR, expert_alignment=2)),
+    ("em_r2_overflow", dict(num_ranks=2, num_experts=4, num_topk=2, hidden=8, num_tokens=6, capacity=3,
+                            skew="one_expert", layout=Layout.EXPERT_MAJOR)),
+]
+
+
+@dataclasses.dataclass
+class Golden:
+    name: str
+    case: Case
+    inputs: dict    # name -> per-rank list of arrays
+    expected: dict  # name -> per-rank list of arrays (scalars as 0-d arrays)
+
+
+def static_capacity(case: Case) -> int:
+    """Capacity every rank uses: the case's, or the static default ``R*T`` (golden cases have equal T)."""
+    return case.capacity if case.capacity is not None else case.num_ranks * case.x[0].shape[0]
+
+
+def compute(case: Case, seed: int = 0) -> tuple[dict, dict]:
+    """Inputs and reference results of one case at its static capacity."""
+    rng = np.random.default_rng(seed + 1)
+    plan = ref.make_plan(case.topk_idx, case.config(static_capacity(case)))
+    disp = ref.dispatch(case.x, case.topk_weights, plan)
+    dt = np_dtype(case.dtype)
+    R = case.num_ranks
+
+    def randn(shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(dt)
+
+    inputs = {
+        "x": case.x, "topk_idx": case.topk_idx, "topk_weights": case.topk_weights,
+        "y": [randn(d.recv_x.shape) for d in disp],
+        "bias": [randn(x.shape) for x in case.x],
+        "g_out": [randn(x.shape) for x in case.x],
+        "g_recv_x": [randn(d.recv_x.shape) for d in disp],
+        "g_recv_w": [rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in disp],
+    }
+    out = ref.combine(inputs["y"], plan, topk_weights=case.topk_weights, bias=[(b,) for b in inputs["bias"]])
+    g_x, g_w = ref.dispatch_bwd(inputs["g_recv_x"], inputs["g_recv_w"], plan)
+    g_y, _ = ref.combine_bwd(inputs["g_out"], plan, ys=inputs["y"], topk_weights=case.topk_weights)
+    expected = {
+        "recv_x": [d.recv_x for d in disp], "recv_topk_idx": [d.recv_topk_idx for d in disp],
+        "recv_topk_weights": [d.recv_topk_weights for d in disp],
+        "num_recv": [np.array(d.num_recv, np.int32) for d in disp],
+        "num_recv_tokens_per_expert": [d.num_recv_tokens_per_expert for d in disp],
+        "dropped": [np.array(d.dropped, np.int32) for d in disp],
+        "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y,
+    }
+    assert all(len(v) == R for v in (*inputs.values(), *expected.values()))
+    return inputs, expected
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" or a.dtype.name in ("bfloat16",) else a
+
+
+def save(path: pathlib.Path, case: Case, inputs: dict, expected: dict) -> None:
+    arrays = {
+        "meta_num_ranks": np.int64(case.num_ranks), "meta_num_experts": np.int64(case.num_experts),
+        "meta_capacity": np.int64(-1 if case.capacity is None else case.capacity),
+        "meta_expert_alignment": np.int64(case.expert_alignment),
+        "meta_layout": np.str_(case.layout.value), "meta_dtype": np.str_(case.dtype),
+        "meta_index_dtype": np.str_(case.index_dtype),
+    }
+    for group in (inputs, expected):
+        for key, per_rank in group.items():
+            for r, a in enumerate(per_rank):
+                a = np.asarray(a)
+                arrays[f"{key}__{r}"] = _bits(a)
+                arrays[f"{key}__{r}__dtype"] = np.str_(a.dtype.name)
+    np.savez_compressed(path, **arrays)
+
+
+def load(path) -> Golden:
+    path = pathlib.Path(path)
+    with np.load(path) as f:
+        data = {k: f[k] for k in f.files}
+    R = int(data["meta_num_ranks"])
+
+    def get(key):
+        return [data[f"{key}__{r}"].view(np_dtype(str(data[f"{key}__{r}__dtype"]))) for r in range(R)]
+
+    cap = int(data["meta_capacity"])
+    inputs = {k: get(k) for k in INPUTS}
+    case = Case(R, int(data["meta_num_experts"]), int(inputs["x"][0].shape[1]), str(data["meta_dtype"]),
+                str(data["meta_index_dtype"]), inputs["x"], inputs["topk_idx"], inputs["topk_weights"],
+                Layout(str(data["meta_layout"])), None if cap < 0 else cap, int(data["meta_expert_alignment"]))
+    return Golden(path.stem, case, inputs, {k: get(k) for k in EXPECTED})
+
+
+def golden_files() -> list[pathlib.Path]:
+    return sorted(GOLDEN_DIR.glob("*.npz"))
+
+
+def write_all(directory: pathlib.Path = GOLDEN_DIR) -> list[pathlib.Path]:
+    """(Re)make every golden file from the reference. Run ``python -m omniep.testing.golden``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for seed, (name, kwargs) in enumerate(GOLDEN_CASES):
+        case = make_case(seed, **kwargs)
+        inputs, expected = compute(case, seed)
+        save(directory / f"{name}.npz", case, inputs, expected)
+        paths.append(directory / f"{name}.npz")
+    return paths
+
+
+if __name__ == "__main__":
+    for p in write_all():
+        print(p)

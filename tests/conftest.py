@@ -1,0 +1,15 @@
+"""Test session setup: 8 virtual XLA CPU devices (must precede any jax import) and hypothesis profiles."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# "ci" keeps the suite inside CI's budget on 2 cores; OMNIEP_HYPOTHESIS=thorough for long runs.
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("OMNIEP_HYPOTHESIS", "ci"))
