@@ -80,10 +80,19 @@ def compute(case: Case, seed: int = 0) -> tuple[dict, dict]:
         "g_recv_x": [randn(d.recv_x.shape) for d in disp],
         "g_recv_w": [rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in disp],
     }
-    out = ref.combine(inputs["y"], plan, topk_weights=case.topk_weights, bias=[(b,) for b in inputs["bias"]])
+    expected = reference_results(case, inputs)
+    assert all(len(v) == R for v in (*inputs.values(), *expected.values()))
+    return inputs, expected
+
+
+def reference_results(case: Case, inputs: dict) -> dict:
+    """What the reference computes from a golden file's inputs (see the module docstring)."""
+    plan = ref.make_plan(inputs["topk_idx"], case.config(static_capacity(case)))
+    disp = ref.dispatch(inputs["x"], inputs["topk_weights"], plan)
+    out = ref.combine(inputs["y"], plan, topk_weights=inputs["topk_weights"], bias=[(b,) for b in inputs["bias"]])
     g_x, g_w = ref.dispatch_bwd(inputs["g_recv_x"], inputs["g_recv_w"], plan)
-    g_y, _ = ref.combine_bwd(inputs["g_out"], plan, ys=inputs["y"], topk_weights=case.topk_weights)
-    expected = {
+    g_y, _ = ref.combine_bwd(inputs["g_out"], plan, ys=inputs["y"], topk_weights=inputs["topk_weights"])
+    return {
         "recv_x": [d.recv_x for d in disp], "recv_topk_idx": [d.recv_topk_idx for d in disp],
         "recv_topk_weights": [d.recv_topk_weights for d in disp],
         "num_recv": [np.array(d.num_recv, np.int32) for d in disp],
@@ -91,13 +100,28 @@ def compute(case: Case, seed: int = 0) -> tuple[dict, dict]:
         "dropped": [np.array(d.dropped, np.int32) for d in disp],
         "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y,
     }
-    assert all(len(v) == R for v in (*inputs.values(), *expected.values()))
-    return inputs, expected
+
+
+def assert_bitwise_equal(actual, expected, what: str = "") -> None:
+    """Raise AssertionError unless two arrays have the same shape, dtype and bits (NaN-safe)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{what}: dtype {actual.dtype} != expected {expected.dtype}")
+    a, e = _bits(actual), _bits(expected)
+    if a.dtype.kind == "f":
+        a, e = a.view(f"u{a.dtype.itemsize}"), e.view(f"u{e.dtype.itemsize}")
+    bad = np.argwhere(a != e)
+    if bad.size:
+        i = tuple(bad[0])
+        raise AssertionError(f"{what}: {len(bad)} elements differ, first at {i}: "
+                             f"{actual[i]!r} != expected {expected[i]!r}")
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
-    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" or a.dtype.name in ("bfloat16",) else a
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" or a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
 
 
 def save(path: pathlib.Path, case: Case, inputs: dict, expected: dict) -> None:
