@@ -1,0 +1,30 @@
+# Two commands do everything: `make demo` and `make test`. Each bootstraps .venv with what it needs.
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+# On the project's machines this pin takes a local CPU build; elsewhere pip fetches it from PyPI.
+TORCH_SPEC  ?= torch==2.13.0
+STAMP       := $(VENV)/.omniep-deps
+
+.PHONY: demo test info bench native check-cuda clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[jax,torch,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m omniep.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+info: $(STAMP)
+	$(PY) -m omniep.cli info
+
+bench: $(STAMP)
+	$(PY) -m omniep.cli bench
+
+clean:
+	rm -rf $(VENV) build bench_out .pytest_cache
