@@ -1,0 +1,1 @@
+"""What the ``omniep`` command runs: ``info``, ``demo`` and ``bench``."""
