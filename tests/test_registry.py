@@ -1,0 +1,71 @@
+"""Backend selection (DESIGN §6): OMNIEP_BACKEND, auto's single log line, reasons, UnsupportedError."""
+
+import logging
+
+import pytest
+
+from omniep.ep_core import Capabilities, Layout, registry
+from omniep.ep_core.errors import BackendUnavailableError, InputError, UnsupportedError
+
+FRAMEWORKS = ("jax", "torch")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_unknown_backend_names_the_known_ones(framework, monkeypatch):
+    monkeypatch.setenv("OMNIEP_BACKEND", "nvshmem_typo")
+    with pytest.raises(InputError, match="unknown backend 'nvshmem_typo'.*collective"):
+        registry.select_backend(framework)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_named_backend_that_cannot_run_raises_with_reason(framework, monkeypatch):
+    monkeypatch.setenv("OMNIEP_BACKEND", "rocm_rocshmem")
+    with pytest.raises(BackendUnavailableError, match="rocm_rocshmem.*not available here: .+"):
+        registry.select_backend(framework)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_auto_falls_back_to_collective_and_logs_once(framework, monkeypatch, caplog):
+    monkeypatch.delenv("OMNIEP_BACKEND", raising=False)
+    monkeypatch.setattr(registry, "_auto_logged", set())
+    with caplog.at_level(logging.INFO, logger="omniep"):
+        first = registry.select_backend(framework)
+        second = registry.select_backend(framework, "auto")
+    assert first is second and first.name == "collective" and first.framework == framework
+    lines = [r.getMessage() for r in caplog.records if "auto chose" in r.getMessage()]
+    assert len(lines) == 1 and "'collective'" in lines[0] and "cuda_nvshmem" in lines[0]
+
+
+def test_per_call_name_overrides_environment(monkeypatch):
+    monkeypatch.setenv("OMNIEP_BACKEND", "rocm_rocshmem")
+    assert registry.select_backend("jax", "collective").name == "collective"
+
+
+def test_report_lists_every_backend_with_a_reason():
+    rep = registry.report()
+    assert set(rep) == {"collective", "cuda_nvshmem", "nccl_ep", "rocm_rocshmem"}
+    for per_fw in rep.values():
+        for avail in per_fw.values():
+            assert avail.reason.strip()
+    assert rep["collective"]["jax"].available and rep["collective"]["torch"].available
+
+
+class _RankMajorOnly:
+    """A backend class as the registry sees it, serving only the rank-major layout."""
+
+    name = "rank_major_only"
+    framework = "jax"
+
+    @classmethod
+    def capabilities(cls):
+        return Capabilities(layouts=(Layout.RANK_MAJOR,), max_ranks=4)
+
+
+def test_unsupported_request_names_backend_feature_and_alternatives(monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, "rank_major_only", {"jax": "test_registry:_RankMajorOnly"})
+    with pytest.raises(UnsupportedError, match="'rank_major_only' does not support layout expert_major; "
+                                               "backends that serve it: collective"):
+        registry.require(_RankMajorOnly, "jax", layout=Layout.EXPERT_MAJOR)
+    with pytest.raises(UnsupportedError, match="8 ranks"):
+        registry.require(_RankMajorOnly, "jax", num_ranks=8)
+    registry.require(_RankMajorOnly, "jax", layout=Layout.RANK_MAJOR, num_ranks=4)  # served: no error
