@@ -101,6 +101,9 @@ class Handle:
       num_recv        [] int32       rows (rank-major) or copies (expert-major) actually kept
       recv_expert_slot [M, K] int32  expert-major only: slot c of the copy (row, k) inside its local
                                      expert, ``-1`` when not local or dropped; ``None`` otherwise
+    Static:
+      group           the EP group as the framework names it (the ``shard_map`` axis name in JAX), so that
+                      ``combine(y, handle)`` needs no other argument; ``None`` where the caller holds it
     """
 
     config: DispatchConfig
@@ -114,6 +117,7 @@ class Handle:
     recv_topk_weights: Any
     num_recv: Any
     recv_expert_slot: Any = None
+    group: Any = None
 
     @property
     def is_token_in_rank(self):
@@ -126,7 +130,7 @@ class Handle:
         "topk_idx", "topk_weights", "send_pos", "num_tokens_per_rank", "recv_counts",
         "recv_topk_idx", "recv_topk_weights", "num_recv", "recv_expert_slot",
     )
-    META_FIELDS = ("config", "backend")
+    META_FIELDS = ("config", "backend", "group")
 
 
 @dataclasses.dataclass(frozen=True)
