@@ -1,0 +1,63 @@
+// VirtualRankGroup: the p2p transport's state for the ranks ONE process runs on ONE device, and the
+// launchers of every kernel for them.
+//
+// It owns one RankWorkspace per rank (device memory, zeroed at creation) and launches each op for
+// a contiguous range of ranks as ONE cooperative launch: gridDim = (blocks per rank, ranks). A
+// cooperative launch either makes every block co-resident or fails to launch, so ranks waiting on
+// each other inside the kernel can never deadlock for want of SMs; the waits' timeouts catch the
+// rest (a rank whose kernel never runs). Launching a strict subset of the ranks is allowed (tests
+// use it to provoke a timeout).
+//
+// Host-only header: usable from plain C++ (the C ABI, the Python module).
+#pragma once
+
+#include <stdint.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels/args.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace omniep {
+
+class VirtualRankGroup {
+ public:
+  // Allocates R workspaces on the current device. `timeout_ns` bounds every wait on a peer.
+  VirtualRankGroup(int num_ranks, uint64_t timeout_ns);
+  ~VirtualRankGroup();
+  VirtualRankGroup(const VirtualRankGroup&) = delete;
+  VirtualRankGroup& operator=(const VirtualRankGroup&) = delete;
+
+  int num_ranks() const { return num_ranks_; }
+  int device() const { return device_; }
+  uint64_t timeout_ns() const { return timeout_ns_; }
+  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
+  // Blocks per rank of dispatch/combine; 0 = automatic (<= 24, and all ranks co-resident).
+  void set_blocks_per_rank(int n) { blocks_per_rank_ = n; }
+
+  // Each launches ranks [first_rank, first_rank + count) on `stream`. No host synchronisation.
+  // Throw std::runtime_error (message says what and why) on bad arguments or a launch failure.
+  void layout(const LayoutArgs& args, int first_rank, int count, cudaStream_t stream);
+  void dispatch(const DispatchArgs& args, int first_rank, int count, cudaStream_t stream);
+  void combine(const CombineArgs& args, int first_rank, int count, cudaStream_t stream);
+
+  // Synchronises the device and returns each rank's ErrorRecord (code 0 = fine).
+  std::vector<ErrorRecord> read_errors() const;
+  // Synchronises the device and zeroes every workspace (after an error, counters disagree).
+  void reset();
+
+ private:
+  int blocks_for(const void* kernel, int threads, size_t smem, int count) const;
+  void check_range(int first_rank, int count) const;
+
+  int num_ranks_;
+  int device_ = 0;
+  int num_sms_ = 0;
+  uint64_t timeout_ns_;
+  int blocks_per_rank_ = 0;
+  std::vector<RankWorkspace*> workspaces_;
+};
+
+}  // namespace omniep

@@ -1,0 +1,90 @@
+// Argument structs of the kernels, passed by value (they hold the p2p tables, so a CUDA graph
+// replays with the same pointers). Plain C++: the host launchers fill them.
+//
+// Shapes use T = num_tokens[rank] (may differ per rank), K = num_topk, R = ranks, E = experts,
+// L = E / R, C = capacity (rows of every rank's receive buffer). "sym" marks buffers peers access.
+#pragma once
+
+#include <stdint.h>
+
+#include "omniep/transport.h"
+
+namespace omniep {
+
+// Element types of floating tensors. Values are part of the C ABI (csrc/capi/omniep.h).
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// The widest copy unit (16, 8, 4, 2 or 1 bytes) dividing `bytes` and every address in `addrs`:
+// DeepEP-shaped rows move as 16-byte vectors and odd shapes (H = 3 in bf16) still work.
+inline int row_copy_unit(int64_t bytes, const uintptr_t* addrs, int n) {
+  for (int unit = 16; unit > 1; unit /= 2) {
+    bool ok = bytes % unit == 0;
+    for (int i = 0; ok && i < n; ++i) ok = addrs[i] % unit == 0;
+    if (ok) return unit;
+  }
+  return 1;
+}
+
+struct LayoutArgs {
+  PerRank<const void> topk_idx;            // [T, K] int32 or int64 (index_bytes), -1 = none
+  PerRank<int32_t> topk_idx32;             // out [T, K]: topk_idx narrowed to int32
+  PerRank<int32_t> send_pos;               // out [T, R]: position among tokens sent to r, or -1
+  PerRank<int32_t> num_tokens_per_rank;    // out [R]
+  PerRank<int32_t> num_tokens_per_expert;  // out [E]: (token, k) pairs per expert
+  PerRank<int32_t> recv_counts;            // out [R]: tokens each source sends here (before capacity)
+  PerRank<int32_t> send_offset;            // out [R]: first row of my tokens in rank r's receive order
+  PerRank<int32_t> num_recv;               // out []: min(sum(recv_counts), C)
+  PerRank<int32_t> dropped;                // out []: sum(recv_counts) - num_recv
+  int num_tokens[kMaxRanks];
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int index_bytes;  // 4 or 8
+};
+
+struct DispatchArgs {
+  PerRank<const uint8_t> x;                 // [T, row_bytes]
+  PerRank<const uint8_t> x2;                // [T, row2_bytes]: optional second payload (fp8 scales)
+  PerRank<const int32_t> topk_idx32;        // [T, K]
+  PerRank<const float> topk_weights;        // [T, K]
+  PerRank<const int32_t> send_pos;          // [T, R]
+  PerRank<const int32_t> send_offset;       // [R]
+  PerRank<const int32_t> num_recv;          // []
+  PerRank<uint8_t> recv_x;                  // sym [C, row_bytes]
+  PerRank<uint8_t> recv_x2;                 // sym [C, row2_bytes]
+  PerRank<int32_t> recv_topk_idx;           // sym [C, K] (with_routing)
+  PerRank<float> recv_topk_weights;         // sym [C, K] (with_routing)
+  PerRank<int32_t> num_recv_tokens_per_expert;  // out [L] (with_routing)
+  int num_tokens[kMaxRanks];
+  int64_t row_bytes;
+  int64_t row2_bytes;  // 0 = no second payload
+  int unit;            // copy unit of x / recv_x rows (rows.cuh: row_copy_unit)
+  int unit2;
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int expert_alignment;
+  int with_routing;  // 0: move rows only (combine_bwd, a cached dispatch of g_out)
+};
+
+struct CombineArgs {
+  PerRank<const void> y;                    // sym [C, H] in `dtype`
+  PerRank<void> out;                        // [T, H] in `dtype`
+  PerRank<const void> bias[2];              // [T, H] in bias_dtype[i], first num_bias used
+  PerRank<const int32_t> topk_idx32;        // [T, K]
+  PerRank<const int32_t> send_pos;          // [T, R]
+  PerRank<const int32_t> send_offset;       // [R]
+  PerRank<const float> g_recv_topk_weights; // sym [C, K] (with_topk_grad: dispatch_bwd)
+  PerRank<float> g_topk_weights;            // out [T, K] (with_topk_grad)
+  int num_tokens[kMaxRanks];
+  int hidden;
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int dtype;
+  int num_bias;
+  int bias_dtype[2];
+  int with_topk_grad;
+};
+
+}  // namespace omniep

@@ -1,0 +1,89 @@
+// Rank-major combine (and dispatch_bwd): every source PULLS its rows back from the receivers.
+//
+// out[t] = sum over ranks r in ASCENDING order of y_r[send_offset[r] + send_pos[t, r]] (rows past
+// the capacity were dropped and contribute nothing), accumulated in fp32 from +0.0 with
+// round-to-nearest adds (__fadd_rn: never contracted or reassociated), then the bias terms in the
+// order given, rounded once to the output dtype. This is exactly omniep.ep_core.reference.combine.
+// With with_topk_grad (dispatch_bwd) the same pass reads back g_topk_weights[t, k] from the slot
+// that carried it: g_recv_topk_weights of the owning rank, or 0 when not routed or dropped.
+//
+// Barriers: start (every rank's y is complete: its producer ran before this kernel on that rank's
+// stream), end (peers finished reading my y, so my stream may free or overwrite it afterwards).
+#pragma once
+
+#include "kernels/args.h"
+#include "kernels/rows.cuh"
+#include "kernels/sync.cuh"
+
+namespace omniep {
+
+inline constexpr int kCombineThreads = 512;
+
+// Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
+template <typename Tr, typename Scalar, int Vec>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a, Tr tr) {
+  __shared__ int64_t s_slot[kCombineThreads / gpu::kWarpSize][kMaxRanks];  // per warp: row at rank r or -1
+  struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
+  using Cvt = Elem<Scalar>;
+
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
+  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true)) return;
+
+  const int32_t* send_pos = tr.local(a.send_pos);
+  const int32_t* send_offset = tr.local(a.send_offset);
+  Scalar* out = static_cast<Scalar*>(tr.local(a.out));
+  const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
+  const int num_packs = H / Vec;
+
+  for (int t = blockIdx.x * warps + warp; t < T; t += gridDim.x * warps) {
+    if (lane < R) {
+      const int pos = send_pos[static_cast<int64_t>(t) * R + lane];
+      const int64_t slot = static_cast<int64_t>(send_offset[lane]) + pos;
+      s_slot[warp][lane] = (pos >= 0 && slot < C) ? slot : -1;
+    }
+    gpu::syncwarp();
+    for (int p = lane; p < num_packs; p += gpu::kWarpSize) {
+      float acc[Vec];
+#pragma unroll
+      for (int i = 0; i < Vec; ++i) acc[i] = 0.0f;
+      for (int r = 0; r < R; ++r) {  // ascending rank: the contract's summation order
+        const int64_t slot = s_slot[warp][r];
+        if (slot < 0) continue;
+        const Scalar* y = static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H;
+        const Pack v = reinterpret_cast<const Pack*>(y)[p];
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) acc[i] = gpu::add_rn(acc[i], Cvt::to_float(v.v[i]));
+      }
+      for (int b = 0; b < a.num_bias; ++b) {
+        const void* bias = tr.local(a.bias[b]);
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) {
+          acc[i] = gpu::add_rn(acc[i], load_as_float(bias, a.bias_dtype[b], static_cast<int64_t>(t) * H + p * Vec + i));
+        }
+      }
+      Pack o;
+#pragma unroll
+      for (int i = 0; i < Vec; ++i) o.v[i] = Cvt::from_float(acc[i]);
+      reinterpret_cast<Pack*>(out + static_cast<int64_t>(t) * H)[p] = o;
+    }
+    if (a.with_topk_grad) {
+      const int32_t* idx32 = tr.local(a.topk_idx32);
+      float* g_w = tr.local(a.g_topk_weights);
+      for (int k = lane; k < K; k += gpu::kWarpSize) {
+        const int e = idx32[static_cast<int64_t>(t) * K + k];
+        float g = 0.0f;
+        if (e >= 0) {
+          const int r = e / L;
+          const int64_t slot = s_slot[warp][r];
+          if (slot >= 0) g = tr.peer(a.g_recv_topk_weights, r)[slot * K + k];
+        }
+        g_w[static_cast<int64_t>(t) * K + k] = g;
+      }
+    }
+    gpu::syncwarp();  // s_slot is rewritten for the next token
+  }
+  rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
+}
+
+}  // namespace omniep

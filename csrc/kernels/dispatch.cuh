@@ -1,0 +1,113 @@
+// Rank-major dispatch: every source PUSHES its rows into the receivers' buffers.
+//
+// Row t of source s lands at row send_offset_s[r] + send_pos_s[t, r] of receiver r, i.e. rows are
+// ordered by (source rank, source token) — the contract order of DESIGN §2 — and rows at or past
+// the capacity C are the ones dropped. One warp moves one token to each rank it goes to.
+// The receiver meanwhile zero-fills its padding rows [num_recv, C), which no source writes.
+// Per-expert receive counts: each block counts the (token, local expert) pairs it delivered in
+// shared memory and adds them to the receiver's counters once at the end; the receiver zeroed those
+// counters before the start barrier and reads them after the end barrier.
+//
+// Barriers: start (receivers are ready: counters zeroed, earlier users of the buffers done), end
+// (all rows have arrived). The kernel completes on a rank only when its rows are all there, so
+// stream order is enough for whatever runs next on that rank.
+#pragma once
+
+#include "kernels/args.h"
+#include "kernels/rows.cuh"
+#include "kernels/sync.cuh"
+
+namespace omniep {
+
+inline constexpr int kDispatchThreads = 512;
+
+template <typename Tr>
+__global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs a, Tr tr) {
+  extern __shared__ int s_delivered[];  // [E]: pairs this block delivered to each expert
+  __shared__ int s_offset[kMaxRanks];
+
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
+  const bool routing = a.with_routing != 0;
+  RankWorkspace* my_ws = tr.workspace(me);
+
+  if (routing && blockIdx.x == 0) {
+    for (int l = threadIdx.x; l < L; l += blockDim.x) my_ws->expert_counter[l] = 0;
+  }
+  if (routing) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s_delivered[e] = 0;
+  }
+  if (static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
+  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true)) return;
+
+  // ---- push my rows ----
+  const uint8_t* x = tr.local(a.x);
+  const uint8_t* x2 = tr.local(a.x2);
+  const int32_t* send_pos = tr.local(a.send_pos);
+  const int32_t* idx32 = tr.local(a.topk_idx32);
+  const float* weights = tr.local(a.topk_weights);
+  const int lane = gpu::lane_id();
+  const int warps = gpu::warps_per_block();
+  for (int t = blockIdx.x * warps + gpu::warp_id(); t < T; t += gridDim.x * warps) {
+    for (int r = 0; r < R; ++r) {
+      const int pos = send_pos[static_cast<int64_t>(t) * R + r];
+      if (pos < 0) continue;
+      const int64_t slot = static_cast<int64_t>(s_offset[r]) + pos;
+      if (slot >= C) continue;  // dropped: past the receiver's capacity
+      warp_copy_row(tr.peer(a.recv_x, r) + slot * a.row_bytes, x + static_cast<int64_t>(t) * a.row_bytes,
+                    a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) {
+        warp_copy_row(tr.peer(a.recv_x2, r) + slot * a.row2_bytes,
+                      x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
+      }
+      if (routing) {
+        int32_t* recv_idx = tr.peer(a.recv_topk_idx, r) + slot * K;
+        float* recv_w = tr.peer(a.recv_topk_weights, r) + slot * K;
+        for (int k = lane; k < K; k += gpu::kWarpSize) {
+          const int e = idx32[static_cast<int64_t>(t) * K + k];
+          const bool mine = e >= 0 && e / L == r;
+          recv_idx[k] = mine ? e - r * L : -1;
+          recv_w[k] = mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f;
+          if (mine) atomicAdd(&s_delivered[e], 1);
+        }
+      }
+    }
+  }
+
+  // ---- zero my padding rows [num_recv, C) ----
+  {
+    const int first = *tr.local(a.num_recv);
+    uint8_t* recv_x = tr.local(a.recv_x);
+    uint8_t* recv_x2 = tr.local(a.recv_x2);
+    int32_t* recv_idx = tr.local(a.recv_topk_idx);
+    float* recv_w = tr.local(a.recv_topk_weights);
+    for (int64_t row = first + blockIdx.x * warps + gpu::warp_id(); row < C; row += gridDim.x * warps) {
+      warp_zero_row(recv_x + row * a.row_bytes, a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) warp_zero_row(recv_x2 + row * a.row2_bytes, a.row2_bytes, a.unit2);
+      if (routing) {
+        for (int k = lane; k < K; k += gpu::kWarpSize) {
+          recv_idx[row * K + k] = -1;
+          recv_w[row * K + k] = 0.0f;
+        }
+      }
+    }
+  }
+
+  if (routing) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      if (s_delivered[e] != 0) gpu::add_relaxed_sys(&tr.workspace(e / L)->expert_counter[e % L], s_delivered[e]);
+    }
+  }
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false) || blockIdx.x != 0) return;
+
+  if (routing) {
+    const int align = a.expert_alignment;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      const int n = gpu::load_acquire_sys(&my_ws->expert_counter[l]);
+      tr.local(a.num_recv_tokens_per_expert)[l] = (n + align - 1) / align * align;
+    }
+  }
+}
+
+}  // namespace omniep

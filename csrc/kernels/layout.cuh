@@ -1,0 +1,108 @@
+// prepare(): per-rank routing layout and the count exchange, in one kernel of one block per rank.
+//
+// send_pos[t, r] is an ordered exclusive prefix count over tokens (the receive order of DESIGN §2
+// is "source token ascending", so this scan is what makes that order hold): chunks of blockDim
+// tokens, a warp ballot per destination rank, then a scan of the per-warp totals.
+// After the local layout every rank writes its num_tokens_per_rank row into every peer's count
+// matrix and signals; after the barrier each rank knows all counts, hence how many rows it
+// receives and where its own rows start at every receiver (sum over lower source ranks).
+// A second barrier keeps a fast peer's NEXT prepare from overwriting counts still being read.
+#pragma once
+
+#include "kernels/args.h"
+#include "kernels/sync.cuh"
+
+namespace omniep {
+
+inline constexpr int kLayoutThreads = 1024;
+
+template <typename Tr, typename Index>
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr tr) {
+  extern __shared__ int s_per_expert[];  // [E]
+  __shared__ int s_warp_base[kLayoutThreads / gpu::kWarpSize][kMaxRanks];
+  __shared__ int s_running[kMaxRanks];
+
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R;
+  const int warp = gpu::warp_id(), nwarps = gpu::warps_per_block();
+  const Index* idx = static_cast<const Index*>(tr.local(a.topk_idx));
+  int32_t* idx32 = tr.local(a.topk_idx32);
+  int32_t* send_pos = tr.local(a.send_pos);
+
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_per_expert[e] = 0;
+  if (threadIdx.x < kMaxRanks) s_running[threadIdx.x] = 0;
+  __syncthreads();
+
+  for (int base = 0; base < T; base += blockDim.x) {  // uniform trip count: ballots stay convergent
+    const int t = base + threadIdx.x;
+    uint32_t dest_mask = 0;
+    if (t < T) {
+      for (int k = 0; k < K; ++k) {
+        const int64_t e64 = static_cast<int64_t>(idx[static_cast<int64_t>(t) * K + k]);
+        const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;  // host validated ids
+        idx32[static_cast<int64_t>(t) * K + k] = e;
+        if (e >= 0) {
+          atomicAdd(&s_per_expert[e], 1);
+          dest_mask |= 1u << (e / L);
+        }
+      }
+    }
+    gpu::lane_mask_t ballots[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      ballots[r] = gpu::ballot((dest_mask >> r) & 1u);
+      if (r < R && gpu::lane_id() == 0) s_warp_base[warp][r] = gpu::popc(ballots[r]);
+    }
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < R) {  // exclusive scan of warp totals, one thread per rank
+      const int r = threadIdx.x;
+      int run = s_running[r];
+      for (int w = 0; w < nwarps; ++w) {
+        const int v = s_warp_base[w][r];
+        s_warp_base[w][r] = run;
+        run += v;
+      }
+      s_running[r] = run;
+    }
+    __syncthreads();
+    if (t < T) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        if (r < R) {
+          const bool sent = (dest_mask >> r) & 1u;
+          const int pos = s_warp_base[warp][r] + gpu::popc(ballots[r] & gpu::lanes_below());
+          send_pos[static_cast<int64_t>(t) * R + r] = sent ? pos : -1;
+        }
+      }
+    }
+    __syncthreads();  // s_warp_base is rewritten by the next chunk
+  }
+
+  for (int e = threadIdx.x; e < E; e += blockDim.x) tr.local(a.num_tokens_per_expert)[e] = s_per_expert[e];
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    tr.local(a.num_tokens_per_rank)[r] = s_running[r];
+    int32_t* row = &tr.workspace(r)->counts[me * kMaxRanks];  // my row of peer r's count matrix
+    for (int j = 0; j < R; ++j) row[j] = s_running[j];
+  }
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true)) return;
+
+  const RankWorkspace* ws = tr.workspace(me);
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    tr.local(a.recv_counts)[r] = ws->counts[r * kMaxRanks + me];
+    int offset = 0;
+    for (int s = 0; s < me; ++s) offset += ws->counts[s * kMaxRanks + r];
+    tr.local(a.send_offset)[r] = offset;
+  }
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    for (int s = 0; s < R; ++s) total += ws->counts[s * kMaxRanks + me];
+    const int64_t kept = total < a.capacity ? total : a.capacity;
+    *tr.local(a.num_recv) = static_cast<int32_t>(kept);
+    *tr.local(a.dropped) = static_cast<int32_t>(total - kept);
+  }
+  rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
+}
+
+}  // namespace omniep

@@ -1,0 +1,107 @@
+// Signals, waits with timeouts and the rank-wide barrier, for any Transport.
+//
+// A rank runs as gridDim.x blocks (all co-resident: the launcher guarantees it). A barrier is
+//   1. every block: __syncthreads, then thread 0 orders the block's writes (fence.acq_rel.sys) and
+//      arrives on the rank's `arrive` counter;
+//   2. block 0 waits for all arrivals, then thread s < R signals peer s (release add on
+//      signals[me] in s's workspace) and waits until its own signals[s] reaches expected[s] + 1;
+//   3. block 0 bumps the rank's `release` generation; the other blocks (if they must wait) spin on it.
+// Release cumulativity carries every block's writes (to local or peer memory) to the peers that
+// acquire the signal. Every wait has a timeout; the first failure is written into the rank's
+// ErrorRecord (naming the rank, the peer and the phase) and from then on the rank skips its work
+// and waits, so a missing peer turns into an error, never into a hang.
+#pragma once
+
+#include <type_traits>
+
+#include "omniep/gpu.h"
+#include "omniep/transport.h"
+
+namespace omniep {
+
+OMNIEP_DEVICE bool has_error(RankWorkspace* ws) {
+  return gpu::load_acquire_sys(&ws->error.code) != kErrNone;
+}
+
+OMNIEP_DEVICE void record_error(RankWorkspace* ws, int32_t code, int rank, int peer, int phase) {
+  if (gpu::cas_relaxed_sys(&ws->error.code, kErrNone, code) == kErrNone) {
+    ws->error.rank = rank;
+    ws->error.peer = peer;
+    ws->error.phase = phase;
+    gpu::fence_acq_rel_sys();
+  }
+}
+
+// Poll `*counter` until it reaches `target` (compared as a signed difference so the counter may
+// wrap). Returns false on timeout.
+template <typename U>
+OMNIEP_DEVICE bool wait_at_least(const U* counter, U target, uint64_t timeout_ns) {
+  using S = typename std::conditional<sizeof(U) == 8, int64_t, int32_t>::type;
+  if (static_cast<S>(gpu::load_acquire_sys(counter) - target) >= 0) return true;
+  const uint64_t start = gpu::global_timer_ns();
+  while (true) {
+    if (static_cast<S>(gpu::load_acquire_sys(counter) - target) >= 0) return true;
+    if (gpu::global_timer_ns() - start > timeout_ns) return false;
+  }
+}
+
+// The barrier described above. `all_wait`: every block leaves only after the peers signalled
+// (use before reading peer data); otherwise only block 0 waits for the peers (use at the end of a
+// kernel: the kernel completes only when block 0 does). Returns false if this rank is in error.
+// Must be called by every thread of every block of the rank.
+template <typename Tr>
+__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
+  __shared__ int s_ok;
+  __shared__ uint32_t s_gen;
+  const int me = tr.rank();
+  RankWorkspace* ws = tr.workspace(me);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_ok = !has_error(ws);
+    s_gen = gpu::load_acquire_sys(&ws->release);  // read before arriving: cannot change until all arrive
+    if (s_ok) {
+      gpu::fence_acq_rel_sys();
+      gpu::add_release_sys(&ws->arrive, 1u);
+    }
+  }
+  __syncthreads();
+  if (!s_ok) return false;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      if (!wait_at_least(&ws->arrive, static_cast<uint32_t>(gridDim.x), tr.timeout_ns())) {
+        record_error(ws, kErrLocalTimeout, me, -1, phase);
+        s_ok = 0;
+      }
+    }
+    __syncthreads();
+    const int R = tr.num_ranks();
+    if (s_ok && static_cast<int>(threadIdx.x) < R) {
+      const int peer = threadIdx.x;
+      gpu::fence_acq_rel_sys();
+      gpu::add_release_sys(&tr.workspace(peer)->signals[me], uint64_t{1});
+      const uint64_t target = ws->expected[peer] + 1;
+      ws->expected[peer] = target;
+      if (!wait_at_least(&ws->signals[peer], target, tr.timeout_ns())) {
+        record_error(ws, kErrPeerTimeout, me, peer, phase);
+        s_ok = 0;  // benign race: every writer stores 0
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      ws->arrive = 0;  // nobody arrives again before the release below
+      gpu::fence_acq_rel_sys();
+      gpu::store_release_sys(&ws->release, s_gen + 1);
+    }
+  } else if (all_wait) {
+    if (threadIdx.x == 0) {
+      if (!wait_at_least(&ws->release, s_gen + 1, tr.timeout_ns())) {
+        record_error(ws, kErrLocalTimeout, me, -1, phase);
+      }
+      s_ok = !has_error(ws);
+    }
+  }
+  __syncthreads();
+  return s_ok != 0;
+}
+
+}  // namespace omniep
