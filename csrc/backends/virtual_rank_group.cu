@@ -81,7 +81,18 @@ void VirtualRankGroup::check_range(int first_rank, int count) const {
   }
 }
 
+void VirtualRankGroup::check_group_shape(int num_experts, int capacity) const {
+  if (num_experts < num_ranks_ || num_experts % num_ranks_ != 0 || num_experts / num_ranks_ > kMaxLocalExperts) {
+    throw std::invalid_argument("omniep: num_experts=" + std::to_string(num_experts) + " must be a positive multiple of " +
+                                std::to_string(num_ranks_) + " ranks with at most " +
+                                std::to_string(kMaxLocalExperts) + " experts per rank");
+  }
+  if (capacity < 0) throw std::invalid_argument("omniep: capacity must be >= 0");
+}
+
 int VirtualRankGroup::blocks_for(const void* kernel, int threads, size_t smem, int count) const {
+  const auto key = std::make_tuple(kernel, count, smem);
+  if (auto it = blocks_cache_.find(key); it != blocks_cache_.end()) return it->second;
   int per_sm = 0;
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), "occupancy");
   const int resident = per_sm * num_sms_ / count;  // all ranks' blocks must fit at once
@@ -90,7 +101,9 @@ int VirtualRankGroup::blocks_for(const void* kernel, int threads, size_t smem, i
                              " virtual ranks cannot all be resident on this GPU at once");
   }
   const int want = blocks_per_rank_ > 0 ? blocks_per_rank_ : kMaxBlocksPerRank;
-  return want < resident ? want : resident;
+  const int blocks = want < resident ? want : resident;
+  blocks_cache_[key] = blocks;
+  return blocks;
 }
 
 static P2PTransport make_transport(const std::vector<RankWorkspace*>& ws, int first_rank, uint64_t timeout) {
@@ -104,13 +117,9 @@ static P2PTransport make_transport(const std::vector<RankWorkspace*>& ws, int fi
 
 void VirtualRankGroup::layout(const LayoutArgs& args, int first_rank, int count, cudaStream_t stream) {
   check_range(first_rank, count);
+  check_group_shape(args.num_experts, args.capacity);
   const size_t smem = sizeof(int) * static_cast<size_t>(args.num_experts);
-  if (smem > kMaxDynamicSmem || args.num_experts % num_ranks_ != 0 ||
-      args.num_experts / num_ranks_ > kMaxLocalExperts) {
-    throw std::invalid_argument("omniep: num_experts=" + std::to_string(args.num_experts) +
-                                " must be a multiple of the group size, <= 12288 and <= " +
-                                std::to_string(kMaxLocalExperts) + " per rank");
-  }
+  if (smem > kMaxDynamicSmem) throw std::invalid_argument("omniep: at most 12288 experts");
   const P2PTransport tr = make_transport(workspaces_, first_rank, timeout_ns_);
   const dim3 grid(1, count);
   if (args.index_bytes == 8) {
@@ -124,6 +133,8 @@ void VirtualRankGroup::layout(const LayoutArgs& args, int first_rank, int count,
 
 void VirtualRankGroup::dispatch(const DispatchArgs& args, int first_rank, int count, cudaStream_t stream) {
   check_range(first_rank, count);
+  check_group_shape(args.num_experts, args.capacity);
+  if (args.row_bytes < 0 || args.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
   const size_t smem = args.with_routing ? sizeof(int) * static_cast<size_t>(args.num_experts) : 0;
   if (smem > kMaxDynamicSmem) throw std::invalid_argument("omniep: too many experts for dispatch");
   auto kernel = dispatch_kernel<P2PTransport>;
@@ -134,6 +145,8 @@ void VirtualRankGroup::dispatch(const DispatchArgs& args, int first_rank, int co
 
 void VirtualRankGroup::combine(const CombineArgs& args, int first_rank, int count, cudaStream_t stream) {
   check_range(first_rank, count);
+  check_group_shape(args.num_experts, args.capacity);
+  if (args.hidden < 0) throw std::invalid_argument("omniep: negative hidden size");
   const P2PTransport tr = make_transport(workspaces_, first_rank, timeout_ns_);
   // 16-byte packs when every row start of y and out is 16-byte aligned; 1 element otherwise.
   const int elem = dtype_size(args.dtype);

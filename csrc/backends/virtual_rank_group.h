@@ -13,7 +13,9 @@
 
 #include <stdint.h>
 
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/args.h"
@@ -35,7 +37,10 @@ class VirtualRankGroup {
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
   // Blocks per rank of dispatch/combine; 0 = automatic (<= 24, and all ranks co-resident).
-  void set_blocks_per_rank(int n) { blocks_per_rank_ = n; }
+  void set_blocks_per_rank(int n) {
+    blocks_per_rank_ = n;
+    blocks_cache_.clear();
+  }
 
   // Each launches ranks [first_rank, first_rank + count) on `stream`. No host synchronisation.
   // Throw std::runtime_error (message says what and why) on bad arguments or a launch failure.
@@ -51,6 +56,7 @@ class VirtualRankGroup {
  private:
   int blocks_for(const void* kernel, int threads, size_t smem, int count) const;
   void check_range(int first_rank, int count) const;
+  void check_group_shape(int num_experts, int capacity) const;
 
   int num_ranks_;
   int device_ = 0;
@@ -58,6 +64,9 @@ class VirtualRankGroup {
   uint64_t timeout_ns_;
   int blocks_per_rank_ = 0;
   std::vector<RankWorkspace*> workspaces_;
+  // (kernel, ranks launched, dynamic smem) -> blocks per rank; occupancy is queried once, never during graph capture
+  // of a later call.
+  mutable std::map<std::tuple<const void*, int, size_t>, int> blocks_cache_;
 };
 
 }  // namespace omniep

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: build omniep._native, run the GPU tests, run the native benchmark.
+# Logs go to $OUT (set by the device runner; defaults to ./gpu_out). Finishes well inside 9 minutes:
+# build <= 3 min, tests <= 4 min, benchmark <= 1.5 min (each step has its own timeout, and a
+# failing step does not stop the later ones; the exit status is the first failure's).
+#   scripts/gpu_check.sh            # on the GPU machine, from the repository root
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHON="$PY"
+status=0
+step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, log to $OUT/NAME.log, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc"
+  [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
+  return 0
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  nvcc --version | tail -2
+} 2>&1 | tee "$OUT/env.log"
+
+step build 180 scripts/build_native.sh
+step pytest 240 "$PY" -m pytest -m gpu tests/gpu -q -rs --timeout=200 -p no:cacheprovider
+step bench 90 "$PY" benchmarks/bench_native.py
+echo "gpu_check: exit $status; logs in $OUT"
+exit $status
