@@ -18,6 +18,7 @@
 namespace omniep {
 
 inline constexpr int kCombineThreads = 512;
+inline constexpr int kPacks = 4;  // packs per lane per step (loads in flight per rank)
 
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
 template <typename Tr, typename Scalar, int Vec>
@@ -43,29 +44,49 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
       s_slot[warp][lane] = (pos >= 0 && slot < C) ? slot : -1;
     }
     gpu::syncwarp();
-    for (int p = lane; p < num_packs; p += gpu::kWarpSize) {
-      float acc[Vec];
+    // Each lane owns kPacks packs per step so that kPacks independent loads per rank are in flight.
+    for (int base = 0; base < num_packs; base += gpu::kWarpSize * kPacks) {
+      float acc[kPacks][Vec];
 #pragma unroll
-      for (int i = 0; i < Vec; ++i) acc[i] = 0.0f;
+      for (int j = 0; j < kPacks; ++j) {
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
+      }
       for (int r = 0; r < R; ++r) {  // ascending rank: the contract's summation order
         const int64_t slot = s_slot[warp][r];
         if (slot < 0) continue;
-        const Scalar* y = static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H;
-        const Pack v = reinterpret_cast<const Pack*>(y)[p];
+        const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H);
+        Pack v[kPacks];
 #pragma unroll
-        for (int i = 0; i < Vec; ++i) acc[i] = gpu::add_rn(acc[i], Cvt::to_float(v.v[i]));
-      }
-      for (int b = 0; b < a.num_bias; ++b) {
-        const void* bias = tr.local(a.bias[b]);
+        for (int j = 0; j < kPacks; ++j) {
+          const int p = base + lane + j * gpu::kWarpSize;
+          if (p < num_packs) v[j] = y[p];
+        }
 #pragma unroll
-        for (int i = 0; i < Vec; ++i) {
-          acc[i] = gpu::add_rn(acc[i], load_as_float(bias, a.bias_dtype[b], static_cast<int64_t>(t) * H + p * Vec + i));
+        for (int j = 0; j < kPacks; ++j) {
+          if (base + lane + j * gpu::kWarpSize < num_packs) {
+#pragma unroll
+            for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v[j].v[i]));
+          }
         }
       }
-      Pack o;
 #pragma unroll
-      for (int i = 0; i < Vec; ++i) o.v[i] = Cvt::from_float(acc[i]);
-      reinterpret_cast<Pack*>(out + static_cast<int64_t>(t) * H)[p] = o;
+      for (int j = 0; j < kPacks; ++j) {
+        const int p = base + lane + j * gpu::kWarpSize;
+        if (p >= num_packs) continue;
+        for (int b = 0; b < a.num_bias; ++b) {  // bias terms last, in the order given
+          const void* bias = tr.local(a.bias[b]);
+#pragma unroll
+          for (int i = 0; i < Vec; ++i) {
+            acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, a.bias_dtype[b],
+                                                             static_cast<int64_t>(t) * H + static_cast<int64_t>(p) * Vec + i));
+          }
+        }
+        Pack o;
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) o.v[i] = Cvt::from_float(acc[j][i]);
+        reinterpret_cast<Pack*>(out + static_cast<int64_t>(t) * H)[p] = o;
+      }
     }
     if (a.with_topk_grad) {
       const int32_t* idx32 = tr.local(a.topk_idx32);
