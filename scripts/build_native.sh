@@ -32,6 +32,9 @@ if ! "$PYTHON" -c "import pybind11" 2>/dev/null; then
   [[ ${#extra[@]} -gt 0 ]] || { echo "build_native: pybind11 not found for $PYTHON (pip install pybind11)" >&2; exit 1; }
 fi
 
+inc="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+[[ -f "$inc/Python.h" ]] || { echo "build_native: $inc/Python.h missing: install the Python development headers" >&2; exit 1; }
+
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DPython_EXECUTABLE="$PYTHON" -DCMAKE_BUILD_TYPE=Release \

@@ -26,6 +26,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, log to $OUT/NAME.log
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  "$PY" -c 'import sysconfig, os; i = sysconfig.get_paths()["include"]; print("Python.h:", os.path.exists(i + "/Python.h"), i)'
+  "$PY" -m pybind11 --cmakedir; cmake --version | head -1; ninja --version
   nvcc --version | tail -2
 } 2>&1 | tee "$OUT/env.log"
 
