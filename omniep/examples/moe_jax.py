@@ -67,7 +67,7 @@ def dense_moe(params: MoEParams, x, *, top_k: int):
     out = jnp.zeros(x.shape, jnp.float32)
     for k in range(top_k):
         w1, w2 = params.w1[idx[:, k]], params.w2[idx[:, k]]
-            h = jax.vmap(_mlp)(x, w1, w2)
+        h = jax.vmap(_mlp)(x, w1, w2)
         out = out + weights[:, k:k + 1] * h
     return out.astype(x.dtype)
 
