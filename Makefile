@@ -26,5 +26,11 @@ info: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m omniep.cli bench
 
+native:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/build_native.sh
+
+check-cuda:
+	scripts/check_cuda_compile.sh
+
 clean:
-	rm -rf $(VENV) build bench_out .pytest_cache
+	rm -rf $(VENV) build bench_out .pytest_cache omniep/_native*.so
