@@ -1,0 +1,177 @@
+"""DeepEP-compatible ``Buffer`` over omniep's backends: switching from DeepEP is a change of import.
+
+Method names, arguments and return tuples follow ``deep_ep.Buffer`` (normal, rank-major mode):
+``get_dispatch_layout``, ``dispatch`` (including cached dispatch with ``handle=`` and
+``num_worst_tokens``), ``combine``. Differences a DeepEP user should know:
+
+* the handle is a named :class:`~omniep.ep_core.types.Handle`, not a tuple (treat it as opaque);
+* ``event`` is always ``None`` (the collective backend runs on the caller's stream, synchronously);
+  ``config``, ``previous_event``, ``async_finish`` and ``allocate_on_comm_stream`` are accepted and
+  ignored; buffer sizes are accepted and ignored (the collective backend allocates per call);
+* results follow omniep's contract: rows ordered by (source rank, source token), fp32 sums in
+  ascending rank order — bit for bit the same on every backend and vendor;
+* a capacity overflow (``num_worst_tokens`` too small) raises ``CapacityError`` instead of
+  undefined behaviour; bad input raises ``InputError`` instead of an assertion;
+* dispatch and combine are differentiable (they run omniep's autograd-aware custom ops).
+
+Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) is not served yet.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..backends.collective.torch_layout import local_layout
+from ..ep_core import registry
+from ..ep_core import validation as v
+from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
+from ..ep_core.types import Handle, Layout
+
+
+class Buffer:
+    """Expert-parallel communication buffer of one rank (DeepEP's ``deep_ep.Buffer`` interface).
+
+    ``group``: a ``torch.distributed`` ``ProcessGroup`` (None = the default group). ``backend``:
+    omniep backend name (default ``$OMNIEP_BACKEND`` / auto). Use as a context manager or call
+    :meth:`destroy`; any use after that raises :class:`~omniep.ep_core.errors.DestroyedError`.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 backend: Optional[str] = None) -> None:
+        import torch.distributed as dist
+
+        cls = registry.select_backend("torch", backend)
+        if comm is not None:
+            raise UnsupportedError(cls.name, "an mpi4py communicator (pass a torch.distributed group)")
+        if low_latency_mode:
+            raise UnsupportedError(cls.name, "Buffer low-latency mode (use omniep.torch.dispatch with "
+                                             "layout='expert_major')")
+        if not dist.is_initialized():
+            raise InputError("torch.distributed is not initialized: call init_process_group(...) first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = False
+        self.explicitly_destroy = explicitly_destroy
+        self.backend = cls.name
+        self._destroyed = False
+
+    # ---- life cycle ------------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Release the buffer. Idempotent; every later use raises ``DestroyedError``."""
+        self._destroyed = True
+
+    def __enter__(self) -> "Buffer":
+        self._alive()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def _alive(self) -> None:
+        if self._destroyed:
+            raise DestroyedError("this omniep Buffer was destroyed (destroy() or the end of its `with` block); "
+                                 "create a new Buffer to communicate again")
+
+    # ---- DeepEP's static helpers (accepted for compatibility; the collective backend needs none) --
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> None:
+        return None
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> None:
+        return None
+
+    @staticmethod
+    def capture() -> None:
+        return None
+
+    # ---- normal (rank-major) mode ----------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Local layout, no communication. ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
+
+        Returns ``(num_tokens_per_rank [R] int32, None (no RDMA ranks), num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool, None (event))``.
+        """
+        self._alive()
+        v.check_group(num_experts, self.group_size)
+        v.check_routing(topk_idx)
+        v.check_expert_ids(topk_idx.detach().cpu().numpy(), num_experts)
+        _, _, send_pos, per_rank, per_expert = local_layout(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, send_pos >= 0, None
+
+    def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config=None, previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Dispatch ``x[T, H]`` (or ``(x fp8, x_scales[T, H/128] float32)``) to the experts' ranks.
+
+        Normal mode needs ``topk_idx`` and ``num_tokens_per_expert`` (its length is the number of
+        experts; the other layout tensors are recomputed, so they may be None). ``topk_weights[T, K]``
+        float32 is optional. ``num_worst_tokens > 0``: static receive buffers of that many rows,
+        zero padded, ``recv_topk_idx = -1`` on padding.
+
+        Returns ``(recv_x, recv_topk_idx [N, K] local expert ids / -1 in topk_idx's dtype,
+        recv_topk_weights [N, K] float32 or None, num_recv_tokens_per_expert_list (python ints, aligned;
+        empty with num_worst_tokens), handle, None)``. Cached mode (``handle=`` given, no topk
+        tensors): only ``x`` moves; returns ``(recv_x, None, None, None, None, None)``.
+        """
+        from .torch import cached_dispatch, dispatch
+
+        self._alive()
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise InputError("cached dispatch (handle=...) takes no topk_idx/topk_weights: the handle's "
+                                 "routing is reused")
+            return cached_dispatch(x, handle), None, None, None, None, None
+        if topk_idx is None or num_tokens_per_expert is None:
+            raise InputError("dispatch without a handle needs topk_idx and num_tokens_per_expert "
+                             "(from get_dispatch_layout)")
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise InputError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        weights = topk_weights
+        if weights is None:
+            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        d = dispatch(x, topk_idx, weights, num_experts=int(num_tokens_per_expert.numel()), group=self.group,
+                     capacity=num_worst_tokens or None, expert_alignment=expert_alignment,
+                     layout=Layout.RANK_MAJOR, backend=self.backend)
+        per_expert = [] if num_worst_tokens else d.num_recv_tokens_per_expert.tolist()
+        return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
+                d.recv_topk_weights if topk_weights is not None else None, per_expert, d.handle, None)
+
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None,
+                bias=None, config=None, previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sum ``x[N, H]`` (rows as received) back onto the source tokens, **without** weights.
+
+        ``topk_weights[N, K]`` float32, if given, is combined the same way (DeepEP returns the reduced
+        weights). ``bias``: 0, 1 or 2 ``[T, H]`` tensors added after the sum. Returns
+        ``(combined_x [T, H], combined_topk_weights [T, K] or None, None)``.
+        """
+        from .torch import combine
+
+        self._alive()
+        if not isinstance(handle, Handle) or handle.config.layout != Layout.RANK_MAJOR:
+            raise InputError("Buffer.combine needs the handle returned by Buffer.dispatch")
+        combined = combine(x, handle, bias=bias)
+        weights = combine(topk_weights, handle) if topk_weights is not None else None
+        return combined, weights, None
