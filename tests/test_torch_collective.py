@@ -1,0 +1,304 @@
+"""The torch ``collective`` backend and the ``omniep.torch`` frontend against the NumPy reference.
+
+Real gloo process groups of 2 and 4 ranks, started ONCE per world size (module fixture); every case
+runs inside that group. Cases are drawn with hypothesis (``case_strategy``) on the parent plus
+hand-written edge cases; the parent computes the reference and compares raw bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+
+from omniep.ep_core import reference as ref
+from omniep.ep_core.types import Layout
+from omniep.testing import golden
+from omniep.testing.cases import case_strategy, make_case, np_dtype
+from omniep.testing.procs import run_ranks
+from omniep.testing.torch_workers import collective_session
+
+pytest.importorskip("torch")
+
+WORLDS = (2, 4)
+RM, EM = Layout.RANK_MAJOR, Layout.EXPERT_MAJOR
+
+
+# ---- cases and jobs (parent side) ----------------------------------------------------------------
+
+def draw_cases(world: int, n: int) -> list:
+    """``n`` cases drawn by hypothesis from ``case_strategy`` (ranks hold different token counts)."""
+    drawn = []
+
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12))
+    def collect(case):
+        drawn.append(case)
+
+    collect()
+    return drawn
+
+
+def edge_cases(world: int) -> list:
+    R, common = world, dict(num_ranks=world, num_topk=2, hidden=8)
+    uneven = [0] + [3 + r for r in range(R - 1)]
+    return [
+        make_case(1, num_experts=2 * R, num_tokens=0, layout=RM, **common),                 # T = 0 everywhere
+        make_case(2, num_experts=2 * R, num_tokens=0, layout=EM, capacity=3, **common),
+        make_case(3, num_experts=2 * R, num_tokens=uneven, dtype="bfloat16", index_dtype="int64", **common),
+        make_case(4, num_experts=2 * R, num_tokens=uneven, dtype="float16", layout=EM, expert_alignment=4, **common),
+        make_case(5, num_experts=R, num_tokens=5, skew="one_rank", capacity=4, dtype="bfloat16", **common),
+        make_case(6, num_experts=2 * R, num_tokens=5, skew="one_expert", capacity=2, layout=EM, **common),
+        make_case(7, num_experts=2 * R, num_tokens=4, skew="empty_rank", capacity=R * 4, **common),
+        make_case(8, num_experts=2 * R, num_tokens=uneven, skew="empty_rank", layout=EM, capacity=R * 8,
+                  dtype="bfloat16", **common),
+        make_case(9, num_experts=2 * R, num_tokens=4, p_none=0.6, index_dtype="int64", layout=EM, **common),
+        make_case(10, num_experts=2 * R, num_tokens=[2] * R, num_topk=2, hidden=256, dtype="float8_e4m3fn",
+                  num_ranks=R, capacity=2 * R),
+        make_case(11, num_experts=2 * R, num_tokens=uneven, num_topk=2, hidden=128, dtype="float8_e4m3fn",
+                  num_ranks=R, layout=EM, capacity=2 * R * 8),
+    ]
+
+
+def make_job(case, seed: int, n_bias: int) -> dict:
+    """Inputs for one case: combine input ``y`` shaped like ``recv_x``, biases, backward seeds."""
+    rng = np.random.default_rng(seed)
+    disp = ref.dispatch(case.x, case.topk_weights, ref.make_plan(case.topk_idx, case.config()))
+    job = dict(case=case)
+    if case.dtype == "float8_e4m3fn":
+        job["x_scales"] = [rng.random((x.shape[0], x.shape[1] // 128)).astype(np.float32) for x in case.x]
+        return job
+    dt = np_dtype(case.dtype)
+
+    def randn(shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(dt)
+
+    job.update(y=[randn(d.recv_x.shape) for d in disp], bias=[[randn(x.shape) for _ in range(n_bias)] for x in case.x],
+               g_out=[randn(x.shape) for x in case.x], g_recv_x=[randn(d.recv_x.shape) for d in disp],
+               g_recv_w=[rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in disp])
+    return job
+
+
+def expected(job: dict) -> dict:
+    """Reference results of a job, per rank, plus the overflow the frontend must report."""
+    case = job["case"]
+    plan = ref.make_plan(case.topk_idx, case.config())
+    exp = dict(plan=plan, disp=ref.dispatch(case.x, case.topk_weights, plan), overflow=[])
+    if case.capacity is not None:
+        needed = plan.total if case.layout == RM else [int(c.max(initial=0)) for c in plan.expert_counts]
+        exp["overflow"] = [(r, int(n)) for r, n in enumerate(needed) if n > case.capacity]
+    if "x_scales" in job:
+        exp["scales"] = ref.dispatch(job["x_scales"], case.topk_weights, plan)
+        return exp
+    w = case.topk_weights
+    exp["out"] = ref.combine(job["y"], plan, topk_weights=w, bias=[tuple(b) for b in job["bias"]])
+    exp["g_x"], exp["g_w"] = ref.dispatch_bwd(job["g_recv_x"], job["g_recv_w"], plan)
+    exp["g_y"], exp["g_w_combine"] = ref.combine_bwd(job["g_out"], plan, ys=job["y"], topk_weights=w)
+    return exp
+
+
+def same_bits(got, want) -> bool:
+    got, want = np.asarray(got), np.asarray(want)
+    return got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
+def assert_bits(got, want, what: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert same_bits(got, want), (f"{what}: got {got.dtype}{got.shape} {got.astype(np.float64).ravel()[:16]} "
+                                  f"want {want.dtype}{want.shape} {want.astype(np.float64).ravel()[:16]}")
+
+
+def assert_dispatch(res: dict, disp, what: str, scales=None) -> None:
+    for field in ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
+        assert_bits(res[field], getattr(disp, field), f"{what} {field}")
+    assert (res["num_recv"], res["dropped"]) == (disp.num_recv, disp.dropped), what
+    if scales is not None:
+        assert_bits(res["recv_x_scales"], scales.recv_x, f"{what} recv_x_scales")
+
+
+def assert_results(res: dict, job: dict, r: int, what: str, *, autograd: bool) -> None:
+    """Dispatch fields, combine output and both backward passes of rank ``r``."""
+    exp = job["expected"]
+    assert_dispatch(res, exp["disp"][r], what, exp["scales"][r] if "scales" in exp else None)
+    if "out" not in exp:
+        return
+    assert_bits(res["out"], exp["out"][r], f"{what} combine out")
+    assert_bits(res["g_x"], exp["g_x"][r], f"{what} dispatch_bwd g_x")
+    assert_bits(res["g_w"], exp["g_w"][r], f"{what} dispatch_bwd g_topk_weights")
+    assert_bits(res["g_y"], exp["g_y"][r], f"{what} combine_bwd g_y")
+    if exp["g_w_combine"] is not None:  # a reduction over H: matched to rounding
+        np.testing.assert_allclose(res["g_topk_weights_combine"], exp["g_w_combine"][r], rtol=1e-6, atol=1e-6,
+                                   err_msg=f"{what} combine_bwd g_topk_weights")
+    if autograd:  # the gradient of a bias is g_out itself
+        assert len(res["g_bias"]) == len(job["bias"][r])
+        for b, g in enumerate(res["g_bias"]):
+            assert_bits(g, job["g_out"][r], f"{what} g_bias{b}")
+
+
+# ---- the session: one gloo group per world size --------------------------------------------------
+
+def build_jobs(world: int) -> dict:
+    cases = draw_cases(world, settings.default.max_examples) + edge_cases(world)
+    jobs = dict(cases=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
+    jobs["golden"] = []
+    for path in golden.golden_files():
+        g = golden.load(path)
+        if g.case.num_ranks == world:  # files that overflow run through the backend only (drops)
+            jobs["golden"].append((str(path), all(int(d) == 0 for d in g.expected["dropped"])))
+    if world == 2:
+        jobs["opcheck"] = [make_job(make_case(20, num_ranks=2, num_experts=4, num_topk=2, hidden=8,
+                                              num_tokens=[3, 4], layout=layout, capacity=cap), 20, 1)
+                           for layout, cap in ((RM, None), (EM, None), (RM, 16))]
+    buf_case = make_case(30, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=8,
+                         num_tokens=[3 + r for r in range(world)], dtype="bfloat16", index_dtype="int64",
+                         expert_alignment=2)
+    buf_job = make_job(buf_case, 30, 2)
+    rng = np.random.default_rng(31)
+    buf_job["x2"] = [rng.standard_normal(x.shape).astype(np.float32).astype(np_dtype("bfloat16")) for x in buf_case.x]
+    buf_job["num_worst_tokens"] = sum(x.shape[0] for x in buf_case.x)
+    jobs["buffer"] = [buf_job]
+    return jobs
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def session(request):
+    world = request.param
+    jobs = build_jobs(world)
+    results = run_ranks(collective_session, world, args=(jobs,), timeout=240)
+    for exp_job in jobs["cases"]:
+        exp_job["expected"] = expected(exp_job)
+    return world, jobs, results
+
+
+def describe(case) -> str:
+    return (f"R={case.num_ranks} E={case.num_experts} K={case.num_topk} H={case.hidden} {case.dtype} "
+            f"{case.index_dtype} {case.layout.value} cap={case.capacity} align={case.expert_alignment} "
+            f"T={[x.shape[0] for x in case.x]}")
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+
+def test_property_cases_frontend_bitwise(session):
+    """dispatch (every field), combine with 0/1/2 biases and autograd backward, bit for bit."""
+    world, jobs, results = session
+    checked = 0
+    for i, job in enumerate(jobs["cases"]):
+        if job["expected"]["overflow"]:
+            continue
+        for r in range(world):
+            assert_results(results[r]["cases"][i]["frontend"], job, r,
+                           f"case {i} rank {r} [{describe(job['case'])}] frontend", autograd=True)
+        checked += 1
+    assert checked >= len(jobs["cases"]) // 2
+
+
+def test_capacity_overflow_raises_on_every_rank(session):
+    """An int capacity that some rank overflows raises CapacityError on EVERY rank, naming that rank
+    and both numbers, before any data moves."""
+    world, jobs, results = session
+    overflowing = [i for i, job in enumerate(jobs["cases"]) if job["expected"]["overflow"]]
+    assert overflowing, "the edge cases include overflows"
+    for i in overflowing:
+        rank, needed = jobs["cases"][i]["expected"]["overflow"][0]
+        cap = jobs["cases"][i]["case"].capacity
+        for r in range(world):
+            res = results[r]["cases"][i]["frontend"]
+            assert res.get("error") == "CapacityError", f"case {i} rank {r}: no CapacityError"
+            assert (res["rank"], res["needed"], res["capacity"]) == (rank, needed, cap)
+            assert f"{needed} " in res["message"] and f"capacity is {cap}" in res["message"]
+
+
+def test_static_capacity_backend_drops_bitwise(session):
+    """The backend itself keeps static-capacity semantics: overflow rows (the last in contract order)
+    are dropped and counted; padding is zero / -1 / 0; combine and backward passes still exact."""
+    world, jobs, results = session
+    dropped = 0
+    for i, job in enumerate(jobs["cases"]):
+        if job["case"].capacity is None:
+            continue
+        for r in range(world):
+            res = results[r]["cases"][i]["backend"]
+            assert_results(res, job, r, f"case {i} rank {r} [{describe(job['case'])}] backend", autograd=False)
+            dropped += res["dropped"]
+            if "cached_recv_x" in res:
+                assert_bits(res["cached_recv_x"], res["recv_x"], f"case {i} cached fp8 dispatch")
+                assert_bits(res["cached_recv_x_scales"], res["recv_x_scales"], f"case {i} cached fp8 scales")
+    assert dropped > 0, "some case must overflow its static capacity"
+
+
+def test_case_mix_covers_the_contract(session):
+    """The drawn + edge cases cover what DESIGN §7 asks for (guards against a silently narrowed mix)."""
+    _, jobs, _ = session
+    cases = [job["case"] for job in jobs["cases"]]
+    assert {c.dtype for c in cases} >= {"bfloat16", "float16", "float32", "float8_e4m3fn"}
+    assert {c.index_dtype for c in cases} == {"int32", "int64"}
+    assert {c.layout for c in cases} == {RM, EM}
+    assert any(all(x.shape[0] == 0 for x in c.x) for c in cases)
+    assert any(len({x.shape[0] for x in c.x}) > 1 for c in cases)
+    assert any((np.concatenate([i.ravel() for i in c.topk_idx]) == -1).any() for c in cases)
+
+
+def test_golden_vectors_bit_for_bit(session):
+    world, jobs, results = session
+    assert jobs["golden"], f"no golden file for {world} ranks"
+    for g_i, (path, via_frontend) in enumerate(jobs["golden"]):
+        g = golden.load(path)
+        for r in range(world):
+            paths = [("backend", results[r]["golden"][g_i]["backend"])]
+            if via_frontend:
+                paths.append(("frontend", results[r]["golden"][g_i]["frontend"]))
+            for how, res in paths:
+                for key in golden.EXPECTED:
+                    want = g.expected[key][r]
+                    got = res[key] if key not in ("num_recv", "dropped") else np.array(res[key], np.int32)
+                    assert_bits(got, want, f"golden {g.name} rank {r} {how} {key}")
+
+
+def test_opcheck_dispatch_and_combine(session):
+    world, jobs, results = session
+    if world != 2:
+        pytest.skip("opcheck runs in the 2-rank group")
+    for i in range(len(jobs["opcheck"])):
+        for r in range(world):
+            for op, tests in results[r]["opcheck"][i].items():
+                assert tests and all(v == "SUCCESS" for v in tests.values()), f"opcheck {op} job {i} rank {r}: {tests}"
+
+
+def test_buffer_deepep_api(session):
+    world, jobs, results = session
+    job = jobs["buffer"][0]
+    case = job["case"]
+    plan = ref.make_plan(case.topk_idx, case.config())
+    disp = ref.dispatch(case.x, case.topk_weights, plan)
+    again = ref.dispatch(job["x2"], case.topk_weights, plan)
+    worst_plan = ref.make_plan(case.topk_idx, case.config(job["num_worst_tokens"]))
+    worst = ref.dispatch(case.x, case.topk_weights, worst_plan)
+    out = ref.combine(job["y"], plan, bias=[tuple(b) for b in job["bias"]])
+    weights = ref.combine([d.recv_topk_weights for d in disp], plan)
+    for r in range(world):
+        res, lay = results[r]["buffer"][0], plan.layouts[r]
+        per_rank, per_rdma, per_expert, in_rank, event = res["layout"]
+        assert_bits(per_rank, lay.num_tokens_per_rank, "num_tokens_per_rank")
+        assert_bits(per_expert, lay.num_tokens_per_expert, "num_tokens_per_expert")
+        assert_bits(in_rank, lay.is_token_in_rank, "is_token_in_rank")
+        assert per_rdma is None and event is None
+        recv_x, recv_idx, recv_w, counts, event = res["dispatch"]
+        assert_bits(recv_x, disp[r].recv_x, "Buffer.dispatch recv_x")
+        assert_bits(recv_idx, disp[r].recv_topk_idx.astype(np.int64), "Buffer.dispatch recv_topk_idx (topk_idx dtype)")
+        assert_bits(recv_w, disp[r].recv_topk_weights, "Buffer.dispatch recv_topk_weights")
+        assert counts == disp[r].num_recv_tokens_per_expert.tolist() and event is None
+        assert_bits(res["cached"][0], again[r].recv_x, "cached dispatch recv_x")
+        assert res["cached"][1:] == [None] * 5
+        recv_x, recv_idx, recv_w, counts, event = res["worst"]
+        assert recv_x.shape[0] == job["num_worst_tokens"]
+        assert_bits(recv_x, worst[r].recv_x, "num_worst_tokens recv_x")
+        assert_bits(recv_idx, worst[r].recv_topk_idx.astype(np.int64), "num_worst_tokens recv_topk_idx")
+        assert_bits(recv_w, worst[r].recv_topk_weights, "num_worst_tokens recv_topk_weights")
+        assert counts == [] and event is None  # DeepEP: no per-expert list with num_worst_tokens
+        combined, combined_w, event = res["combine"]
+        assert_bits(combined, out[r], "Buffer.combine x (two biases)")
+        assert_bits(combined_w, weights[r], "Buffer.combine topk_weights")
+        assert event is None
+        assert res["after_destroy"].startswith("DestroyedError"), res["after_destroy"]
+        assert res["after_with"].startswith("DestroyedError"), res["after_with"]
