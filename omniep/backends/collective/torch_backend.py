@@ -196,12 +196,13 @@ class CollectiveTorch(EPBackend):
         return rows, row_index, recv_splits.tolist()
 
     def _copies_per_source(self, handle: TorchHandle) -> list:
-        """Expert-major: kept copies this rank received from each source rank."""
+        """Expert-major: kept copies this rank received from each source rank (rows are source-major,
+        so a prefix sum over rows read at the sources' row boundaries; no atomics)."""
         kept_per_row = (handle.recv_expert_slot >= 0).sum(1)
-        source = torch.repeat_interleave(torch.arange(self.world, device=kept_per_row.device),
-                                         handle.recv_counts.to(torch.int64))
-        counts = torch.zeros(self.world, dtype=torch.int64, device=kept_per_row.device)
-        return counts.index_add_(0, source, kept_per_row).tolist()  # integer adds: exact
+        prefix = torch.cat([kept_per_row.new_zeros(1), kept_per_row.cumsum(0)])
+        row_end = handle.recv_counts.to(torch.int64).cumsum(0)
+        row_start = row_end - handle.recv_counts.to(torch.int64)
+        return (prefix[row_end] - prefix[row_start]).tolist()
 
     def _copy_routes(self, handle: TorchHandle):
         """Source side, expert-major: kept copies per destination ``[R]`` and ``copy_index [T, K]``,
