@@ -161,11 +161,17 @@ def build_jobs(world: int) -> dict:
     return jobs
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[(w, "gloo") for w in WORLDS] + [
+    pytest.param((2, "nccl"), marks=pytest.mark.gpu)], ids=lambda p: f"{p[1]}{p[0]}")
 def session(request):
-    world = request.param
+    world, transport = request.param
+    if transport == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world:
+            pytest.skip(f"NCCL needs {world} GPUs, found {torch.cuda.device_count()}")
     jobs = build_jobs(world)
-    results = run_ranks(collective_session, world, args=(jobs,), timeout=240)
+    results = run_ranks(collective_session, world, args=(jobs, transport), timeout=240)
     for exp_job in jobs["cases"]:
         exp_job["expected"] = expected(exp_job)
     return world, jobs, results

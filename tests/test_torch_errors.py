@@ -1,0 +1,186 @@
+"""DESIGN §9 for PyTorch: bad input raises a clear typed error before any data moves — on every rank —
+and a failing rank fails a multi-process run promptly with no child left behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from omniep.ep_core.errors import CapacityError, DestroyedError, InputError, UnsupportedError
+from omniep.testing.procs import RankFailedError, run_ranks
+from omniep.testing.torch_workers import error_session, fail_one_rank
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+ep = pytest.importorskip("omniep.torch")
+
+
+# ---- one process: a gloo group of one rank -------------------------------------------------------
+
+def test_not_initialized_is_a_clear_error():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(InputError, match="not initialized"):
+        ep.dispatch(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), num_experts=1)
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _routing(T=4, K=2, E=4):
+    idx = torch.arange(T * K).reshape(T, K) % E
+    return torch.randn(T, 8), idx, torch.rand(T, K)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.zeros(4, 8, dtype=torch.int32)), "x dtype int32 is not supported"),
+    (dict(x=torch.zeros(4, 8, dtype=torch.float64)), "x dtype float64 is not supported"),
+    (dict(x=torch.zeros(4, 2, 4)), "x must be 2-D"),
+    (dict(x=torch.zeros(3, 8)), "x has 3 rows but topk_idx has 4 tokens"),
+    (dict(topk_idx=torch.zeros(4, dtype=torch.int64)), "topk_idx must be 2-D"),
+    (dict(topk_idx=torch.zeros(4, 2)), "topk_idx must be int32 or int64"),
+    (dict(topk_weights=torch.ones(4, 2, dtype=torch.float16)), "topk_weights must be float32"),
+    (dict(topk_weights=torch.ones(4, 3)), "does not match topk_idx shape"),
+    (dict(topk_idx=torch.full((4, 2), 4)), r"expert id 4; ids must be in \[-1, 4\)"),
+    (dict(topk_idx=torch.full((4, 2), -2)), "expert id -2"),
+    (dict(x=torch.zeros(4, 128, dtype=torch.float8_e4m3fn)), "fp8 x needs x_scales"),
+    (dict(x=(torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(4, 2))), "x_scales must be float32 of shape"),
+    (dict(num_experts="4"), "num_experts must be a positive int"),
+    (dict(num_experts=0), "num_experts must be a positive int"),
+    (dict(layout="diagonal"), "is not a layout"),
+    (dict(capacity=-1), "capacity must be a non-negative int"),
+    (dict(expert_alignment=0), "expert_alignment must be an int >= 1"),
+    (dict(backend="warp_drive"), "unknown backend 'warp_drive'"),
+])
+def test_dispatch_rejects_bad_input(world_of_one, change, match):
+    x, idx, w = _routing()
+    kwargs = dict(x=x, topk_idx=idx, topk_weights=w, num_experts=4)
+    kwargs.update(change)
+    with pytest.raises(InputError, match=match):
+        ep.dispatch(kwargs.pop("x"), kwargs.pop("topk_idx"), kwargs.pop("topk_weights"), **kwargs)
+
+
+def test_unknown_backend_from_environment(world_of_one, monkeypatch):
+    monkeypatch.setenv("OMNIEP_BACKEND", "warp_drive")
+    with pytest.raises(InputError, match="unknown backend"):
+        ep.dispatch(*_routing(), num_experts=4)
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_capacity_overflow_names_both_numbers(world_of_one, layout):
+    x, idx, w = _routing(T=6, K=1, E=1)  # 6 tokens, one expert: 6 rows (or copies) for capacity 4
+    with pytest.raises(CapacityError, match=r"6 (rows|copies for one local expert) must be received but "
+                                            r"capacity is 4; 2 would be dropped") as info:
+        ep.dispatch(x, idx, w, num_experts=1, capacity=4, layout=layout)
+    assert (info.value.needed, info.value.capacity, info.value.rank) == (6, 4, 0)
+    ep.dispatch(x, idx, w, num_experts=1, capacity=6, layout=layout)  # exactly full is fine
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_combine_rejects_bad_y_and_bias(world_of_one, layout):
+    x, idx, w = _routing()
+    d = ep.dispatch(x, idx, w, num_experts=4, layout=layout)
+    y = d.recv_x
+    with pytest.raises(InputError, match="combine input y has shape"):
+        ep.combine(torch.cat([y, y[:1]]), d.handle)
+    with pytest.raises(InputError, match="combine input y must be one of"):
+        ep.combine(y.to(torch.int32), d.handle)
+    with pytest.raises(InputError, match=r"bias must have shape \(4, 8\)"):
+        ep.combine(y, d.handle, bias=torch.zeros(4, 7))
+    with pytest.raises(InputError, match="bias must be one of"):
+        ep.combine(y, d.handle, bias=torch.zeros(4, 8, dtype=torch.int64))
+    with pytest.raises(InputError, match="at most two"):
+        ep.combine(y, d.handle, bias=(torch.zeros(4, 8),) * 3)
+    with pytest.raises(InputError, match="handle must be the handle returned by"):
+        ep.combine(y, None)
+    ep.combine(y, d.handle, bias=(torch.zeros(4, 8), torch.zeros(4, 8)))  # the same call, valid
+
+
+def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
+    x, idx, w = _routing()
+    buf = ep.Buffer(None)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    with pytest.raises(InputError, match="takes no topk_idx"):
+        buf.dispatch(x, handle=handle, topk_idx=idx)
+    with pytest.raises(InputError, match="needs topk_idx and num_tokens_per_expert"):
+        buf.dispatch(x, topk_idx=idx)
+    with pytest.raises(InputError, match="num_worst_tokens must be"):
+        buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=per_expert, num_worst_tokens=-1)
+    with pytest.raises(InputError, match="expert id 9"):
+        buf.get_dispatch_layout(torch.full((2, 1), 9), 4)
+    buf.destroy()
+    buf.destroy()  # idempotent
+    for use in (lambda: buf.get_dispatch_layout(idx, 4), lambda: buf.dispatch(x, handle=handle),
+                lambda: buf.combine(recv_x, handle), lambda: buf.__enter__()):
+        with pytest.raises(DestroyedError, match="destroyed"):
+            use()
+    with ep.Buffer() as scoped:
+        scoped.get_dispatch_layout(idx, 4)
+    with pytest.raises(DestroyedError):
+        scoped.get_dispatch_layout(idx, 4)
+    with pytest.raises(UnsupportedError, match="low-latency"):
+        ep.Buffer(None, low_latency_mode=True)
+
+
+# ---- two processes: every rank raises alike, and stays in step -----------------------------------
+
+CHECKS = [
+    ("experts not a multiple of ranks", "error_dispatch", dict(experts=(3, 3))),
+    ("hidden differs", "error_dispatch", dict(hidden=(4, 8))),
+    ("num_experts differs", "error_dispatch", dict(experts=(4, 8))),
+    ("bad id on rank 1 only", "error_dispatch", dict(bad_id=(None, 99))),
+    ("overflow on every rank", "error_dispatch", dict(tokens=(3, 3), capacity=1)),
+    ("overflow expert-major", "error_dispatch", dict(tokens=(3, 3), capacity=1, layout="expert_major")),
+    ("bad y on rank 1 only", "error_combine", dict(bad_rank=1)),
+    ("bad y on rank 0, expert-major", "error_combine", dict(bad_rank=0, layout="expert_major")),
+    ("still in step afterwards", "error_dispatch", dict()),
+]
+
+
+@pytest.fixture(scope="module")
+def two_rank_errors():
+    results = run_ranks(error_session, 2, args=(CHECKS,), timeout=120)
+    return {name: [dict(zip(("type", "message"), r[i][1:])) for r in results] for i, (name, _, _) in enumerate(CHECKS)}
+
+
+def test_mismatch_and_bad_input_raise_on_every_rank(two_rank_errors):
+    e = two_rank_errors
+    for rank in (0, 1):
+        assert e["experts not a multiple of ranks"][rank]["type"] == "InputError"
+        assert "num_experts=3 is not a multiple of the EP group size 2" in e["experts not a multiple of ranks"][rank]["message"]
+        assert e["hidden differs"][rank]["type"] == "InputError"
+        assert "hidden differs across the ranks of the EP group (rank 0: 4, rank 1: 8)" in e["hidden differs"][rank]["message"]
+        assert "num_experts differs across the ranks of the EP group (rank 0: 4, rank 1: 8)" in e["num_experts differs"][rank]["message"]
+        for name in ("overflow on every rank", "overflow expert-major"):
+            assert e[name][rank]["type"] == "CapacityError", e[name][rank]
+            assert "capacity is 1" in e[name][rank]["message"] and "on rank 0" in e[name][rank]["message"]
+        assert e["still in step afterwards"][rank] == {"type": None, "message": "no error"}
+    assert "expert id 99" in e["bad id on rank 1 only"][1]["message"]
+    assert "rank(s) [1] of the EP group rejected their input" in e["bad id on rank 1 only"][0]["message"]
+    assert "combine input y has shape" in e["bad y on rank 1 only"][1]["message"]
+    assert "rank(s) [1] of the EP group rejected their input" in e["bad y on rank 1 only"][0]["message"]
+    assert "combine input y has shape" in e["bad y on rank 0, expert-major"][0]["message"]
+    assert "rank(s) [0]" in e["bad y on rank 0, expert-major"][1]["message"]
+
+
+def test_failing_rank_fails_the_run_promptly_and_reaps_children(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="deliberate failure on rank 1") as info:
+        run_ranks(fail_one_rank, 2, args=(1, str(tmp_path)), timeout=120)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 60, "the surviving rank was blocked in a collective: must not wait it out"
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not multiprocessing.active_children()
