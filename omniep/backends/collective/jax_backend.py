@@ -146,7 +146,7 @@ class CollectiveJax(EPBackend):
         recv_xs = [lay.from_bits(r, a.dtype) for r, a in zip(recv_xs, xs)]
         recv_x = tuple(recv_xs) if isinstance(x, tuple) else recv_xs[0]
         per_expert = align_up(per_expert, cfg.expert_alignment).astype(jnp.int32)
-        return (recv_x, out_idx, out_w, num_recv, per_expert, dropped), handle
+        return lay.per_rank(((recv_x, out_idx, out_w, num_recv, per_expert, dropped), handle), self.group)
 
     # ---- combine ---------------------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ class CollectiveJax(EPBackend):
             acc = self._reduce_expert_major(jnp.where(kept[..., None], prod, 0.0), handle)
         for b in bias:
             acc = acc + b.astype(jnp.float32)
-        return acc.astype(y.dtype)
+        return lay.per_rank(acc.astype(y.dtype), self.group)
 
     # ---- backward --------------------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class CollectiveJax(EPBackend):
             picked = lay.from_owner(back_w, owner, handle.send_pos, per_k=True)
             g_w = jnp.stack([jnp.where(v, vals, 0.0) for vals, v in picked], axis=1)
         g_w = g_w.reshape(T, K).astype(jnp.float32)
-        return (tuple(g_xs) if isinstance(g_recv_x, tuple) else g_xs[0]), g_w
+        return lay.per_rank(((tuple(g_xs) if isinstance(g_recv_x, tuple) else g_xs[0]), g_w), self.group)
 
     def combine_bwd(self, g_out, handle: Handle, y: Optional[jax.Array] = None):
         """``(g_y, g_topk_weights)``. Rank-major: ``g_y`` is a cached dispatch of ``g_out`` and
@@ -223,7 +223,7 @@ class CollectiveJax(EPBackend):
         if cfg.layout == Layout.RANK_MAJOR:
             row, valid = lay.rank_major_rows(handle.recv_counts, cap, T)
             g_y = lay.from_bits(lay.take_rows(buf, row, valid), g_out.dtype)
-            return g_y.astype(dtype), None
+            return lay.per_rank(g_y.astype(dtype), self.group), None
         g_rows = lay.from_bits(buf, g_out.dtype)
         row, valid = lay.rank_major_rows(handle.recv_counts, R * T, T)
         table = lay.expert_table(handle.recv_topk_idx, handle.recv_expert_slot, L, cap)
@@ -232,7 +232,7 @@ class CollectiveJax(EPBackend):
         w = lay.take_rows(handle.recv_topk_weights.reshape(-1), copy, filled)
         g_y = jnp.where(filled[..., None], (w[..., None] * g32).astype(dtype), jnp.zeros((), dtype))
         if y is None:
-            return g_y, None
+            return lay.per_rank(g_y, self.group), None
         g_per_row = lay.take_rows(g_rows, row, valid).astype(jnp.float32)
         dots = jnp.einsum("mh,mkh->mk", g_per_row, self._copies(y, handle).astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)
@@ -240,4 +240,4 @@ class CollectiveJax(EPBackend):
         picked = lay.from_owner(self._return_to_sources(dots, handle, R * T), self._owner(handle),
                                 handle.send_pos, per_k=True)
         g_w = jnp.stack([jnp.where(v, vals, 0.0) for vals, v in picked], axis=1).reshape(T, K)
-        return g_y, g_w
+        return lay.per_rank((g_y, g_w), self.group)

@@ -24,6 +24,36 @@ def from_bits(bits, dtype):
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
+def _varying_axes(a):
+    """Axes ``a`` varies over under shard_map's ``check_vma``; None if this jax does not say."""
+    aval = jax.typeof(a)
+    for get in (lambda t: t.vma, lambda t: t.manual_axis_type.varying, lambda t: t.mat.varying):
+        try:
+            return frozenset(get(aval))
+        except AttributeError:
+            continue
+    return None
+
+
+def per_rank(tree, axis_name):
+    """Mark every array of ``tree`` as varying over ``axis_name`` (shard_map's ``check_vma``).
+
+    Outputs are per-rank data, but JAX types an array built from constants only (it happens with
+    zero-size shapes) as invariant, and then rejects a per-rank cotangent for it."""
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+    def one(a):
+        vma = _varying_axes(a)
+        missing = tuple(ax for ax in axes if vma is not None and ax not in vma)
+        if not missing:
+            return a
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(a, missing, to="varying")
+        return jax.lax.pvary(a, missing)
+
+    return jax.tree.map(one, tree)
+
+
 def _expand(mask, ndim):
     return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
 
@@ -33,10 +63,11 @@ def take_rows(rows, index, valid):
 
     Out-of-range indices are clipped before the gather and masked after it (no wrap-around)."""
     out_shape = tuple(index.shape) + tuple(rows.shape[1:])
-    if rows.shape[0] == 0:
+    zero = jnp.zeros((), rows.dtype)
+    if rows.shape[0] == 0:  # nothing to read (and nothing to clip into)
         return jnp.zeros(out_shape, rows.dtype)
     got = jnp.take(rows, jnp.clip(index, 0, rows.shape[0] - 1), axis=0)
-    return jnp.where(_expand(valid, got.ndim), got, jnp.zeros((), rows.dtype))
+    return jnp.where(_expand(valid, got.ndim), got, zero)
 
 
 def owner_of(topk_idx, num_experts: int, num_local_experts: int):
