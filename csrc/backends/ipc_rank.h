@@ -1,0 +1,105 @@
+// IpcRank: ONE rank of an EP group whose ranks are separate processes (one per GPU, or several
+// sharing a GPU), over the p2p transport with peer pointers from CUDA IPC.
+//
+// Each rank owns two device allocations that its peers map:
+//   * its RankWorkspace (signals, counts; allocated once, zeroed, never moved: the signal counters
+//     must keep growing in step with the peers' for the life of the group);
+//   * a symmetric DATA buffer (receive rows of dispatch, the rows of y that combine pulls), which
+//     every rank sizes identically and may re-allocate (all ranks together) when a call needs more.
+// Handles are exported as 64-byte strings; the caller all-gathers them (torch.distributed) and
+// hands every rank's string back to open_*(). The kernels of csrc/kernels run unchanged: a launch
+// is the rank-dimension slice [me, me + 1) of a virtual-rank launch (first_rank = me, gridDim.y = 1)
+// with the table holding the IPC-mapped peer addresses.
+//
+// Argument structs: entries [me] of local (non-"sym") fields are this process's pointers; sym
+// fields are filled by sym<T>(offset): entry r = rank r's data buffer (as mapped here) + offset,
+// so a buffer at the same offset on every rank is reachable as a peer buffer.
+//
+// Host-only header (the pybind module includes it without CUDA headers).
+#pragma once
+
+#include <stdint.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/args.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace omniep {
+
+class IpcRank {
+ public:
+  // Allocates and zeroes this rank's workspace on the CURRENT device. No data buffer yet.
+  IpcRank(int rank, int num_ranks, uint64_t timeout_ns);
+  ~IpcRank();
+  IpcRank(const IpcRank&) = delete;
+  IpcRank& operator=(const IpcRank&) = delete;
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  int device() const { return device_; }
+  uint64_t timeout_ns() const { return timeout_ns_; }
+  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
+  void set_blocks(int n) { blocks_ = n; blocks_cache_.clear(); }
+
+  // ---- bootstrap (collective: every rank calls these in the same order) ----
+  std::string workspace_handle() const;  // cudaIpcMemHandle_t bytes of my workspace
+  // handles[r] for every rank r (mine is ignored: I use my own pointer).
+  void open_workspaces(const std::vector<std::string>& handles);
+  // Drop my mappings of the peers' data buffers (before anyone frees theirs).
+  void close_peer_data();
+  // Free my data buffer (if any) and allocate `bytes` (zeroed). Call close_peer_data() on every
+  // rank, then a host barrier, then this, so no peer still maps the old buffer.
+  void allocate_data(size_t bytes);
+  std::string data_handle() const;
+  void open_data(const std::vector<std::string>& handles);
+  size_t data_bytes() const { return data_bytes_; }
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_[rank_]); }
+
+  // Entry r = rank r's data buffer + offset (as mapped in this process).
+  template <typename T>
+  PerRank<T> sym(int64_t offset) const {
+    PerRank<T> out = {};
+    for (int r = 0; r < num_ranks_; ++r) {
+      out.p[r] = data_[r] ? reinterpret_cast<T*>(static_cast<char*>(data_[r]) + offset) : nullptr;
+    }
+    return out;
+  }
+
+  // ---- ops: launch this rank's slice on `stream`; no host synchronisation ----
+  void layout(const LayoutArgs& args, cudaStream_t stream);
+  void dispatch(DispatchArgs args, cudaStream_t stream);  // fills args.unit / unit2
+  void combine(const CombineArgs& args, cudaStream_t stream);
+  // dst[R, R] int32 <- the count matrix of my workspace (tokens s -> r at [s, r]), async on stream.
+  // Valid right after layout() and before this rank's next dispatch (whose start barrier keeps the
+  // peers' next count writes behind it).
+  void copy_counts(int32_t* dst, cudaStream_t stream) const;
+
+  // Async device-to-device copy of `bytes` on `stream` (copies into / out of the data buffer).
+  void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
+
+  // Synchronises the device; my ErrorRecord (code 0 = fine).
+  ErrorRecord read_error() const;
+  // Synchronises the device and zeroes my workspace. Only meaningful if every rank resets.
+  void reset();
+
+ private:
+  int blocks_for(const void* kernel, int threads, size_t smem) const;
+  void check_shape(int num_experts, int capacity) const;
+
+  int rank_, num_ranks_;
+  int device_ = 0;
+  int num_sms_ = 0;
+  uint64_t timeout_ns_;
+  int blocks_ = 0;
+  std::vector<RankWorkspace*> workspaces_;  // [R]: mine allocated here, peers' IPC-mapped
+  std::vector<void*> data_;                 // [R]: same
+  size_t data_bytes_ = 0;
+  mutable std::map<std::tuple<const void*, size_t>, int> blocks_cache_;
+};
+
+}  // namespace omniep

@@ -1,0 +1,6 @@
+"""``cuda_nvshmem``: the native kernels (csrc/kernels), one process per GPU (or per rank).
+
+Transport today: the p2p transport over CUDA IPC peer pointers (``omniep._native_mp``, always built
+with ``make native``). The NVSHMEM transport is an optional second module (``omniep._native_nvshmem``)
+built only where the ``nvidia-nvshmem-cu13`` wheel is found; :func:`transport` says which one runs.
+"""

@@ -1,0 +1,212 @@
+"""The ``cuda_nvshmem`` backend for PyTorch: native kernels, one rank per process, CUDA tensors.
+
+Per ``torch.distributed`` group and device, one :class:`~omniep.native.ipc_rank.IpcRankState` lives for
+the life of the process (created collectively at the group's first call; the frontend builds a
+backend object per op, so the state cannot live on the object). Results are bit for bit those of
+:mod:`omniep.ep_core.reference` (the kernels' contract). Rank-major layout only, for now.
+
+Host synchronisation: with ``capacity=None`` (exact receive sizes) each op reads the count matrix
+(``[R, R]`` int32) on the host once; with an int capacity the backend itself never synchronises
+(the buffer grows, collectively, only on the first call of a larger shape). The torch frontend adds
+its own synchronising agreement step per op; call the backend directly to capture CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+from ...backends.collective.torch_layout import TorchHandle, exclusive_cumsum
+from ...ep_core.backend import EPBackend
+from ...ep_core.capacity import align_up
+from ...ep_core.errors import InputError, UnsupportedError
+from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
+
+_STATES: dict = {}  # (group_name, device index) -> IpcRankState
+MIN_CC = (9, 0)
+
+
+def transport() -> tuple[str, str]:
+    """``(name, why)`` of the transport this process would use: ``nvshmem`` when its module is built and
+    not disabled by ``OMNIEP_TRANSPORT=ipc``, else ``ipc`` (p2p over CUDA IPC)."""
+    if os.environ.get("OMNIEP_TRANSPORT", "") == "ipc":
+        return "ipc", "OMNIEP_TRANSPORT=ipc"
+    try:
+        importlib.import_module("omniep._native_nvshmem")
+    except ImportError as exc:
+        return "ipc", f"NVSHMEM not found ({exc})"
+    return "nvshmem", "omniep._native_nvshmem built"
+
+
+def destroy_states() -> None:
+    """Release every group's native buffers. Collective: every rank calls it (e.g. before
+    ``destroy_process_group``); otherwise they are released at process exit."""
+    for key in list(_STATES):
+        _STATES.pop(key).destroy()
+
+
+class CudaNvshmemTorch(EPBackend):
+    """prepare / dispatch / combine / backward passes for ONE rank of a group, one process per rank."""
+
+    name = "cuda_nvshmem"
+    framework = "torch"
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
+                             "before using omniep")
+        super().__init__(group if group is not None else dist.group.WORLD)
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            importlib.import_module("omniep._native_mp")
+        except ImportError as exc:
+            return Availability(False, f"omniep._native not built: make native ({exc})")
+        if not torch.cuda.is_available():
+            return Availability(False, "no CUDA device")
+        cc = torch.cuda.get_device_capability()
+        if tuple(cc) < MIN_CC:
+            return Availability(False, f"built for sm_90; this GPU is sm_{cc[0]}{cc[1]}")
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return Availability(False, "torch was built without torch.distributed")
+        name, why = transport()
+        if name == "nvshmem":
+            return Availability(True, f"native kernels over NVSHMEM ({why})")
+        return Availability(True, f"native kernels over CUDA IPC peers (p2p); {why}")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
+            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1,
+        )
+
+    def num_ranks(self) -> int:
+        return self.world
+
+    # ---- plumbing ----
+    def _state(self, device: torch.device):
+        from ...native.ipc_rank import IpcRankState
+
+        if device.type != "cuda":
+            raise UnsupportedError(self.name, f"tensors on {device} (it serves CUDA tensors; use "
+                                              f"OMNIEP_BACKEND=collective for CPU tensors)", ["collective"])
+        if device.index is not None and device.index != torch.cuda.current_device():
+            raise InputError(f"tensors are on {device} but this process's current device is "
+                             f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device first")
+        key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
+        if key not in _STATES:
+            timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
+            _STATES[key] = IpcRankState(self.group, timeout_s=timeout)
+        return _STATES[key]
+
+    def all_gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64 from every rank -> ``[R, n]`` on ``values``' device (the frontend's agreement)."""
+        import torch.distributed as dist
+
+        device = values.device
+        t = values.to(torch.int64).reshape(-1)
+        t = t.cpu() if dist.get_backend(self.group) == "gloo" else t.to("cuda", torch.cuda.current_device())
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t, group=self.group)
+        return torch.stack(out).to(device)
+
+    def _sizes(self, handle: TorchHandle) -> tuple[int, int]:
+        """``(capacity C of every rank's buffer, my receive rows)``. Exact mode reads the counts (sync)."""
+        cap = handle.config.capacity
+        if cap is not None:
+            return cap, cap
+        totals = handle.all_counts[:, : self.world].to(torch.int64).sum(0).tolist()
+        return max(totals, default=0), totals[self.rank]
+
+    def _send_offset(self, handle: TorchHandle) -> torch.Tensor:
+        """First row of my tokens in every receiver's order: sum over lower source ranks."""
+        counts = handle.all_counts[:, : self.world].to(torch.int64)
+        return exclusive_cumsum(counts, 0)[self.rank].to(torch.int32).contiguous()
+
+    def _dropped(self, handle: TorchHandle) -> torch.Tensor:
+        total = handle.all_counts[:, self.rank].to(torch.int64).sum()
+        return (total - handle.num_recv.to(torch.int64)).to(torch.int32)
+
+    # ---- prepare / dispatch ----
+    def prepare(self, topk_idx, config: DispatchConfig) -> TorchHandle:
+        """Layout kernel + count exchange through the peers' workspaces. ``topk_idx`` validated."""
+        if config.layout != Layout.RANK_MAJOR:
+            raise UnsupportedError(self.name, f"layout {config.layout.value}", ["collective"])
+        st = self._state(topk_idx.device)
+        R, E, me = self.world, config.num_experts, self.rank
+        lay = st.layout(topk_idx, E, config.capacity)
+        all_counts = torch.zeros((R, R + E), dtype=torch.int32, device=st.device)
+        all_counts[:, :R] = lay.counts
+        all_counts[me, R:] = lay.num_tokens_per_expert  # other ranks' per-expert counts are not exchanged
+        slot = lay.send_offset.to(torch.int64) + lay.send_pos.to(torch.int64)
+        keep = lay.send_pos >= 0
+        if config.capacity is not None:
+            keep &= slot < config.capacity
+        send_slot = torch.where(keep, slot, -1).to(torch.int32)
+        return TorchHandle(
+            config=config, backend=self.name, topk_idx=lay.topk_idx, topk_weights=None, send_pos=lay.send_pos,
+            num_tokens_per_rank=lay.num_tokens_per_rank, recv_counts=lay.recv_counts, recv_topk_idx=None,
+            recv_topk_weights=None, num_recv=lay.num_recv, all_counts=all_counts, send_slot=send_slot,
+            group_name=getattr(self.group, "group_name", None),
+        )
+
+    def _move(self, x, x_scales, topk_weights, handle: TorchHandle, routing: bool):
+        st = self._state(x.device)
+        C, rows = self._sizes(handle)
+        cfg = handle.config
+        return st.dispatch(x, x_scales, topk_weights, topk_idx=handle.topk_idx, send_pos=handle.send_pos,
+                           send_offset=self._send_offset(handle), num_recv=handle.num_recv, capacity=C, rows=rows,
+                           num_experts=cfg.num_experts, expert_alignment=cfg.expert_alignment, routing=routing)
+
+    def dispatch(self, x, topk_weights, handle: TorchHandle):
+        """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8) and the routing; a completed handle gives a
+        cached dispatch (rows only). Returns the fields of :class:`Dispatched` and the handle."""
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        cached = handle.recv_topk_idx is not None
+        L = handle.config.num_local_experts
+        recv_x, recv_s, recv_idx, recv_w, per_expert = self._move(x, x_scales, topk_weights, handle, not cached)
+        if cached:
+            recv_idx, recv_w = handle.recv_topk_idx, handle.recv_topk_weights
+            counts = torch.bincount(torch.where(recv_idx >= 0, recv_idx, L).flatten().long(), minlength=L + 1)[:L]
+            per_expert = align_up(counts.to(torch.int32), handle.config.expert_alignment).to(torch.int32)
+        else:
+            handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w)
+        out_x = (recv_x, recv_s) if x_scales is not None else recv_x
+        return (out_x, recv_idx, recv_w, handle.num_recv.clone(), per_expert, self._dropped(handle)), handle
+
+    # ---- combine and the backward passes ----
+    def _pull(self, y, handle: TorchHandle, bias: tuple = (), g_recv_topk_weights=None):
+        st = self._state(y.device)
+        C, _ = self._sizes(handle)
+        cfg = handle.config
+        return st.combine(y, topk_idx=handle.topk_idx, send_pos=handle.send_pos, send_offset=self._send_offset(handle),
+                          capacity=C, num_tokens=int(handle.topk_idx.shape[0]), num_experts=cfg.num_experts,
+                          bias=tuple(bias), g_recv_topk_weights=g_recv_topk_weights)
+
+    def combine(self, y, handle: TorchHandle, bias: tuple = ()):
+        """``out[T, H]`` in ``y``'s dtype: fp32 sum over ranks ascending, bias last, rounded once."""
+        return self._pull(y, handle, bias)
+
+    def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: TorchHandle):
+        """``(g_x, g_topk_weights)``: a combine of ``g_recv_x`` that also reads back the weight grads."""
+        if g_recv_topk_weights is None:
+            g_recv_topk_weights = torch.zeros((g_recv_x.shape[0], handle.topk_idx.shape[1]), dtype=torch.float32,
+                                              device=g_recv_x.device)
+        return self._pull(g_recv_x, handle, (), g_recv_topk_weights)
+
+    def combine_bwd(self, g_out, handle: TorchHandle, y: Optional[torch.Tensor] = None):
+        """``(g_y, None)``: a cached dispatch of ``g_out`` (rows only, padding rows 0)."""
+        g_y, *_ = self._move(g_out, None, None, handle, routing=False)
+        return g_y, None

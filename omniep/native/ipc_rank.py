@@ -1,0 +1,245 @@
+"""One rank per process over the native p2p transport with CUDA IPC peers (``omniep._native_mp``).
+
+:class:`IpcRankState` is this process's rank of a ``torch.distributed`` group: its workspace and a
+symmetric data buffer, both exported with ``cudaIpcGetMemHandle`` and opened by every peer (NVLink
+peer access across GPUs; plain device memory when several processes share a GPU). The handles are
+all-gathered with ``torch.distributed.all_gather_object`` (gloo or NCCL). The kernels of
+``csrc/kernels`` run unchanged, one rank per launch.
+
+Data path per op (every rank computes the same buffer layout from values that agree across ranks):
+  * dispatch: peers PUSH rows into my data buffer; then I copy my rows out into fresh tensors
+    (results must outlive the next call, which re-uses the buffer);
+  * combine / dispatch_bwd: I copy ``y`` into my data buffer; peers PULL their rows from it.
+Every kernel starts and ends with a barrier over all ranks, so the copies on my stream never race a
+peer's access to my buffer (see csrc/kernels/sync.cuh).
+
+The buffer grows (all ranks together, a host-synchronising re-exchange of handles) when a call needs
+more bytes than it has; sizes depend only on agreed values (capacity, row bytes, num_topk), so every
+rank grows at the same call. A call that would grow while a CUDA graph is being captured raises;
+capture after one eager call of the same shapes. Nothing else synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Optional
+
+from ..ep_core.errors import DestroyedError, InputError
+
+INT32_MAX = 2**31 - 1
+_ALIGN = 256
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # csrc/kernels/args.h DType
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def regions(capacity: int, row_bytes: list) -> tuple[list, int]:
+    """Offsets of ``[capacity, row_bytes[i]]`` regions packed in the data buffer, and the total."""
+    offsets, total = [], 0
+    for b in row_bytes:
+        offsets.append(total)
+        total += _align(capacity * b)
+    return offsets, total
+
+
+@dataclasses.dataclass
+class Layout:
+    """prepare() of one rank, all on the device (int32). ``counts[s, r]``: tokens rank s sends to r."""
+
+    topk_idx: object             # [T, K] int32
+    send_pos: object             # [T, R]
+    num_tokens_per_rank: object  # [R]
+    num_tokens_per_expert: object  # [E]
+    recv_counts: object          # [R]
+    send_offset: object          # [R]
+    num_recv: object             # []
+    dropped: object              # []
+    counts: object               # [R, R]
+
+
+def dtype_code(dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_CODES:
+        raise InputError(f"dtype {name} is not supported by the native kernels; expected one of {list(DTYPE_CODES)}")
+    return DTYPE_CODES[name]
+
+
+class IpcRankState:
+    """This process's rank of ``group`` on the current CUDA device. Collective construction."""
+
+    def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0):
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.timeout_s = float(timeout_s)
+        native = importlib.import_module("omniep._native_mp")
+        self._impl = native.IpcRank(self.rank, self.world, int(self.timeout_s * 1e9))
+        if blocks:
+            self._impl.set_blocks(int(blocks))
+        self._impl.open_workspaces(self._all_gather(self._impl.workspace_handle()))
+
+    # ---- life cycle and bootstrap ----
+    def _all_gather(self, obj) -> list:
+        out = [None] * self.world
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _g(self):
+        if self._impl is None:
+            raise DestroyedError("the cuda_nvshmem rank state was used after destroy()")
+        return self._impl
+
+    def destroy(self) -> None:
+        """Collective: every rank must call it (peers unmap my buffers before I free them)."""
+        if self._impl is not None:
+            self._torch.cuda.synchronize()
+            self._impl.close_peer_data()
+            self._all_gather(None)
+            self._impl = None  # the C++ destructor frees my buffers
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the data buffer at least ``nbytes`` on every rank. Collective when it grows; every rank
+        passes the same ``nbytes`` (sizes derive from agreed values only)."""
+        g = self._g()
+        if nbytes <= g.data_bytes:
+            return
+        if self._torch.cuda.is_current_stream_capturing():
+            raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
+                             f"run the same call once eagerly before capturing")
+        new = max(nbytes, 2 * g.data_bytes, 1 << 21)
+        new = (new + (1 << 21) - 1) >> 21 << 21  # 2 MiB granules
+        self._torch.cuda.synchronize()
+        g.close_peer_data()
+        self._all_gather(None)  # nobody maps anyone's old buffer any more
+        g.allocate_data(new)
+        g.open_data(self._all_gather(g.data_handle()))
+
+    def check(self) -> None:
+        """Synchronise; raise PeerTimeoutError if this rank recorded a timed-out wait on a peer."""
+        self._g().check_errors()
+
+    def reset(self) -> None:
+        self._g().reset()
+
+    # ---- helpers ----
+    def _stream(self) -> int:
+        return int(self._torch.cuda.current_stream().cuda_stream)
+
+    def _empty(self, shape, dtype):
+        return self._torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _copy_out(self, offset: int, shape, dtype):
+        """A fresh tensor with the first rows of my data buffer at ``offset``."""
+        out = self._empty(shape, dtype)
+        if out.numel():
+            self._g().memcpy(int(out.data_ptr()), self._g().data_ptr + offset, out.numel() * out.element_size(),
+                             self._stream())
+        return out
+
+    def _copy_in(self, offset: int, t) -> None:
+        if t.numel():
+            self._g().memcpy(self._g().data_ptr + offset, int(t.data_ptr()), t.numel() * t.element_size(),
+                             self._stream())
+
+    # ---- ops ----
+    def layout(self, topk_idx, num_experts: int, capacity: Optional[int]) -> Layout:
+        """Local layout + count exchange. ``capacity=None``: no drops (num_recv = all arriving rows)."""
+        torch = self._torch
+        idx = topk_idx.contiguous()
+        T, K = idx.shape
+        R, i32 = self.world, torch.int32
+        lay = Layout(self._empty((T, K), i32), self._empty((T, R), i32), self._empty((R,), i32),
+                     self._empty((num_experts,), i32), self._empty((R,), i32), self._empty((R,), i32),
+                     self._empty((), i32), self._empty((), i32), self._empty((R, R), i32))
+        g = self._g()
+        g.layout(dict(
+            topk_idx=idx.data_ptr(), topk_idx32=lay.topk_idx.data_ptr(), send_pos=lay.send_pos.data_ptr(),
+            num_tokens_per_rank=lay.num_tokens_per_rank.data_ptr(),
+            num_tokens_per_expert=lay.num_tokens_per_expert.data_ptr(), recv_counts=lay.recv_counts.data_ptr(),
+            send_offset=lay.send_offset.data_ptr(), num_recv=lay.num_recv.data_ptr(), dropped=lay.dropped.data_ptr(),
+            num_tokens=T, num_topk=K, num_experts=num_experts,
+            capacity=INT32_MAX if capacity is None else capacity, index_bytes=idx.element_size(),
+        ), self._stream())
+        # Read the count matrix before this rank's next dispatch (see IpcRank::copy_counts).
+        g.copy_counts(lay.counts.data_ptr(), self._stream())
+        return lay
+
+    def dispatch(self, x, x_scales, topk_weights, *, topk_idx, send_pos, send_offset, num_recv, capacity: int,
+                 rows: int, num_experts: int, expert_alignment: int = 1, routing: bool = True):
+        """Push my rows into the receivers' buffers (``capacity`` rows each, rows past it dropped) and
+        copy the first ``rows`` of mine out. Returns ``(recv_x, recv_x_scales, recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert)``; routing outputs are None unless ``routing``."""
+        torch = self._torch
+        x = x.contiguous()
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        L = num_experts // self.world
+        row_bytes = H * x.element_size()
+        sizes = [row_bytes]
+        if x_scales is not None:
+            x_scales = x_scales.contiguous().to(torch.float32)
+            sizes.append(x_scales.shape[1] * 4)
+        if routing:
+            sizes += [K * 4, K * 4]
+        offsets, total = regions(capacity, sizes)
+        self.reserve(total)
+        per_expert = self._empty((L,), torch.int32) if routing else None
+        w = topk_weights.contiguous().to(torch.float32) if routing else None
+        args = dict(x=x.data_ptr(), topk_idx32=topk_idx.data_ptr(), send_pos=send_pos.data_ptr(),
+                    send_offset=send_offset.data_ptr(), num_recv=num_recv.data_ptr(), recv_x=offsets[0],
+                    num_tokens=T, row_bytes=row_bytes, num_topk=K, num_experts=num_experts, capacity=capacity,
+                    expert_alignment=expert_alignment, with_routing=int(routing))
+        at = 1
+        if x_scales is not None:
+            args.update(x2=x_scales.data_ptr(), recv_x2=offsets[1], row2_bytes=sizes[1])
+            at = 2
+        if routing:
+            args.update(topk_weights=w.data_ptr(), recv_topk_idx=offsets[at], recv_topk_weights=offsets[at + 1],
+                        num_recv_tokens_per_expert=per_expert.data_ptr())
+        self._g().dispatch(args, self._stream())
+        recv_x = self._copy_out(offsets[0], (rows, H), x.dtype)
+        recv_s = self._copy_out(offsets[1], (rows, x_scales.shape[1]), torch.float32) if x_scales is not None else None
+        recv_idx = recv_w = None
+        if routing:
+            recv_idx = self._copy_out(offsets[at], (rows, K), torch.int32)
+            recv_w = self._copy_out(offsets[at + 1], (rows, K), torch.float32)
+        return recv_x, recv_s, recv_idx, recv_w, per_expert
+
+    def combine(self, y, *, topk_idx, send_pos, send_offset, capacity: int, num_tokens: int, num_experts: int,
+                bias: tuple = (), g_recv_topk_weights=None):
+        """Copy ``y[rows, H]`` into my buffer; every source pulls and sums its rows (fp32, ascending rank,
+        bias last, one rounding). With ``g_recv_topk_weights`` (dispatch_bwd) also read back the
+        per-slot weight gradients. Returns ``out[T, H]`` (and ``g_topk_weights[T, K]``)."""
+        torch = self._torch
+        y = y.contiguous()
+        H, K = y.shape[1], topk_idx.shape[1]
+        code = dtype_code(y.dtype)
+        grad = g_recv_topk_weights is not None
+        offsets, total = regions(capacity, [H * y.element_size()] + ([K * 4] if grad else []))
+        self.reserve(total)
+        self._copy_in(offsets[0], y)
+        out = self._empty((num_tokens, H), y.dtype)
+        args = dict(y=offsets[0], out=out.data_ptr(), topk_idx32=topk_idx.data_ptr(), send_pos=send_pos.data_ptr(),
+                    send_offset=send_offset.data_ptr(), num_tokens=num_tokens, hidden=H, num_topk=K,
+                    num_experts=num_experts, capacity=capacity, dtype=code, num_bias=len(bias))
+        bias = tuple(b.contiguous() if str(b.dtype).removeprefix("torch.") in DTYPE_CODES
+                     else b.to(torch.float32).contiguous() for b in bias)
+        for i, b in enumerate(bias):
+            args[f"bias{i}"] = b.data_ptr()
+            args[f"bias_dtype{i}"] = dtype_code(b.dtype)
+        g_w = None
+        if grad:
+            gw_in = g_recv_topk_weights.contiguous().to(torch.float32)
+            self._copy_in(offsets[1], gw_in)
+            g_w = self._empty((num_tokens, K), torch.float32)
+            args.update(g_recv_topk_weights=offsets[1], g_topk_weights=g_w.data_ptr(), with_topk_grad=1)
+        self._g().combine(args, self._stream())
+        return (out, g_w) if grad else out
