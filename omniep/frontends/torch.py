@@ -3,8 +3,10 @@ EP group (DESIGN §5), and the DeepEP-compatible :class:`Buffer`.
 
 Both functions are eager and run the custom ops of :mod:`omniep.frontends.torch_ops`, so
 ``torch.autograd`` differentiates through them (dispatch's adjoint is a combine, combine's a cached
-dispatch) and ``torch.compile`` traces them. Every rank of the group must call them in the same
-order. Example, inside a process of an initialized group::
+dispatch) and ``torch.compile`` traces them. They are collectives: every rank of the group must call them — and
+run their backward passes — in the same order, with the same ``requires_grad`` pattern (a rank whose
+loss ignores ``out`` still has to back-propagate through it, e.g. with ``(0 * out).sum()``).
+Example, inside a process of an initialized group::
 
     from omniep import torch as ep
     d = ep.dispatch(x, topk_idx, topk_weights, num_experts=64)
