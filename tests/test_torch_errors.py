@@ -3,13 +3,17 @@ and a failing rank fails a multi-process run promptly with no child left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
 
 import pytest
 
+from omniep.backends.collective.torch_backend import CollectiveTorch
+from omniep.ep_core import registry
 from omniep.ep_core.errors import CapacityError, DestroyedError, InputError, UnsupportedError
+from omniep.ep_core.types import Layout
 from omniep.testing.procs import RankFailedError, run_ranks
 from omniep.testing.torch_workers import error_session, fail_one_rank
 
@@ -72,6 +76,26 @@ def test_unknown_backend_from_environment(world_of_one, monkeypatch):
     monkeypatch.setenv("OMNIEP_BACKEND", "warp_drive")
     with pytest.raises(InputError, match="unknown backend"):
         ep.dispatch(*_routing(), num_experts=4)
+
+
+class RankMajorOnly(CollectiveTorch):
+    """A real backend with a narrower capability set than ``collective`` (rank-major only)."""
+
+    name = "test_rank_major_only"
+
+    @classmethod
+    def capabilities(cls):
+        return dataclasses.replace(CollectiveTorch.capabilities(), layouts=(Layout.RANK_MAJOR,))
+
+
+def test_named_backend_that_cannot_serve_raises_unsupported(world_of_one, monkeypatch):
+    monkeypatch.setitem(registry._REGISTRY, RankMajorOnly.name, {"torch": f"{__name__}:RankMajorOnly"})
+    with pytest.raises(UnsupportedError, match="'test_rank_major_only' does not support layout expert_major; "
+                                               "backends that serve it: collective"):
+        ep.dispatch(*_routing(), num_experts=4, layout="expert_major", backend=RankMajorOnly.name)
+    d = ep.dispatch(*_routing(), num_experts=4, backend=RankMajorOnly.name)  # rank-major it serves
+    assert d.handle.backend == RankMajorOnly.name
+    assert ep.combine(d.recv_x, d.handle).shape == (4, 8)
 
 
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
