@@ -117,6 +117,12 @@ def _validate_dispatch(x, x_scales, topk_idx, topk_weights, num_experts, num_ran
            f"({', '.join(['Tensor'] * len(DISPATCH_OUTPUTS))})")
 def dispatch_op(x, x_scales, topk_idx, topk_weights, group_name, backend, num_experts, layout, capacity,
                 expert_alignment):
+    """Validate, agree, exchange counts, check capacity, move rows. ``capacity < 0`` means exact.
+
+    Outputs (:data:`DISPATCH_OUTPUTS`): the fields of ``Dispatched`` (``recv_x_scales`` empty unless fp8)
+    then the handle's tensors (rank-major: ``recv_topk_idx`` / ``recv_topk_weights`` empty, they are
+    outputs 2 and 3). Differentiable outputs: ``recv_x`` and ``recv_topk_weights``.
+    """
     be = make_backend(backend, group_name)
     error, fields = None, {}
     try:
@@ -132,7 +138,9 @@ def dispatch_op(x, x_scales, topk_idx, topk_weights, group_name, backend, num_ex
     handle = be.prepare(topk_idx, config)
     # The count exchange told every rank every rank's receive size: raise (on every rank) before
     # any data moves rather than drop rows silently.
-    for rank, needed, cap in capacity_overflow(handle.all_counts, config):
+    overflow = capacity_overflow(handle.all_counts, config)
+    if overflow:
+        rank, needed, cap = overflow[0]
         raise CapacityError(needed, cap, rank=rank,
                             what="rows" if config.layout == Layout.RANK_MAJOR else "copies for one local expert")
     moved = (x, x_scales) if x_scales is not None else x
@@ -199,6 +207,7 @@ dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
     "omniep::dispatch_bwd", mutates_args=(),
     schema=f"(Tensor g_recv_x, Tensor g_recv_topk_weights, Tensor[] handle, {META_SCHEMA}) -> (Tensor, Tensor)")
 def dispatch_bwd_op(g_recv_x, g_recv_topk_weights, handle, *meta):
+    """Adjoint of dispatch: ``(g_x [T, H], g_topk_weights [T, K] float32)``."""
     h = handle_from_tensors(handle, meta)
     return make_backend(meta[1], meta[0]).dispatch_bwd(g_recv_x, g_recv_topk_weights, h)
 
@@ -225,6 +234,7 @@ def _validate_combine(y, biases, h: TorchHandle, rank: int) -> None:
     "omniep::combine", mutates_args=(),
     schema=f"(Tensor y, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor[] handle, {META_SCHEMA}) -> Tensor")
 def combine_op(y, topk_weights, bias0, bias1, handle, *meta):
+    """``out[T, H]`` in ``y``'s dtype; ``topk_weights`` is used by the expert-major layout only."""
     be = make_backend(meta[1], meta[0])
     h = handle_from_tensors(handle, meta, topk_weights)
     biases = tuple(b for b in (bias0, bias1) if b is not None)
@@ -268,6 +278,8 @@ combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
     "omniep::combine_bwd", mutates_args=(),
     schema=f"(Tensor g_out, Tensor? topk_weights, Tensor? y, Tensor[] handle, {META_SCHEMA}) -> (Tensor, Tensor)")
 def combine_bwd_op(g_out, topk_weights, y, handle, *meta):
+    """Adjoint of combine: ``(g_y, g_topk_weights)``; ``g_topk_weights`` is empty for rank-major (and
+    when ``y`` is None)."""
     h = handle_from_tensors(handle, meta, topk_weights)
     g_y, g_w = make_backend(meta[1], meta[0]).combine_bwd(g_out, h, y)
     return g_y, (g_w if g_w is not None else _empty(torch.float32, g_out.device))
@@ -293,6 +305,7 @@ def _(g_out, topk_weights, y, handle, *meta):
     "omniep::cached_dispatch", mutates_args=(),
     schema=f"(Tensor x, Tensor? x_scales, Tensor[] handle, {META_SCHEMA}) -> (Tensor, Tensor)")
 def cached_dispatch_op(x, x_scales, handle, *meta):
+    """Rank-major dispatch of ``x`` (and fp8 ``x_scales``) with a completed handle: ``(recv_x, scales)``."""
     be = make_backend(meta[1], meta[0])
     h = handle_from_tensors(handle, meta)
     error = None
