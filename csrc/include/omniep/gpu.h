@@ -139,7 +139,9 @@ OMNIEP_DEVICE void pause() { __builtin_amdgcn_s_sleep(1); }
 #endif
 
 // ---- exact fp32 arithmetic: round-to-nearest, never contracted into FMA or reassociated ----
-// (__fadd_rn exists under both CUDA and HIP.)
+// (__fadd_rn and __fmul_rn exist under both CUDA and HIP.)
 OMNIEP_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
+// The product rounded to fp32 on its own, so `add_rn(acc, mul_rn(w, y))` never becomes an FMA.
+OMNIEP_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 
 }  // namespace omniep::gpu

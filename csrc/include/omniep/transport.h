@@ -71,6 +71,9 @@ struct alignas(128) RankWorkspace {
   ErrorRecord error;
   int32_t counts[kMaxRanks * kMaxRanks];         // counts[s*kMaxRanks + r]: tokens s sends to r
   int32_t expert_counter[kMaxLocalExperts];      // kept (token, k) pairs per local expert
+  // Expert-major prepare (kernels/em_layout.cuh): expert_counts[s * L + l] = copies source s sends to
+  // my local expert l. Sources write their row, then read the column prefix over lower sources.
+  int32_t expert_counts[kMaxRanks * kMaxLocalExperts];
 };
 
 }  // namespace omniep

@@ -1,0 +1,100 @@
+// Argument structs of the expert-major ("low-latency") kernels, passed by value like args.h's.
+//
+// Layout (DESIGN §2): receiver r holds recv_x[L, C, H]: for each local expert l, one copy per
+// (source token, k) that chose global expert r*L + l, ordered by (source rank, source token, k);
+// C = capacity (slots per local expert, the same on every rank so the buffers are symmetric).
+// A copy's slot c = (copies of that expert from lower source ranks) + (earlier copies of it from
+// the same source in (t, k) order); copies with c >= C are dropped and counted.
+//
+// The source keeps copy_slot[T, K] (prepare's output): c, or -1 when (t, k) is unrouted or dropped.
+// Every later pass (dispatch, combine, both backward passes) finds a copy through it, so prepare is
+// the only kernel that scans the routing in order.
+#pragma once
+
+#include <stdint.h>
+
+#include "omniep/transport.h"
+
+namespace omniep {
+
+// Runs after layout_kernel (kernels/layout.cuh) on the same stream: reads its topk_idx32 and
+// num_tokens_per_expert.
+struct EMLayoutArgs {
+  PerRank<const int32_t> topk_idx32;             // [T, K] from layout_kernel
+  PerRank<const int32_t> num_tokens_per_expert;  // [E] from layout_kernel
+  PerRank<int32_t> copy_slot;                    // out [T, K]: slot at the receiver, -1 = none/dropped
+  PerRank<int32_t> recv_expert_count;            // out [L]: kept copies per local expert, min(n_l, C)
+  PerRank<int32_t> num_recv_tokens_per_expert;   // out [L]: kept copies rounded up to expert_alignment
+  PerRank<int32_t> num_recv;                     // out []: kept copies (sum of recv_expert_count)
+  PerRank<int32_t> dropped;                      // out []: copies lost to capacity
+  PerRank<int32_t> max_expert_count;             // out []: max_l n_l (the exact capacity of this rank)
+  int num_tokens[kMaxRanks];
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int expert_alignment;
+};
+
+struct EMDispatchArgs {
+  PerRank<const uint8_t> x;                  // [T, row_bytes]
+  PerRank<const uint8_t> x2;                 // [T, row2_bytes]: optional second payload (fp8 scales)
+  PerRank<const int32_t> topk_idx32;         // [T, K]
+  PerRank<const float> topk_weights;         // [T, K]
+  PerRank<const int32_t> copy_slot;          // [T, K] from em_layout
+  PerRank<const int32_t> recv_expert_count;  // [L] from em_layout: slots [count, C) are padding
+  PerRank<uint8_t> recv_x;                   // sym [L, C, row_bytes]
+  PerRank<uint8_t> recv_x2;                  // sym [L, C, row2_bytes]
+  PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots, -1 on padding
+  PerRank<float> recv_topk_weights;          // sym [L, C]: the copy's weight, 0 on padding
+  int num_tokens[kMaxRanks];
+  int64_t row_bytes;
+  int64_t row2_bytes;  // 0 = no second payload
+  int unit;            // copy unit of x / recv_x rows (args.h: row_copy_unit)
+  int unit2;
+  int num_topk;
+  int num_experts;
+  int capacity;
+};
+
+// combine (weighted) and dispatch_bwd (topk_weights all null: weight 1, with_topk_grad = 1).
+struct EMCombineArgs {
+  PerRank<const void> y;                      // sym [L, C, H] in `dtype`
+  PerRank<void> out;                          // [T, H] in `dtype`
+  PerRank<const void> bias[2];                // [T, H] in bias_dtype[i], first num_bias used
+  PerRank<const int32_t> topk_idx32;          // [T, K]
+  PerRank<const float> topk_weights;          // [T, K]; a null entry means every weight is 1
+  PerRank<const int32_t> copy_slot;           // [T, K]
+  PerRank<const float> g_recv_topk_weights;   // sym [L, C] (with_topk_grad)
+  PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
+  int num_tokens[kMaxRanks];
+  int hidden;
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int dtype;
+  int num_bias;
+  int bias_dtype[2];
+  int with_topk_grad;
+};
+
+// combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) pushed to the copy's slot, and (with_topk_grad)
+// g_topk_weights[t, k] = <g_out[t], y[l, c]> in fp32.
+struct EMCombineBwdArgs {
+  PerRank<const void> g_out;                  // [T, H] in `dtype`
+  PerRank<const void> y;                      // sym [L, C, H] in `dtype` (with_topk_grad)
+  PerRank<const int32_t> topk_idx32;          // [T, K]
+  PerRank<const float> topk_weights;          // [T, K]
+  PerRank<const int32_t> copy_slot;           // [T, K]
+  PerRank<const int32_t> recv_expert_count;   // [L]
+  PerRank<void> g_y;                          // sym out [L, C, H] in `dtype`, padding zeroed
+  PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
+  int num_tokens[kMaxRanks];
+  int hidden;
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int dtype;
+  int with_topk_grad;
+};
+
+}  // namespace omniep

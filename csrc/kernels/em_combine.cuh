@@ -1,0 +1,124 @@
+// Expert-major combine (and dispatch_bwd): every source PULLS its copies back from the receivers.
+//
+// out[t] = sum over k in ASCENDING order of w[t, k] * y_r[l][copy_slot[t, k]] (r = e / L,
+// l = e - r*L), unrouted or dropped k contributing nothing; accumulated in fp32 from +0.0, each
+// product rounded to fp32 on its own (mul_rn) before the round-to-nearest add (add_rn) — no fused
+// multiply-add, no reassociation — then the bias terms in the order given, rounded once to the
+// output dtype. This is exactly omniep.ep_core.reference.combine for Layout.EXPERT_MAJOR.
+// dispatch_bwd is the same pass with every weight 1 (1 * y is exact, so the unweighted sum of the
+// reference comes out bit for bit) that also reads back g_topk_weights[t, k] from the slot that
+// carried it (0 when unrouted or dropped).
+//
+// Work item = (token, chunk of H): a low-latency batch has only 128 tokens per rank, so one warp
+// per token would leave most of the warps idle; chunks of kWarpSize * kEMPacks packs keep kEMPacks
+// independent loads per lane in flight for each copy.
+// Barriers: start (every rank's y is complete), end (peers finished reading my y).
+#pragma once
+
+#include "kernels/em_args.h"
+#include "kernels/rows.cuh"
+#include "kernels/sync.cuh"
+
+namespace omniep {
+
+inline constexpr int kEMCombineThreads = 512;
+inline constexpr int kEMPacks = 4;
+
+template <typename Tr, typename Scalar, int Vec>
+__global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombineArgs a, Tr tr) {
+  struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
+  using Cvt = Elem<Scalar>;
+
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
+  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true)) return;
+
+  const int32_t* idx32 = tr.local(a.topk_idx32);
+  const float* weights = tr.local(a.topk_weights);  // null: weight 1 (dispatch_bwd)
+  const int32_t* copy_slot = tr.local(a.copy_slot);
+  Scalar* out = static_cast<Scalar*>(tr.local(a.out));
+  const int lane = gpu::lane_id(), warps = gpu::warps_per_block();
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id();
+  const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
+  const int num_packs = H / Vec;
+  constexpr int kChunk = gpu::kWarpSize * kEMPacks;  // packs per work item
+  const int chunks = num_packs > 0 ? (num_packs + kChunk - 1) / kChunk : 1;  // H = 0: still one item (g_w)
+
+  for (int64_t item = first_warp; item < static_cast<int64_t>(T) * chunks; item += all_warps) {
+    const int64_t t = item / chunks;
+    const int base = static_cast<int>(item % chunks) * kChunk;
+    float acc[kEMPacks][Vec];
+#pragma unroll
+    for (int j = 0; j < kEMPacks; ++j) {
+#pragma unroll
+      for (int v = 0; v < Vec; ++v) acc[j][v] = 0.0f;
+    }
+    // Lane k holds copy k's (slot, expert, weight); the loop broadcasts them in k order.
+    for (int k0 = 0; k0 < K; k0 += gpu::kWarpSize) {
+      int my_slot = -1, my_e = 0;
+      float my_w = 1.0f;
+      if (k0 + lane < K) {
+        const int64_t i = t * K + k0 + lane;
+        my_slot = copy_slot[i];
+        my_e = idx32[i];
+        if (weights != nullptr) my_w = weights[i];
+      }
+      const int kn = K - k0 < gpu::kWarpSize ? K - k0 : gpu::kWarpSize;
+      for (int j = 0; j < kn; ++j) {  // ascending k: the contract's summation order
+        const int slot = gpu::shfl(my_slot, j);
+        const int e = gpu::shfl(my_e, j);
+        const float w = gpu::shfl(my_w, j);
+        if (slot < 0) continue;
+        const int r = e / L, l = e - r * L;
+        const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) +
+                                                      (static_cast<int64_t>(l) * C + slot) * H);
+        Pack v[kEMPacks];
+#pragma unroll
+        for (int u = 0; u < kEMPacks; ++u) {
+          const int p = base + lane + u * gpu::kWarpSize;
+          if (p < num_packs) v[u] = y[p];
+        }
+#pragma unroll
+        for (int u = 0; u < kEMPacks; ++u) {
+          if (base + lane + u * gpu::kWarpSize < num_packs) {
+#pragma unroll
+            for (int q = 0; q < Vec; ++q) acc[u][q] = gpu::add_rn(acc[u][q], gpu::mul_rn(w, Cvt::to_float(v[u].v[q])));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kEMPacks; ++u) {
+      const int p = base + lane + u * gpu::kWarpSize;
+      if (p >= num_packs) continue;
+      for (int b = 0; b < a.num_bias; ++b) {  // bias terms last, in the order given
+        const void* bias = tr.local(a.bias[b]);
+#pragma unroll
+        for (int q = 0; q < Vec; ++q) {
+          acc[u][q] = gpu::add_rn(acc[u][q], load_as_float(bias, a.bias_dtype[b], t * H + static_cast<int64_t>(p) * Vec + q));
+        }
+      }
+      Pack o;
+#pragma unroll
+      for (int q = 0; q < Vec; ++q) o.v[q] = Cvt::from_float(acc[u][q]);
+      reinterpret_cast<Pack*>(out + t * H)[p] = o;
+    }
+    if (a.with_topk_grad && base == 0) {  // once per token: the first chunk's warp
+      float* g_w = tr.local(a.g_topk_weights);
+      for (int k = lane; k < K; k += gpu::kWarpSize) {
+        const int64_t i = t * K + k;
+        const int slot = copy_slot[i];
+        float g = 0.0f;
+        if (slot >= 0) {
+          const int e = idx32[i];
+          const int r = e / L;
+          g = tr.peer(a.g_recv_topk_weights, r)[static_cast<int64_t>(e - r * L) * C + slot];
+        }
+        g_w[i] = g;
+      }
+    }
+  }
+  rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
+}
+
+}  // namespace omniep

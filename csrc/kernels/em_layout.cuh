@@ -1,0 +1,105 @@
+// Expert-major prepare: the per-(source, expert) count exchange and each copy's slot, one block
+// per rank, after layout_kernel on the same stream (see em_args.h for the layout itself).
+//
+//   1. every source writes its per-expert counts into each receiver's [R, L] matrix
+//      (RankWorkspace::expert_counts, row = source rank), then a barrier;
+//   2. the source reads, for every expert e, the copies of e from LOWER source ranks out of the
+//      receiver's matrix (peer loads): that is where its own copies of e start;
+//      the receiver sums its matrix's columns: kept copies per local expert, num_recv, dropped;
+//   3. an ordered scan of the source's (t, k) pairs in row-major order gives each copy its slot.
+//      The scan must follow (t, k) order exactly, so it is done without atomics racing across
+//      warps: expert e belongs to warp e % warps, and every warp walks all pairs 32 at a time,
+//      ranking its own experts' pairs inside each batch with ballots (equal experts grouped one
+//      group at a time, lowest lane first) and keeping the running count in shared memory that
+//      only it touches;
+//   4. a last barrier keeps a fast peer's NEXT prepare from overwriting the matrix while it is read.
+// Cost: every warp reads all T*K ids (L1 hits after the first warp); fine for the low-latency
+// shapes (128 tokens/rank), linear in T*K otherwise.
+#pragma once
+
+#include "kernels/em_args.h"
+#include "kernels/layout.cuh"
+#include "kernels/sync.cuh"
+
+namespace omniep {
+
+template <typename Tr>
+__global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs a, Tr tr) {
+  extern __shared__ int s_next[];  // [E]: next slot of each expert at its receiver
+  __shared__ int s_kept, s_total, s_max;
+
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
+  const int32_t* per_expert = tr.local(a.num_tokens_per_expert);
+
+  // 1. my row of every receiver's count matrix
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    tr.workspace(e / L)->expert_counts[me * L + e % L] = per_expert[e];
+  }
+  if (threadIdx.x == 0) {
+    s_kept = 0;
+    s_total = 0;
+    s_max = 0;
+  }
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true)) return;
+
+  // 2a. source: first slot of my copies of every expert (copies from lower source ranks)
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const RankWorkspace* ws = tr.workspace(e / L);
+    int base = 0;
+    for (int s = 0; s < me; ++s) base += ws->expert_counts[s * L + e % L];
+    s_next[e] = base;
+  }
+  // 2b. receiver: copies per local expert, kept under the capacity
+  {
+    const RankWorkspace* ws = tr.workspace(me);
+    const int align = a.expert_alignment;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      int n = 0;
+      for (int s = 0; s < R; ++s) n += ws->expert_counts[s * L + l];
+      const int kept = n < C ? n : C;
+      tr.local(a.recv_expert_count)[l] = kept;
+      tr.local(a.num_recv_tokens_per_expert)[l] = (kept + align - 1) / align * align;
+      atomicAdd(&s_kept, kept);
+      atomicAdd(&s_total, n);
+      atomicMax(&s_max, n);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *tr.local(a.num_recv) = s_kept;
+    *tr.local(a.dropped) = s_total - s_kept;
+    *tr.local(a.max_expert_count) = s_max;
+  }
+
+  // 3. ordered scan over (t, k): slot of every copy
+  const int32_t* idx = tr.local(a.topk_idx32);
+  int32_t* copy_slot = tr.local(a.copy_slot);
+  const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
+  const int64_t n = static_cast<int64_t>(T) * K;
+  for (int64_t base = 0; base < n; base += gpu::kWarpSize) {  // uniform trip count: ballots convergent
+    const int64_t i = base + lane;
+    const int e = i < n ? idx[i] : -1;
+    if (i < n && e < 0 && warp == 0) copy_slot[i] = -1;  // unrouted: warp 0 answers for it
+    bool pending = e >= 0 && e % warps == warp;
+    while (true) {
+      const gpu::lane_mask_t todo = gpu::ballot(pending);
+      if (todo == 0) break;
+      const int leader = gpu::popc((todo & (~todo + 1)) - 1);  // lowest pending lane
+      const int group_e = gpu::shfl(e, leader);
+      const bool in_group = pending && e == group_e;
+      const gpu::lane_mask_t group = gpu::ballot(in_group);
+      if (in_group) {
+        const int slot = s_next[e] + gpu::popc(group & gpu::lanes_below());
+        copy_slot[i] = slot < C ? slot : -1;
+        pending = false;
+      }
+      gpu::syncwarp();  // every lane of the group read s_next[e] before the leader bumps it
+      if (lane == leader) s_next[group_e] += gpu::popc(group);
+      gpu::syncwarp();
+    }
+  }
+  rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
+}
+
+}  // namespace omniep
