@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/args.h"
+#include "kernels/em_args.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -47,6 +48,13 @@ class VirtualRankGroup {
   void layout(const LayoutArgs& args, int first_rank, int count, cudaStream_t stream);
   void dispatch(const DispatchArgs& args, int first_rank, int count, cudaStream_t stream);
   void combine(const CombineArgs& args, int first_rank, int count, cudaStream_t stream);
+  // Expert-major layout (kernels/em_*.cuh; launchers in virtual_rank_group_em.cu). em_layout runs
+  // after layout() on the same stream. dispatch_bwd is em_combine with null weights and
+  // with_topk_grad = 1.
+  void em_layout(const EMLayoutArgs& args, int first_rank, int count, cudaStream_t stream);
+  void em_dispatch(const EMDispatchArgs& args, int first_rank, int count, cudaStream_t stream);
+  void em_combine(const EMCombineArgs& args, int first_rank, int count, cudaStream_t stream);
+  void em_combine_bwd(const EMCombineBwdArgs& args, int first_rank, int count, cudaStream_t stream);
 
   // Synchronises the device and returns each rank's ErrorRecord (code 0 = fine).
   std::vector<ErrorRecord> read_errors() const;

@@ -89,6 +89,70 @@ typedef struct {
   int32_t with_topk_grad; /* 1: dispatch_bwd (also read back g_topk_weights) */
 } omniep_combine_args;
 
+/* ---- expert-major ("low-latency") layout: recv_x[L, C, H], one copy per (token, local expert) ----
+ * copy_slot[T, K] (from omniep_em_layout) is each copy's slot inside its expert at the receiver, or -1
+ * (unrouted / dropped); C = capacity slots per local expert, the same on every rank. */
+typedef struct {
+  uintptr_t topk_idx32[OMNIEP_MAX_RANKS];                 /* [T, K] from omniep_layout */
+  uintptr_t num_tokens_per_expert[OMNIEP_MAX_RANKS];      /* [E] from omniep_layout */
+  uintptr_t copy_slot[OMNIEP_MAX_RANKS];                  /* out [T, K] int32 */
+  uintptr_t recv_expert_count[OMNIEP_MAX_RANKS];          /* out [L] int32: kept copies per local expert */
+  uintptr_t num_recv_tokens_per_expert[OMNIEP_MAX_RANKS]; /* out [L] int32: kept, aligned up */
+  uintptr_t num_recv[OMNIEP_MAX_RANKS];                   /* out [] int32: kept copies */
+  uintptr_t dropped[OMNIEP_MAX_RANKS];                    /* out [] int32 */
+  uintptr_t max_expert_count[OMNIEP_MAX_RANKS];           /* out [] int32: uncapped max over local experts */
+  int32_t num_tokens[OMNIEP_MAX_RANKS];
+  int32_t num_topk, num_experts, capacity, expert_alignment;
+} omniep_em_layout_args;
+
+typedef struct {
+  uintptr_t x[OMNIEP_MAX_RANKS];                 /* [T, row_bytes] */
+  uintptr_t x2[OMNIEP_MAX_RANKS];                /* [T, row2_bytes] second payload (fp8 scales) */
+  uintptr_t topk_idx32[OMNIEP_MAX_RANKS];        /* [T, K] */
+  uintptr_t topk_weights[OMNIEP_MAX_RANKS];      /* [T, K] float32 */
+  uintptr_t copy_slot[OMNIEP_MAX_RANKS];         /* [T, K] from omniep_em_layout */
+  uintptr_t recv_expert_count[OMNIEP_MAX_RANKS]; /* [L] from omniep_em_layout */
+  uintptr_t recv_x[OMNIEP_MAX_RANKS];            /* sym out [L, C, row_bytes] */
+  uintptr_t recv_x2[OMNIEP_MAX_RANKS];           /* sym out [L, C, row2_bytes] */
+  uintptr_t recv_topk_idx[OMNIEP_MAX_RANKS];     /* sym out [L, C] int32 */
+  uintptr_t recv_topk_weights[OMNIEP_MAX_RANKS]; /* sym out [L, C] float32 */
+  int32_t num_tokens[OMNIEP_MAX_RANKS];
+  int64_t row_bytes, row2_bytes;
+  int32_t num_topk, num_experts, capacity;
+} omniep_em_dispatch_args;
+
+typedef struct {
+  uintptr_t y[OMNIEP_MAX_RANKS];                   /* sym [L, C, H] */
+  uintptr_t out[OMNIEP_MAX_RANKS];                 /* out [T, H] */
+  uintptr_t bias0[OMNIEP_MAX_RANKS];               /* [T, H] (num_bias >= 1) */
+  uintptr_t bias1[OMNIEP_MAX_RANKS];               /* [T, H] (num_bias == 2) */
+  uintptr_t topk_idx32[OMNIEP_MAX_RANKS];          /* [T, K] */
+  uintptr_t topk_weights[OMNIEP_MAX_RANKS];        /* [T, K] float32 (ignored by omniep_em_dispatch_bwd) */
+  uintptr_t copy_slot[OMNIEP_MAX_RANKS];           /* [T, K] */
+  uintptr_t g_recv_topk_weights[OMNIEP_MAX_RANKS]; /* sym [L, C] float32 (dispatch_bwd) */
+  uintptr_t g_topk_weights[OMNIEP_MAX_RANKS];      /* out [T, K] float32 (dispatch_bwd) */
+  int32_t num_tokens[OMNIEP_MAX_RANKS];
+  int32_t hidden, num_topk, num_experts, capacity;
+  int32_t dtype;
+  int32_t num_bias;
+  int32_t bias_dtype[2];
+} omniep_em_combine_args;
+
+typedef struct {
+  uintptr_t g_out[OMNIEP_MAX_RANKS];             /* [T, H] */
+  uintptr_t y[OMNIEP_MAX_RANKS];                 /* sym [L, C, H] (with_topk_grad) */
+  uintptr_t topk_idx32[OMNIEP_MAX_RANKS];        /* [T, K] */
+  uintptr_t topk_weights[OMNIEP_MAX_RANKS];      /* [T, K] float32 */
+  uintptr_t copy_slot[OMNIEP_MAX_RANKS];         /* [T, K] */
+  uintptr_t recv_expert_count[OMNIEP_MAX_RANKS]; /* [L] */
+  uintptr_t g_y[OMNIEP_MAX_RANKS];               /* sym out [L, C, H], padding zeroed */
+  uintptr_t g_topk_weights[OMNIEP_MAX_RANKS];    /* out [T, K] float32 (with_topk_grad) */
+  int32_t num_tokens[OMNIEP_MAX_RANKS];
+  int32_t hidden, num_topk, num_experts, capacity;
+  int32_t dtype;
+  int32_t with_topk_grad; /* 1: also g_topk_weights[t, k] = <g_out[t], y[l, c]> (fp32) */
+} omniep_em_combine_bwd_args;
+
 typedef struct omniep_group omniep_group;
 
 const char* omniep_last_error(void);
@@ -116,6 +180,20 @@ omniep_status omniep_dispatch_bwd(omniep_group* g, const omniep_combine_args* a,
                                   int32_t num_launched, uintptr_t stream);
 omniep_status omniep_combine_bwd(omniep_group* g, const omniep_dispatch_args* a, int32_t first_rank,
                                  int32_t num_launched, uintptr_t stream);
+
+/* Expert-major ops. omniep_em_layout runs after omniep_layout on the same stream (it reads that call's
+ * topk_idx32 and num_tokens_per_expert). dispatch_bwd: g_x = unweighted combine of g_recv_x, and
+ * g_topk_weights read back from the carrying slot. combine_bwd: g_y[l, c] = round(w * g_out[t]). */
+omniep_status omniep_em_layout(omniep_group* g, const omniep_em_layout_args* a, int32_t first_rank,
+                               int32_t num_launched, uintptr_t stream);
+omniep_status omniep_em_dispatch(omniep_group* g, const omniep_em_dispatch_args* a, int32_t first_rank,
+                                 int32_t num_launched, uintptr_t stream);
+omniep_status omniep_em_combine(omniep_group* g, const omniep_em_combine_args* a, int32_t first_rank,
+                                int32_t num_launched, uintptr_t stream);
+omniep_status omniep_em_dispatch_bwd(omniep_group* g, const omniep_em_combine_args* a, int32_t first_rank,
+                                     int32_t num_launched, uintptr_t stream);
+omniep_status omniep_em_combine_bwd(omniep_group* g, const omniep_em_combine_bwd_args* a, int32_t first_rank,
+                                    int32_t num_launched, uintptr_t stream);
 
 #ifdef __cplusplus
 }

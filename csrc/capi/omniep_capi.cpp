@@ -119,6 +119,94 @@ omniep::CombineArgs convert(const omniep_combine_args& c) {
   return a;
 }
 
+omniep::EMLayoutArgs convert(const omniep_em_layout_args& c) {
+  omniep::EMLayoutArgs a = {};
+  to_per_rank(a.topk_idx32, c.topk_idx32);
+  to_per_rank(a.num_tokens_per_expert, c.num_tokens_per_expert);
+  to_per_rank(a.copy_slot, c.copy_slot);
+  to_per_rank(a.recv_expert_count, c.recv_expert_count);
+  to_per_rank(a.num_recv_tokens_per_expert, c.num_recv_tokens_per_expert);
+  to_per_rank(a.num_recv, c.num_recv);
+  to_per_rank(a.dropped, c.dropped);
+  to_per_rank(a.max_expert_count, c.max_expert_count);
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
+  a.num_topk = c.num_topk;
+  a.num_experts = c.num_experts;
+  a.capacity = c.capacity;
+  a.expert_alignment = c.expert_alignment;
+  return a;
+}
+
+omniep::EMDispatchArgs convert(const omniep_em_dispatch_args& c) {
+  omniep::EMDispatchArgs a = {};
+  to_per_rank(a.x, c.x);
+  to_per_rank(a.x2, c.x2);
+  to_per_rank(a.topk_idx32, c.topk_idx32);
+  to_per_rank(a.topk_weights, c.topk_weights);
+  to_per_rank(a.copy_slot, c.copy_slot);
+  to_per_rank(a.recv_expert_count, c.recv_expert_count);
+  to_per_rank(a.recv_x, c.recv_x);
+  to_per_rank(a.recv_x2, c.recv_x2);
+  to_per_rank(a.recv_topk_idx, c.recv_topk_idx);
+  to_per_rank(a.recv_topk_weights, c.recv_topk_weights);
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
+  a.row_bytes = c.row_bytes;
+  a.row2_bytes = c.row2_bytes;
+  a.num_topk = c.num_topk;
+  a.num_experts = c.num_experts;
+  a.capacity = c.capacity;
+  // As for rank-major rows: the unit must suit every source row and every destination row.
+  uintptr_t addrs[2 * OMNIEP_MAX_RANKS];
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x[r]; addrs[2 * r + 1] = c.recv_x[r]; }
+  a.unit = omniep::row_copy_unit(c.row_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x2[r]; addrs[2 * r + 1] = c.recv_x2[r]; }
+  a.unit2 = omniep::row_copy_unit(c.row2_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
+  return a;
+}
+
+omniep::EMCombineArgs convert(const omniep_em_combine_args& c) {
+  omniep::EMCombineArgs a = {};
+  to_per_rank(a.y, c.y);
+  to_per_rank(a.out, c.out);
+  to_per_rank(a.bias[0], c.bias0);
+  to_per_rank(a.bias[1], c.bias1);
+  to_per_rank(a.topk_idx32, c.topk_idx32);
+  to_per_rank(a.topk_weights, c.topk_weights);
+  to_per_rank(a.copy_slot, c.copy_slot);
+  to_per_rank(a.g_recv_topk_weights, c.g_recv_topk_weights);
+  to_per_rank(a.g_topk_weights, c.g_topk_weights);
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
+  a.hidden = c.hidden;
+  a.num_topk = c.num_topk;
+  a.num_experts = c.num_experts;
+  a.capacity = c.capacity;
+  a.dtype = c.dtype;
+  a.num_bias = c.num_bias;
+  a.bias_dtype[0] = c.bias_dtype[0];
+  a.bias_dtype[1] = c.bias_dtype[1];
+  return a;
+}
+
+omniep::EMCombineBwdArgs convert(const omniep_em_combine_bwd_args& c) {
+  omniep::EMCombineBwdArgs a = {};
+  to_per_rank(a.g_out, c.g_out);
+  to_per_rank(a.y, c.y);
+  to_per_rank(a.topk_idx32, c.topk_idx32);
+  to_per_rank(a.topk_weights, c.topk_weights);
+  to_per_rank(a.copy_slot, c.copy_slot);
+  to_per_rank(a.recv_expert_count, c.recv_expert_count);
+  to_per_rank(a.g_y, c.g_y);
+  to_per_rank(a.g_topk_weights, c.g_topk_weights);
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
+  a.hidden = c.hidden;
+  a.num_topk = c.num_topk;
+  a.num_experts = c.num_experts;
+  a.capacity = c.capacity;
+  a.dtype = c.dtype;
+  a.with_topk_grad = c.with_topk_grad;
+  return a;
+}
+
 cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 }  // namespace
@@ -191,6 +279,42 @@ omniep_status omniep_combine_bwd(omniep_group* g, const omniep_dispatch_args* a,
     args.with_routing = 0;
     g->impl.dispatch(args, first, n, as_stream(s));
   });
+}
+
+omniep_status omniep_em_layout(omniep_group* g, const omniep_em_layout_args* a, int32_t first, int32_t n,
+                               uintptr_t s) {
+  return guarded([&] { require_group(g, a); g->impl.em_layout(convert(*a), first, n, as_stream(s)); });
+}
+
+omniep_status omniep_em_dispatch(omniep_group* g, const omniep_em_dispatch_args* a, int32_t first, int32_t n,
+                                 uintptr_t s) {
+  return guarded([&] { require_group(g, a); g->impl.em_dispatch(convert(*a), first, n, as_stream(s)); });
+}
+
+omniep_status omniep_em_combine(omniep_group* g, const omniep_em_combine_args* a, int32_t first, int32_t n,
+                                uintptr_t s) {
+  return guarded([&] {
+    require_group(g, a);
+    omniep::EMCombineArgs args = convert(*a);
+    args.with_topk_grad = 0;
+    g->impl.em_combine(args, first, n, as_stream(s));
+  });
+}
+
+omniep_status omniep_em_dispatch_bwd(omniep_group* g, const omniep_em_combine_args* a, int32_t first, int32_t n,
+                                     uintptr_t s) {
+  return guarded([&] {
+    require_group(g, a);
+    omniep::EMCombineArgs args = convert(*a);
+    args.topk_weights = {};  // null: every weight 1 (the unweighted sum of the copy gradients)
+    args.with_topk_grad = 1;
+    g->impl.em_combine(args, first, n, as_stream(s));
+  });
+}
+
+omniep_status omniep_em_combine_bwd(omniep_group* g, const omniep_em_combine_bwd_args* a, int32_t first,
+                                    int32_t n, uintptr_t s) {
+  return guarded([&] { require_group(g, a); g->impl.em_combine_bwd(convert(*a), first, n, as_stream(s)); });
 }
 
 }  // extern "C"

@@ -110,6 +110,59 @@ omniep_combine_args combine_args(const py::dict& d) {
   return a;
 }
 
+omniep_em_layout_args em_layout_args(const py::dict& d) {
+  omniep_em_layout_args a;
+  std::memset(&a, 0, sizeof(a));
+  a.expert_alignment = 1;
+  StructFiller filler;
+  PTR(topk_idx32); PTR(num_tokens_per_expert); PTR(copy_slot); PTR(recv_expert_count);
+  PTR(num_recv_tokens_per_expert); PTR(num_recv); PTR(dropped); PTR(max_expert_count);
+  filler.ranks_i32("num_tokens", a.num_tokens);
+  I32(num_topk); I32(num_experts); I32(capacity); I32(expert_alignment);
+  filler.fill(d);
+  return a;
+}
+
+omniep_em_dispatch_args em_dispatch_args(const py::dict& d) {
+  omniep_em_dispatch_args a;
+  std::memset(&a, 0, sizeof(a));
+  StructFiller filler;
+  PTR(x); PTR(x2); PTR(topk_idx32); PTR(topk_weights); PTR(copy_slot); PTR(recv_expert_count);
+  PTR(recv_x); PTR(recv_x2); PTR(recv_topk_idx); PTR(recv_topk_weights);
+  filler.ranks_i32("num_tokens", a.num_tokens);
+  filler.i64("row_bytes", &a.row_bytes);
+  filler.i64("row2_bytes", &a.row2_bytes);
+  I32(num_topk); I32(num_experts); I32(capacity);
+  filler.fill(d);
+  return a;
+}
+
+omniep_em_combine_args em_combine_args(const py::dict& d) {
+  omniep_em_combine_args a;
+  std::memset(&a, 0, sizeof(a));
+  StructFiller filler;
+  PTR(y); PTR(out); PTR(bias0); PTR(bias1); PTR(topk_idx32); PTR(topk_weights); PTR(copy_slot);
+  PTR(g_recv_topk_weights); PTR(g_topk_weights);
+  filler.ranks_i32("num_tokens", a.num_tokens);
+  I32(hidden); I32(num_topk); I32(num_experts); I32(capacity); I32(dtype); I32(num_bias);
+  filler.i32("bias_dtype0", &a.bias_dtype[0]);
+  filler.i32("bias_dtype1", &a.bias_dtype[1]);
+  filler.fill(d);
+  return a;
+}
+
+omniep_em_combine_bwd_args em_combine_bwd_args(const py::dict& d) {
+  omniep_em_combine_bwd_args a;
+  std::memset(&a, 0, sizeof(a));
+  StructFiller filler;
+  PTR(g_out); PTR(y); PTR(topk_idx32); PTR(topk_weights); PTR(copy_slot); PTR(recv_expert_count);
+  PTR(g_y); PTR(g_topk_weights);
+  filler.ranks_i32("num_tokens", a.num_tokens);
+  I32(hidden); I32(num_topk); I32(num_experts); I32(capacity); I32(dtype); I32(with_topk_grad);
+  filler.fill(d);
+  return a;
+}
+
 #undef PTR
 #undef I32
 
@@ -217,5 +270,26 @@ PYBIND11_MODULE(_native, m) {
       .def("combine_bwd", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
             auto a = dispatch_args(d);
             check(omniep_combine_bwd(g.get(), &a, first, count, stream));
+          }, py::arg("args"), py::arg("first_rank"), py::arg("num_launched"), py::arg("stream"))
+      // Expert-major layout (capi/omniep.h omniep_em_*); em_layout after layout, same stream.
+      .def("em_layout", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
+            auto a = em_layout_args(d);
+            check(omniep_em_layout(g.get(), &a, first, count, stream));
+          }, py::arg("args"), py::arg("first_rank"), py::arg("num_launched"), py::arg("stream"))
+      .def("em_dispatch", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
+            auto a = em_dispatch_args(d);
+            check(omniep_em_dispatch(g.get(), &a, first, count, stream));
+          }, py::arg("args"), py::arg("first_rank"), py::arg("num_launched"), py::arg("stream"))
+      .def("em_combine", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
+            auto a = em_combine_args(d);
+            check(omniep_em_combine(g.get(), &a, first, count, stream));
+          }, py::arg("args"), py::arg("first_rank"), py::arg("num_launched"), py::arg("stream"))
+      .def("em_dispatch_bwd", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
+            auto a = em_combine_args(d);
+            check(omniep_em_dispatch_bwd(g.get(), &a, first, count, stream));
+          }, py::arg("args"), py::arg("first_rank"), py::arg("num_launched"), py::arg("stream"))
+      .def("em_combine_bwd", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
+            auto a = em_combine_bwd_args(d);
+            check(omniep_em_combine_bwd(g.get(), &a, first, count, stream));
           }, py::arg("args"), py::arg("first_rank"), py::arg("num_launched"), py::arg("stream"));
 }
