@@ -3,7 +3,9 @@
 Every rank's buffers live on the same device and each op launches all ranks' kernels at once (one
 cooperative launch whose second grid dimension is the rank), so the multi-rank kernel logic —
 count exchange, push dispatch, pull combine, barriers, timeouts — runs and is tested on one GPU.
-Results equal :mod:`omniep.ep_core.reference` bit for bit (DESIGN §2, rank-major layout).
+Results equal :mod:`omniep.ep_core.reference` bit for bit (DESIGN §2), in the rank-major layout and,
+with ``prepare(..., layout="expert_major")``, the expert-major one (:mod:`omniep.native.expert_major`:
+``recv_x[L, C, H]``; combine applies the routing weights; combine_bwd also returns g_topk_weights).
 
 Example::
 
@@ -27,6 +29,7 @@ from ..ep_core.capacity import check_expert_alignment
 from ..ep_core.errors import CapacityError, DestroyedError, InputError
 from ..ep_core.types import DispatchConfig, Layout
 from ..ep_core.validation import check_bias, check_config, check_expert_ids, check_routing, check_tokens
+from . import expert_major as em
 from . import load
 
 INT32_MAX = 2**31 - 1
@@ -39,6 +42,8 @@ class VirtualHandle:
     ``capacity``: rows of every rank's receive buffer. ``exact``: capacity was None, so returned
     receive tensors are sliced to each rank's ``num_recv`` rows. ``send_offset[r]``: first row of
     this rank's tokens in rank r's receive order (the exclusive sum over lower source ranks).
+    Expert-major: ``capacity`` is slots per local expert, ``exact`` slices each rank's receive to its
+    fullest expert, and ``num_recv`` / ``dropped`` count copies.
     """
 
     config: DispatchConfig
@@ -54,10 +59,21 @@ class VirtualHandle:
     num_recv: list               # [] int32
     dropped: list                # [] int32
     num_recv_host: Optional[list] = None  # exact mode only
+    # Expert-major only (omniep.native.expert_major); num_recv / dropped then count copies.
+    copy_slot: Optional[list] = None         # [T, K] int32: slot of copy (t, k) at its receiver, -1 = none/dropped
+    recv_expert_count: Optional[list] = None  # [L] int32: kept copies per local expert
+    num_recv_tokens_per_expert: Optional[list] = None  # [L] int32: kept, aligned up
+    max_expert_count: Optional[list] = None  # [] int32: uncapped copies of the fullest local expert
+    expert_capacity_host: Optional[list] = None  # exact mode: each rank's slots per expert
+    topk_weights: Optional[list] = None      # [T, K] float32, recorded by dispatch for combine
 
     @property
     def is_token_in_rank(self):
         return [p >= 0 for p in self.send_pos]
+
+    @property
+    def expert_major(self) -> bool:
+        return self.config.layout == Layout.EXPERT_MAJOR
 
 
 @dataclasses.dataclass
@@ -156,11 +172,14 @@ class VirtualRanks:
 
     # ---- prepare ----
     def prepare(self, topk_idx: Sequence, num_experts: int, *, capacity: Optional[int] = None,
-                expert_alignment: int = 1, check: bool = True) -> VirtualHandle:
-        """Layout + count exchange for every rank. ``capacity=None``: exact receive sizes (syncs)."""
+                expert_alignment: int = 1, layout="rank_major", check: bool = True) -> VirtualHandle:
+        """Layout + count exchange for every rank. ``capacity=None``: exact receive sizes (syncs).
+
+        ``capacity`` is rows (rank-major) or slots per local expert (expert-major)."""
         torch = self._torch
         R = self.num_ranks
-        config = DispatchConfig(num_experts, R, Layout.RANK_MAJOR, capacity, check_expert_alignment(expert_alignment))
+        config = DispatchConfig(num_experts, R, Layout.parse(layout), capacity,
+                                check_expert_alignment(expert_alignment))
         check_config(config)
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
             raise InputError(f"capacity must be a non-negative int or None, got {capacity!r}")
@@ -188,10 +207,13 @@ class VirtualRanks:
             num_tokens_per_rank=_ptrs(h.num_tokens_per_rank),
             num_tokens_per_expert=_ptrs(h.num_tokens_per_expert), recv_counts=_ptrs(h.recv_counts),
             send_offset=_ptrs(h.send_offset), num_recv=_ptrs(h.num_recv), dropped=_ptrs(h.dropped),
-            num_tokens=T, num_topk=K, num_experts=num_experts, capacity=h.capacity,
+            num_tokens=T, num_topk=K, num_experts=num_experts,
+            capacity=INT32_MAX if h.expert_major else h.capacity,  # expert-major: em_layout counts copies
             index_bytes=idx[0].element_size(),
-        ), check or h.exact)
-        if h.exact:  # every rank's buffer holds the largest receive; returned views are sliced
+        ), check or (h.exact and not h.expert_major))
+        if h.expert_major:
+            em.prepare(self, h, check)
+        elif h.exact:  # every rank's buffer holds the largest receive; returned views are sliced
             h.num_recv_host = [int(n) for n in h.num_recv]
             h.capacity = max(h.num_recv_host, default=0)
         return h
@@ -211,7 +233,10 @@ class VirtualRanks:
 
     def dispatch(self, x: Sequence, topk_weights: Sequence, handle: VirtualHandle, *,
                  x_scales: Optional[Sequence] = None, check: bool = True, raise_on_overflow: bool = False):
-        """Rank-major dispatch of ``x[r][T_r, H]`` (bf16/fp16/fp32, or fp8-e4m3 with ``x_scales``)."""
+        """Dispatch of ``x[r][T_r, H]`` (bf16/fp16/fp32, or fp8-e4m3 with ``x_scales``) in the handle's layout."""
+        if handle.expert_major:
+            return em.dispatch(self, x, topk_weights, handle, x_scales=x_scales, check=check,
+                               raise_on_overflow=raise_on_overflow)
         torch = self._torch
         xs = self._per_rank("x", x)
         ws = self._per_rank("topk_weights", topk_weights)
@@ -262,32 +287,46 @@ class VirtualRanks:
                 raise InputError(f"{name}[{r}] has shape {tuple(t.shape)}; expected [{rows}, H] as produced by "
                                  f"dispatch with this handle")
 
-    def combine(self, y: Sequence, handle: VirtualHandle, *, bias=None, check: bool = True) -> list:
-        """``out[r][T_r, H]``: fp32 sum over ranks in ascending order (+ up to two bias terms), rounded once."""
+    def _bias_args(self, bias, handle: VirtualHandle, H: int) -> dict:
+        """Kernel arguments of up to two ``[T, H]`` bias terms per rank (None: no bias)."""
+        if bias is None:
+            return {}
+        biases = [check_bias(bias[r], handle.num_tokens[r], H) for r in range(self.num_ranks)]
+        n = len(biases[0])
+        if any(len(b) != n for b in biases):
+            raise InputError("every rank must pass the same number of bias terms")
+        biases = [tuple(b.to(self.device).contiguous() for b in bs) for bs in biases]
+        args = {"num_bias": n}
+        for i in range(n):
+            args[f"bias{i}"] = _ptrs([bs[i] for bs in biases])
+            args[f"bias_dtype{i}"] = _dtype_code(biases[0][i].dtype)
+            if any(bs[i].dtype != biases[0][i].dtype for bs in biases):
+                raise InputError("bias dtypes must agree across ranks")
+        return args
+
+    def combine(self, y: Sequence, handle: VirtualHandle, *, bias=None, topk_weights=None,
+                check: bool = True) -> list:
+        """``out[r][T_r, H]``, fp32 (+ up to two bias terms), rounded once. Rank-major: sum over ranks in
+        ascending order. Expert-major: sum over k of ``topk_weights`` (default: those dispatch saw) times
+        the copies, in k order."""
+        if handle.expert_major:
+            return em.combine(self, y, handle, topk_weights=topk_weights, bias=bias, check=check)
         ys = self._per_rank("y", y)
         self._check_recv_rows("y", ys, handle)
         _dtype_code(ys[0].dtype)
         H = ys[0].shape[1]
         outs = [self._empty((t, H), ys[0].dtype) for t in handle.num_tokens]
         args = self._combine_args(ys, handle, outs)
-        if bias is not None:
-            biases = [check_bias(bias[r], handle.num_tokens[r], H) for r in range(self.num_ranks)]
-            n = len(biases[0])
-            if any(len(b) != n for b in biases):
-                raise InputError("every rank must pass the same number of bias terms")
-            biases = [tuple(b.to(self.device).contiguous() for b in bs) for bs in biases]
-            args["num_bias"] = n
-            for i in range(n):
-                args[f"bias{i}"] = _ptrs([bs[i] for bs in biases])
-                args[f"bias_dtype{i}"] = _dtype_code(biases[0][i].dtype)
-                if any(bs[i].dtype != biases[0][i].dtype for bs in biases):
-                    raise InputError("bias dtypes must agree across ranks")
+        args.update(self._bias_args(bias, handle, H))
         self._run("combine", args, check)
         return outs
 
     def dispatch_bwd(self, g_recv_x: Sequence, g_recv_topk_weights: Sequence, handle: VirtualHandle, *,
                      check: bool = True):
-        """``(g_x, g_topk_weights)``: g_x is the combine of g_recv_x; g_topk_weights read back per slot."""
+        """``(g_x, g_topk_weights)``: g_x is the (unweighted) combine of g_recv_x; g_topk_weights read back
+        from the slot that carried each (t, k)."""
+        if handle.expert_major:
+            return em.dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle, check=check)
         torch = self._torch
         gs = self._per_rank("g_recv_x", g_recv_x)
         gws = self._per_rank("g_recv_topk_weights", g_recv_topk_weights)
@@ -301,8 +340,15 @@ class VirtualRanks:
         self._run("dispatch_bwd", args, check)
         return g_x, g_w
 
-    def combine_bwd(self, g_out: Sequence, handle: VirtualHandle, *, check: bool = True) -> list:
-        """``g_y``: a cached dispatch of g_out (padding rows 0)."""
+    def combine_bwd(self, g_out: Sequence, handle: VirtualHandle, *, y: Optional[Sequence] = None,
+                    topk_weights=None, check: bool = True):
+        """Rank-major: ``g_y``, a cached dispatch of g_out (padding rows 0).
+
+        Expert-major: ``(g_y, g_topk_weights)`` with ``g_y[l, c] = round(w[t, k] * g_out[t])`` and
+        ``g_topk_weights[t, k] = <g_out[t], y[l, c]>`` in fp32 (None unless ``y``, the combine input, is
+        given); ``topk_weights`` default to those dispatch saw."""
+        if handle.expert_major:
+            return em.combine_bwd(self, g_out, handle, y=y, topk_weights=topk_weights, check=check)
         gs = self._per_rank("g_out", g_out)
         for r in range(self.num_ranks):
             check_tokens(gs[r], handle.num_tokens[r])
