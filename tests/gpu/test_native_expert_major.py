@@ -1,0 +1,289 @@
+"""The expert-major ("low-latency") native kernels on R virtual ranks on ONE GPU, against the reference.
+
+Marked ``gpu`` (run with ``pytest -m gpu tests/gpu`` after ``make native``); skips cleanly without torch,
+CUDA or omniep._native. Bit for bit against :mod:`omniep.ep_core.reference` (Layout.EXPERT_MAJOR):
+prepare (every copy's slot), dispatch (recv_x[L, C, H], recv_topk_idx / weights, num_recv, dropped,
+per-expert counts), combine with bias, dispatch_bwd, combine_bwd's g_y; combine_bwd's g_topk_weights (a
+dot product over H) to a rounding bound. Fixed cases, hypothesis cases for R = 2, 4, 8, every ``em_*``
+golden vector, overflow, fp8 rows + scales, a row naming one expert twice, and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omniep.ep_core import reference as ref
+from omniep.ep_core.errors import CapacityError
+from omniep.ep_core.types import Layout
+from omniep.testing import golden
+from omniep.testing.cases import case_strategy, make_case, np_dtype
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+from omniep import native  # noqa: E402
+
+_AVAIL = native.availability()
+if not _AVAIL:
+    pytest.skip(f"native core unavailable: {_AVAIL.reason}", allow_module_level=True)
+
+from omniep.native.virtual_ranks import VirtualRanks  # noqa: E402
+
+EM = Layout.EXPERT_MAJOR
+_GROUPS: dict = {}
+
+
+def group(num_ranks: int) -> VirtualRanks:
+    if num_ranks not in _GROUPS:
+        _GROUPS[num_ranks] = VirtualRanks(num_ranks, timeout_s=20.0)
+    return _GROUPS[num_ranks]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_groups():
+    yield
+    for g in _GROUPS.values():
+        g.destroy()
+    _GROUPS.clear()
+
+
+# ---- numpy <-> torch, bit-exact (bf16 / fp8 through same-width integers) ----
+_BITS = {2: (np.int16, torch.int16), 1: (np.uint8, torch.uint8)}
+
+
+def to_torch(a: np.ndarray):
+    a = np.ascontiguousarray(a)
+    if a.dtype.name in ("bfloat16", "float8_e4m3fn"):
+        np_int, _ = _BITS[a.dtype.itemsize]
+        target = torch.bfloat16 if a.dtype.name == "bfloat16" else torch.float8_e4m3fn
+        return torch.from_numpy(a.view(np_int).copy()).to("cuda").view(target)
+    return torch.from_numpy(a.copy()).to("cuda")
+
+
+def to_numpy(t, like_dtype) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    dt = np.dtype(like_dtype)
+    if dt.name in ("bfloat16", "float8_e4m3fn"):
+        _, torch_int = _BITS[dt.itemsize]
+        return t.view(torch_int).numpy().view(dt)
+    return t.numpy()
+
+
+def assert_bits_equal(got, want, what: str) -> None:
+    want = np.asarray(want)
+    got = to_numpy(got, want.dtype) if not isinstance(got, np.ndarray) else got
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    w = want.view(f"u{want.dtype.itemsize}") if want.dtype.kind in "fV" else want
+    g = got.astype(want.dtype).view(w.dtype) if want.dtype.kind in "fV" else got.astype(want.dtype)
+    bad = np.nonzero(g.reshape(-1) != w.reshape(-1))[0]
+    assert bad.size == 0, f"{what}: {bad.size} elements differ, first at flat index {bad[0]}: " \
+                          f"got {got.reshape(-1)[bad[0]]} want {want.reshape(-1)[bad[0]]}"
+
+
+def assert_dots_close(got, want, g_out, ys, plan, r_src: int, what: str) -> None:
+    """g_topk_weights: an fp32 dot product over H may differ from the float64 reference by rounding;
+    the bound is that of recursive fp32 summation of rounded products, (H + 2) u sum|g y| + u |want|."""
+    got = to_numpy(got, np.float32)
+    L = plan.config.num_local_experts
+    H = g_out[r_src].shape[1]
+    bound = np.zeros_like(want, dtype=np.float64)
+    for t, k in zip(*np.nonzero(plan.copy_slot[r_src] >= 0)):
+        r = plan.owner[r_src][t, k]
+        y = ys[r][plan.topk_idx[r_src][t, k] - r * L, plan.copy_slot[r_src][t, k]].astype(np.float64)
+        bound[t, k] = np.abs(g_out[r_src][t].astype(np.float64) * y).sum()
+    u = 2.0 ** -24
+    tol = 2 * ((H + 2) * u * bound + u * np.abs(want)) + 1e-30
+    bad = np.nonzero(np.abs(got.astype(np.float64) - want) > tol)
+    assert bad[0].size == 0, f"{what}: {bad[0].size} dots off, first {got[bad][0]} vs {want[bad][0]}"
+    assert np.all(got[plan.copy_slot[r_src] < 0] == 0), f"{what}: unrouted / dropped copies must give 0"
+
+
+def randn(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
+
+
+# ---- one full round on virtual ranks vs the reference ----
+def run_and_compare(case, capacity=None, *, seed=0, num_bias=1):
+    R, E = case.num_ranks, case.num_experts
+    assert case.layout == EM
+    vr = group(R)
+    plan = ref.make_plan(case.topk_idx, case.config(capacity))
+    want = ref.dispatch(case.x, case.topk_weights, plan)
+    handle = vr.prepare([to_torch(i) for i in case.topk_idx], E, capacity=capacity,
+                        expert_alignment=case.expert_alignment, layout="expert_major")
+    for r in range(R):
+        lay = plan.layouts[r]
+        assert_bits_equal(handle.copy_slot[r], plan.copy_slot[r].astype(np.int32), f"rank {r} copy_slot")
+        assert_bits_equal(handle.num_tokens_per_expert[r], lay.num_tokens_per_expert, f"rank {r} per expert sent")
+        assert_bits_equal(handle.send_pos[r], lay.send_pos, f"rank {r} send_pos")
+    got = vr.dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle)
+    for r in range(R):
+        d, g = want[r], got[r]
+        assert_bits_equal(g.recv_x, d.recv_x, f"rank {r} recv_x")
+        assert_bits_equal(g.recv_topk_idx, d.recv_topk_idx, f"rank {r} recv_topk_idx")
+        assert_bits_equal(g.recv_topk_weights, d.recv_topk_weights, f"rank {r} recv_topk_weights")
+        assert int(g.num_recv) == d.num_recv, f"rank {r} num_recv"
+        assert int(g.dropped) == d.dropped, f"rank {r} dropped"
+        assert_bits_equal(g.num_recv_tokens_per_expert, d.num_recv_tokens_per_expert, f"rank {r} per expert")
+
+    rng = np.random.default_rng(seed + 7)
+    ys = [randn(rng, d.recv_x.shape, case.dtype) for d in want]
+    biases = [tuple(randn(rng, x.shape, case.dtype) for _ in range(num_bias)) for x in case.x]
+    want_out = ref.combine(ys, plan, topk_weights=case.topk_weights, bias=biases if num_bias else None)
+    got_out = vr.combine([to_torch(y) for y in ys], handle,
+                         bias=[tuple(to_torch(b) for b in bs) for bs in biases] if num_bias else None)
+    for r in range(R):
+        assert_bits_equal(got_out[r], want_out[r], f"rank {r} combine out")
+
+    g_recv_x = [randn(rng, d.recv_x.shape, case.dtype) for d in want]
+    g_recv_w = [rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in want]
+    want_gx, want_gw = ref.dispatch_bwd(g_recv_x, g_recv_w, plan)
+    got_gx, got_gw = vr.dispatch_bwd([to_torch(g) for g in g_recv_x], [to_torch(g) for g in g_recv_w], handle)
+    g_out = [randn(rng, x.shape, case.dtype) for x in case.x]
+    want_gy, want_gtw = ref.combine_bwd(g_out, plan, ys=ys, topk_weights=case.topk_weights)
+    got_gy, got_gtw = vr.combine_bwd([to_torch(g) for g in g_out], handle, y=[to_torch(y) for y in ys])
+    for r in range(R):
+        assert_bits_equal(got_gx[r], want_gx[r], f"rank {r} dispatch_bwd g_x")
+        assert_bits_equal(got_gw[r], want_gw[r], f"rank {r} dispatch_bwd g_topk_weights")
+        assert_bits_equal(got_gy[r], want_gy[r], f"rank {r} combine_bwd g_y")
+        assert_dots_close(got_gtw[r], want_gtw[r], g_out, ys, plan, r, f"rank {r} combine_bwd g_topk_weights")
+    return handle
+
+
+CASES = [
+    # (num_ranks, num_experts, num_topk, hidden, num_tokens, dtype, index_dtype, skew, capacity, align)
+    (2, 4, 2, 8, 5, "bfloat16", "int32", "uniform", None, 1),
+    (2, 8, 3, 3, [7, 0], "bfloat16", "int64", "uniform", None, 1),          # odd row bytes, empty rank
+    (4, 8, 2, 16, [3, 9, 1, 4], "float16", "int32", "one_rank", None, 4),
+    (4, 16, 4, 64, 33, "float32", "int64", "one_expert", 5, 1),            # overflow on the hot expert
+    (8, 16, 3, 24, 10, "bfloat16", "int32", "uniform", 6, 2),
+    (8, 8, 1, 5, [4, 0, 2, 9, 1, 1, 0, 3], "float32", "int32", "empty_rank", None, 1),
+    (2, 32, 8, 1024, 300, "bfloat16", "int64", "uniform", None, 1),        # 16-byte packs, several H chunks
+    (8, 64, 8, 512, 96, "bfloat16", "int32", "uniform", 40, 4),
+    (4, 12, 3, 7, 6, "float16", "int64", "uniform", 0, 1),                  # capacity 0: all dropped
+    (2, 64, 40, 16, 9, "float32", "int32", "uniform", None, 1),             # K > warp size
+]
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: f"R{p[0]}_E{p[1]}_K{p[2]}_H{p[3]}_{p[5]}_{p[7]}_cap{p[8]}")
+def test_em_cases_bitwise(params):
+    R, E, K, H, T, dtype, index_dtype, skew, capacity, align = params
+    case = make_case(R * 1000 + H, num_ranks=R, num_experts=E, num_topk=K, hidden=H, num_tokens=T,
+                     dtype=dtype, index_dtype=index_dtype, skew=skew, expert_alignment=align, layout=EM)
+    run_and_compare(case, capacity, num_bias=2 if R == 4 else 1)
+
+
+def test_em_same_expert_twice_in_a_row():
+    """A row naming one expert twice makes two copies, in k order (the reference's rule)."""
+    case = make_case(17, num_ranks=4, num_experts=8, num_topk=3, hidden=16, num_tokens=11, layout=EM)
+    for idx in case.topk_idx:
+        idx[::2, 2] = idx[::2, 0]
+    run_and_compare(case, None)
+    run_and_compare(case, 3)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_em_property_cases_bitwise(num_ranks):
+    from hypothesis import given
+
+    @given(case_strategy(fixed_ranks=num_ranks, layouts=(EM,)))
+    def check(case):
+        run_and_compare(case, case.capacity)
+
+    check()
+
+
+EM_GOLDEN = [p for p in golden.golden_files() if p.stem.startswith("em_")]
+
+
+@pytest.mark.parametrize("path", EM_GOLDEN, ids=lambda p: p.stem)
+def test_em_golden_vectors(path):
+    g = golden.load(path)
+    case, inp, exp = g.case, g.inputs, g.expected
+    R = case.num_ranks
+    vr = group(R)
+    handle = vr.prepare([to_torch(i) for i in case.topk_idx], case.num_experts, capacity=golden.static_capacity(case),
+                        expert_alignment=case.expert_alignment, layout="expert_major")
+    got = vr.dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle)
+    out = vr.combine([to_torch(y) for y in inp["y"]], handle, bias=[(to_torch(b),) for b in inp["bias"]])
+    g_x, g_w = vr.dispatch_bwd([to_torch(a) for a in inp["g_recv_x"]], [to_torch(a) for a in inp["g_recv_w"]], handle)
+    g_y, _ = vr.combine_bwd([to_torch(a) for a in inp["g_out"]], handle, y=[to_torch(y) for y in inp["y"]])
+    for r in range(R):
+        assert_bits_equal(got[r].recv_x, exp["recv_x"][r], f"{g.name} rank {r} recv_x")
+        assert_bits_equal(got[r].recv_topk_idx, exp["recv_topk_idx"][r], f"{g.name} rank {r} recv_topk_idx")
+        assert_bits_equal(got[r].recv_topk_weights, exp["recv_topk_weights"][r], f"{g.name} rank {r} weights")
+        assert int(got[r].num_recv) == int(exp["num_recv"][r])
+        assert int(got[r].dropped) == int(exp["dropped"][r])
+        assert_bits_equal(got[r].num_recv_tokens_per_expert, exp["num_recv_tokens_per_expert"][r].astype(np.int32),
+                          f"{g.name} rank {r} per expert")
+        assert_bits_equal(out[r], exp["out"][r], f"{g.name} rank {r} combine out")
+        assert_bits_equal(g_x[r], exp["g_x"][r], f"{g.name} rank {r} g_x")
+        assert_bits_equal(g_w[r], exp["g_w"][r], f"{g.name} rank {r} g_w")
+        assert_bits_equal(g_y[r], exp["g_y"][r], f"{g.name} rank {r} g_y")
+
+
+def test_em_overflow_counted_and_raised():
+    case = make_case(3, num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_tokens=12, skew="one_expert",
+                     layout=EM)
+    handle = run_and_compare(case, capacity=4)
+    assert sum(int(d) for d in handle.dropped) > 0
+    with pytest.raises(CapacityError, match="capacity overflow on rank"):
+        group(4).dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle,
+                          raise_on_overflow=True)
+
+
+def test_em_fp8_rows_and_scales_move_unchanged():
+    R, T, H = 4, 9, 256
+    case = make_case(11, num_ranks=R, num_experts=8, num_topk=2, hidden=H, num_tokens=T, dtype="float8_e4m3fn",
+                     layout=EM)
+    rng = np.random.default_rng(5)
+    scales = [rng.random((T, H // 128)).astype(np.float32) for _ in range(R)]
+    plan = ref.make_plan(case.topk_idx, case.config(R * T))
+    want = ref.dispatch(case.x, case.topk_weights, plan)
+    want_s = ref.dispatch(scales, case.topk_weights, plan)
+    vr = group(R)
+    handle = vr.prepare([to_torch(i) for i in case.topk_idx], 8, capacity=R * T, layout="expert_major")
+    got = vr.dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle,
+                      x_scales=[to_torch(s) for s in scales])
+    for r in range(R):
+        assert_bits_equal(got[r].recv_x, want[r].recv_x, f"rank {r} fp8 recv_x")
+        assert_bits_equal(got[r].recv_x_scales, want_s[r].recv_x, f"rank {r} recv_x_scales")
+
+
+def test_em_cuda_graph_replay():
+    """The static path (prepare, dispatch, combine) has no host synchronisation: it captures and replays."""
+    R, E, cap = 2, 16, 24
+    case = make_case(21, num_ranks=R, num_experts=E, num_topk=4, hidden=128, num_tokens=64, dtype="bfloat16",
+                     layout=EM)
+    vr = group(R)
+    idx = [to_torch(i) for i in case.topk_idx]
+    xs = [to_torch(x) for x in case.x]
+    ws = [to_torch(w) for w in case.topk_weights]
+    plan = ref.make_plan(case.topk_idx, case.config(cap))
+    want = ref.dispatch(case.x, case.topk_weights, plan)
+    want_out = ref.combine([d.recv_x for d in want], plan, topk_weights=case.topk_weights)
+    for _ in range(5):  # warm-up, and repeated calls need no host bookkeeping
+        handle = vr.prepare(idx, E, capacity=cap, layout="expert_major", check=False)
+        got = vr.dispatch(xs, ws, handle, check=False)
+        vr.combine([g.recv_x for g in got], handle, check=False)
+    vr.check()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            g_handle = vr.prepare(idx, E, capacity=cap, layout="expert_major", check=False)
+            g_got = vr.dispatch(xs, ws, g_handle, check=False)
+            g_out = vr.combine([g.recv_x for g in g_got], g_handle, check=False)
+    for _ in range(3):
+        for o in g_out:
+            o.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    vr.check()
+    for r in range(R):
+        assert_bits_equal(g_got[r].recv_x, want[r].recv_x, f"rank {r} graph recv_x")
+        assert int(g_got[r].dropped) == want[r].dropped
+        assert_bits_equal(g_out[r], want_out[r], f"rank {r} graph combine")
