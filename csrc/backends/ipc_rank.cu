@@ -79,9 +79,7 @@ IpcRank::IpcRank(int rank, int num_ranks, uint64_t timeout_ns)
 IpcRank::~IpcRank() {
   cudaDeviceSynchronize();  // kernels may still use the buffers
   close_peer_data();
-  for (int r = 0; r < num_ranks_; ++r) {
-    if (r != rank_ && workspaces_[r]) cudaIpcCloseMemHandle(workspaces_[r]);
-  }
+  close_peer_workspaces();
   if (data_[rank_]) cudaFree(data_[rank_]);
   if (workspaces_[rank_]) cudaFree(workspaces_[rank_]);
 }
@@ -116,6 +114,15 @@ void IpcRank::close_peer_data() {
     if (r != rank_ && data_[r]) {
       cudaIpcCloseMemHandle(data_[r]);
       data_[r] = nullptr;
+    }
+  }
+}
+
+void IpcRank::close_peer_workspaces() {
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r != rank_ && workspaces_[r]) {
+      cudaIpcCloseMemHandle(workspaces_[r]);
+      workspaces_[r] = nullptr;
     }
   }
 }

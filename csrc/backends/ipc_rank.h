@@ -52,6 +52,8 @@ class IpcRank {
   void open_workspaces(const std::vector<std::string>& handles);
   // Drop my mappings of the peers' data buffers (before anyone frees theirs).
   void close_peer_data();
+  // Drop my mappings of the peers' workspaces (teardown: before anyone frees theirs).
+  void close_peer_workspaces();
   // Free my data buffer (if any) and allocate `bytes` (zeroed). Call close_peer_data() on every
   // rank, then a host barrier, then this, so no peer still maps the old buffer.
   void allocate_data(size_t bytes);

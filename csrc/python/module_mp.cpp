@@ -168,6 +168,7 @@ PYBIND11_MODULE(_native_mp, m) {
       .def("workspace_handle", [](const IpcRank& g) { return py::bytes(g.workspace_handle()); })
       .def("open_workspaces", [](IpcRank& g, const std::vector<py::bytes>& h) { g.open_workspaces(handles(h)); })
       .def("close_peer_data", &IpcRank::close_peer_data)
+      .def("close_peer_workspaces", &IpcRank::close_peer_workspaces)
       .def("allocate_data", &IpcRank::allocate_data, "Free + allocate my data buffer (synchronises).")
       .def("data_handle", [](const IpcRank& g) { return py::bytes(g.data_handle()); })
       .def("open_data", [](IpcRank& g, const std::vector<py::bytes>& h) { g.open_data(handles(h)); })

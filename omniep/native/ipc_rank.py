@@ -102,8 +102,9 @@ class IpcRankState:
         if self._impl is not None:
             self._torch.cuda.synchronize()
             self._impl.close_peer_data()
-            self._all_gather(None)
-            self._impl = None  # the C++ destructor frees my buffers
+            self._impl.close_peer_workspaces()
+            self._all_gather(None)  # nobody maps my buffers any more
+            self._impl = None  # the C++ destructor frees them
 
     def reserve(self, nbytes: int) -> None:
         """Make the data buffer at least ``nbytes`` on every rank. Collective when it grows; every rank

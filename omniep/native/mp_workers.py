@@ -1,0 +1,110 @@
+"""Rank functions for the multi-process GPU tests of ``cuda_nvshmem`` (importable by spawned children).
+
+:func:`native_session` is an :func:`omniep.testing.procs.run_ranks` target: it pins a CUDA device
+(``per_gpu``: device = rank; else every rank on device 0, several processes sharing one GPU over CUDA
+IPC), joins a gloo group (the control plane; data moves through the native kernels) and runs every
+job once, returning numpy arrays with their bits intact for the parent to compare with the
+reference. Frontend jobs reuse :func:`omniep.testing.torch_workers.frontend_job` with inputs placed on
+the GPU; backend jobs call :class:`CudaNvshmemTorch` directly (static capacity that drops rows).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from ..ep_core.errors import CapacityError, PeerTimeoutError
+
+
+def _cuda_inputs():
+    """Make ``torch_workers.to_torch`` put every input on the current CUDA device."""
+    from ..testing import torch_workers as tw
+
+    if not getattr(tw.to_torch, "_omniep_cuda", False):
+        cpu = tw.to_torch
+
+        def to_cuda(a):
+            return cpu(a).cuda()
+
+        to_cuda._omniep_cuda = True
+        tw.to_torch = to_cuda
+    return tw
+
+
+def backend_job(rank: int, job: dict) -> dict:
+    """dispatch, combine (with the job's biases), dispatch_bwd, combine_bwd through the backend itself."""
+    from ..backends.cuda_nvshmem.torch_backend import CudaNvshmemTorch
+
+    tw = _cuda_inputs()
+    case = job["case"]
+    be = CudaNvshmemTorch()
+    x, idx, w = (tw.to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
+    handle = be.prepare(idx, case.config())
+    fp8 = case.dtype == "float8_e4m3fn"
+    moved = (x, tw.to_torch(job["x_scales"][rank])) if fp8 else x
+    fields, handle = be.dispatch(moved, w, handle)
+    res = tw._dispatched(*fields)
+    if fp8:
+        return res
+    y, g_out = tw.to_torch(job["y"][rank]), tw.to_torch(job["g_out"][rank])
+    res["out"] = tw.to_numpy(be.combine(y, handle, tuple(tw.to_torch(b) for b in job["bias"][rank])))
+    g_x, g_w = be.dispatch_bwd(tw.to_torch(job["g_recv_x"][rank]), tw.to_torch(job["g_recv_w"][rank]), handle)
+    g_y, _ = be.combine_bwd(g_out, handle, y)
+    res.update(g_x=tw.to_numpy(g_x), g_w=tw.to_numpy(g_w), g_y=tw.to_numpy(g_y))
+    return res
+
+
+def frontend_job(rank: int, job: dict) -> dict:
+    """dispatch -> combine with autograd through ``omniep.torch`` (OMNIEP_BACKEND picks the backend)."""
+    tw = _cuda_inputs()
+    try:
+        return tw.frontend_job(rank, job)
+    except CapacityError as exc:
+        return tw._capacity_error(exc)
+
+
+def timeout_job(rank: int, job: dict) -> dict:
+    """Rank ``job['silent']`` skips prepare; the others must get PeerTimeoutError naming it."""
+    import torch.distributed as dist
+
+    from ..backends.cuda_nvshmem.torch_backend import CudaNvshmemTorch
+
+    tw = _cuda_inputs()
+    case = job["case"]
+    out = dict(error=None)
+    if rank != job["silent"]:
+        be = CudaNvshmemTorch()
+        idx = tw.to_torch(case.topk_idx[rank])
+        state = be._state(idx.device)
+        state._g().set_timeout_ns(int(1e9))  # fail fast: this wait cannot succeed
+        be.prepare(idx, case.config())
+        try:
+            state.check()
+        except PeerTimeoutError as exc:
+            out = dict(error="PeerTimeoutError", rank=exc.rank, peer=exc.peer, message=str(exc))
+    dist.barrier()
+    return out
+
+
+def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool) -> dict:
+    """Run ``jobs`` (keys: frontend, backend, timeout -> lists of job dicts) in one gloo group."""
+    import torch
+
+    from ..backends.cuda_nvshmem.torch_backend import destroy_states
+    from ..testing.torch_workers import init_gloo, shutdown
+
+    torch.cuda.set_device(rank if per_gpu else 0)
+    init_gloo(rank, world, port, timeout_s=120)
+    runners = dict(frontend=frontend_job, backend=backend_job, timeout=timeout_job)
+    out = {key: [] for key in jobs}
+    try:
+        for key in ("frontend", "backend", "timeout"):  # timeout last: it leaves the signals out of step
+            for i, job in enumerate(jobs.get(key, ())):
+                try:
+                    out[key].append(runners[key](rank, job))
+                except Exception as exc:
+                    raise RuntimeError(f"{key} job {i} failed on rank {rank}: {exc}\n{traceback.format_exc()}") from exc
+        if not jobs.get("timeout"):
+            destroy_states()
+    finally:
+        shutdown()
+    return out

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call for the one-process-per-rank path (cuda_nvshmem over CUDA IPC, NVSHMEM if built):
+# build, the multi-process GPU tests, the multi-GPU benchmark. Logs go to $OUT (default ./gpu_out).
+# Finishes inside 9 minutes: build <= 3 min, tests <= 4 min, benchmark <= 1.5 min (each step has its
+# own timeout; a failing step does not stop the later ones; the exit status is the first failure's).
+# Run it on `nvidia-h200-x2` (two GPUs: same-GPU and one-process-per-GPU sessions + the benchmark);
+# on one GPU the per-GPU session and the benchmark skip themselves.
+#   scripts/gpu_check_multi.sh            # on the GPU machine, from the repository root
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHON="$PY"
+status=0
+step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, log to $OUT/NAME.log, remember failures
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc"
+  [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
+  return 0
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m
+  "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.device_count(), "GPUs")'
+  "$PY" -c 'import nvidia.nvshmem, os; print("nvshmem wheel:", os.path.dirname(nvidia.nvshmem.__file__))' || true
+  nvcc --version | tail -2
+} 2>&1 | tee "$OUT/env.log"
+
+step build 180 scripts/build_native.sh
+step pytest_multi 240 "$PY" -m pytest -m gpu tests/gpu/test_native_multiprocess.py -q -rs --timeout=420 -p no:cacheprovider
+step bench_multi 90 "$PY" benchmarks/bench_multigpu.py
+echo "gpu_check_multi: exit $status; logs in $OUT"
+exit $status
