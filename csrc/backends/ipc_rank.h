@@ -20,9 +20,8 @@
 
 #include <stdint.h>
 
-#include <map>
+#include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "kernels/args.h"
@@ -30,6 +29,8 @@
 typedef struct CUstream_st* cudaStream_t;
 
 namespace omniep {
+
+class OneRankLauncher;
 
 class IpcRank {
  public:
@@ -44,7 +45,7 @@ class IpcRank {
   int device() const { return device_; }
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
-  void set_blocks(int n) { blocks_ = n; blocks_cache_.clear(); }
+  void set_blocks(int n);  // blocks of dispatch/combine; 0 = automatic (<= 24)
 
   // ---- bootstrap (collective: every rank calls these in the same order) ----
   std::string workspace_handle() const;  // cudaIpcMemHandle_t bytes of my workspace
@@ -90,18 +91,15 @@ class IpcRank {
   void reset();
 
  private:
-  int blocks_for(const void* kernel, int threads, size_t smem) const;
   void check_shape(int num_experts, int capacity) const;
 
   int rank_, num_ranks_;
   int device_ = 0;
-  int num_sms_ = 0;
   uint64_t timeout_ns_;
-  int blocks_ = 0;
+  std::unique_ptr<OneRankLauncher> launcher_;
   std::vector<RankWorkspace*> workspaces_;  // [R]: mine allocated here, peers' IPC-mapped
   std::vector<void*> data_;                 // [R]: same
   size_t data_bytes_ = 0;
-  mutable std::map<std::tuple<const void*, size_t>, int> blocks_cache_;
 };
 
 }  // namespace omniep
