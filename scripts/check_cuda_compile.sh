@@ -9,10 +9,28 @@ ARCH="${OMNIEP_CUDA_ARCH:-sm_90}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 status=0
+# NVSHMEM sources need the nvidia-nvshmem wheel's headers: OMNIEP_NVSHMEM_ROOT, or the package of
+# $PYTHON (default .venv/bin/python, python3); without them those sources are skipped, and said so.
+NVSHMEM_ROOT="${OMNIEP_NVSHMEM_ROOT:-}"
+if [[ -z "$NVSHMEM_ROOT" ]]; then
+  for py in "${PYTHON:-}" .venv/bin/python python3; do
+    [[ -n "$py" ]] && command -v "$py" >/dev/null || continue
+    NVSHMEM_ROOT="$("$py" -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0])' 2>/dev/null)" && break
+  done
+fi
+CUDA_INC="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}/include"
 while IFS= read -r src; do
-  echo "nvcc -arch=$ARCH $src"
+  extra=()
+  if [[ "$src" == *nvshmem* ]]; then
+    if [[ -z "$NVSHMEM_ROOT" || ! -f "$NVSHMEM_ROOT/include/nvshmem.h" ]]; then
+      echo "skip $src (NVSHMEM headers not found: set OMNIEP_NVSHMEM_ROOT or pip install nvidia-nvshmem-cu13)"
+      continue
+    fi
+    extra=(-rdc=true -I"$NVSHMEM_ROOT/include" -I"$CUDA_INC/cccl")
+  fi
+  echo "nvcc -arch=$ARCH ${extra[*]} $src"
   if ! "$NVCC" -arch="$ARCH" -std=c++17 -Icsrc -Icsrc/include --expt-relaxed-constexpr -Werror all-warnings \
-       -c "$src" -o "$out/$(basename "$src").o"; then
+       "${extra[@]}" -c "$src" -o "$out/$(basename "$src").o"; then
     status=1
   fi
 done < <(find csrc -name '*.cu' | sort)

@@ -244,3 +244,40 @@ class IpcRankState:
             args.update(g_recv_topk_weights=offsets[1], g_topk_weights=g_w.data_ptr(), with_topk_grad=1)
         self._g().combine(args, self._stream())
         return (out, g_w) if grad else out
+
+
+class NvshmemRankState(IpcRankState):
+    """The same ops over the NVSHMEM transport (``omniep._native_nvshmem``): workspace and data buffer
+    from ``nvshmem_malloc``; rank 0's unique id is broadcast through ``torch.distributed``. One group
+    per process (NVSHMEM is initialised once). Peers must be load/store reachable (NVLink, same GPU)."""
+
+    def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0):
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist = torch, dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.timeout_s = float(timeout_s)
+        native = importlib.import_module("omniep._native_nvshmem")
+        uid = self._all_gather(native.unique_id() if self.rank == 0 else None)[0]
+        self._impl = native.NvshmemRank(self.rank, self.world, uid, int(self.timeout_s * 1e9))
+        if blocks:
+            self._impl.set_blocks(int(blocks))
+
+    def destroy(self) -> None:
+        if self._impl is not None:
+            self._torch.cuda.synchronize()
+            self._impl = None  # the destructor frees (collectively) and finalises NVSHMEM
+
+    def reserve(self, nbytes: int) -> None:
+        g = self._g()
+        if nbytes <= g.data_bytes:
+            return
+        if self._torch.cuda.is_current_stream_capturing():
+            raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
+                             f"run the same call once eagerly before capturing")
+        new = max(nbytes, 2 * g.data_bytes, 1 << 21)
+        g.allocate_data((new + (1 << 21) - 1) >> 21 << 21)  # collective inside (nvshmem_malloc)

@@ -2,5 +2,6 @@
 
 Transport today: the p2p transport over CUDA IPC peer pointers (``omniep._native_mp``, always built
 with ``make native``). The NVSHMEM transport is an optional second module (``omniep._native_nvshmem``)
-built only where the ``nvidia-nvshmem-cu13`` wheel is found; :func:`transport` says which one runs.
+built with ``-DOMNIEP_NVSHMEM=ON`` from the ``nvidia-nvshmem-cu13`` wheel and selected with
+``OMNIEP_TRANSPORT=nvshmem``; ``torch_backend.transport()`` says which one runs.
 """

@@ -30,15 +30,16 @@ MIN_CC = (9, 0)
 
 
 def transport() -> tuple[str, str]:
-    """``(name, why)`` of the transport this process would use: ``nvshmem`` when its module is built and
-    not disabled by ``OMNIEP_TRANSPORT=ipc``, else ``ipc`` (p2p over CUDA IPC)."""
-    if os.environ.get("OMNIEP_TRANSPORT", "") == "ipc":
-        return "ipc", "OMNIEP_TRANSPORT=ipc"
+    """``(name, why)`` of the transport this process uses: ``nvshmem`` when ``OMNIEP_TRANSPORT=nvshmem``
+    and its module is built (opt-in until it has run on the GPU machines), else ``ipc`` (p2p over CUDA
+    IPC peer pointers)."""
     try:
         importlib.import_module("omniep._native_nvshmem")
     except ImportError as exc:
         return "ipc", f"NVSHMEM not found ({exc})"
-    return "nvshmem", "omniep._native_nvshmem built"
+    if os.environ.get("OMNIEP_TRANSPORT", "") != "nvshmem":
+        return "ipc", "omniep._native_nvshmem is built; OMNIEP_TRANSPORT=nvshmem selects it"
+    return "nvshmem", "OMNIEP_TRANSPORT=nvshmem"
 
 
 def destroy_states() -> None:
@@ -97,7 +98,7 @@ class CudaNvshmemTorch(EPBackend):
 
     # ---- plumbing ----
     def _state(self, device: torch.device):
-        from ...native.ipc_rank import IpcRankState
+        from ...native.ipc_rank import IpcRankState, NvshmemRankState
 
         if device.type != "cuda":
             raise UnsupportedError(self.name, f"tensors on {device} (it serves CUDA tensors; use "
@@ -108,7 +109,8 @@ class CudaNvshmemTorch(EPBackend):
         key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
         if key not in _STATES:
             timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
-            _STATES[key] = IpcRankState(self.group, timeout_s=timeout)
+            cls = NvshmemRankState if transport()[0] == "nvshmem" else IpcRankState
+            _STATES[key] = cls(self.group, timeout_s=timeout)
         return _STATES[key]
 
     def all_gather(self, values: torch.Tensor) -> torch.Tensor:

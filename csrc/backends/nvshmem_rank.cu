@@ -1,0 +1,141 @@
+// NvshmemRank (see nvshmem_rank.h): bootstrap, symmetric buffers and launchers over NVSHMEM.
+#include "backends/nvshmem_rank.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "backends/one_rank_launch.cuh"
+#include "transports/nvshmem.cuh"
+
+namespace omniep {
+namespace {
+
+void check_nvshmem(int status, const char* what) {
+  if (status != 0) throw std::runtime_error(std::string("omniep: ") + what + " failed (NVSHMEM status " +
+                                            std::to_string(status) + ")");
+}
+
+}  // namespace
+
+std::string NvshmemRank::unique_id() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  check_nvshmem(nvshmemx_get_uniqueid(&id), "nvshmemx_get_uniqueid");
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+NvshmemRank::NvshmemRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns)
+    : rank_(rank), num_ranks_(num_ranks), timeout_ns_(timeout_ns) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
+    throw std::invalid_argument("omniep: rank " + std::to_string(rank) + " of " + std::to_string(num_ranks) +
+                                ": need 0 <= rank < num_ranks <= " + std::to_string(kMaxRanks));
+  }
+  nvshmemx_uniqueid_t id;
+  if (uid.size() != sizeof(id)) throw std::invalid_argument("omniep: NVSHMEM unique id has the wrong size");
+  std::memcpy(&id, uid.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  check_nvshmem(nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr), "nvshmemx_set_attr_uniqueid_args");
+  check_nvshmem(nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr), "nvshmemx_init_attr");
+  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks) {
+    throw std::runtime_error("omniep: NVSHMEM PE numbering does not match the EP ranks");
+  }
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  launcher_ = std::make_unique<OneRankLauncher>(device);
+  workspace_ = static_cast<RankWorkspace*>(nvshmem_malloc(sizeof(RankWorkspace)));
+  if (!workspace_) throw std::runtime_error("omniep: nvshmem_malloc of the workspace failed");
+  check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "zeroing the workspace");
+  check_cuda(cudaDeviceSynchronize(), "zeroing the workspace");
+  const char* force_remote = std::getenv("OMNIEP_FORCE_REMOTE");
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r == rank) continue;
+    if (!nvshmem_ptr(workspace_, r) || (force_remote && std::strcmp(force_remote, "1") == 0)) {
+      throw std::runtime_error("omniep: PE " + std::to_string(r) + (force_remote ? " is forced remote" : " has no load/store path") +
+                               ": the NVSHMEM put + signal path needs put-based kernels, not implemented yet");
+    }
+  }
+  nvshmem_barrier_all();  // every workspace is zero before anyone signals
+}
+
+NvshmemRank::~NvshmemRank() {
+  cudaDeviceSynchronize();
+  nvshmem_barrier_all();
+  if (data_) nvshmem_free(data_);
+  if (workspace_) nvshmem_free(workspace_);
+  nvshmem_finalize();
+}
+
+void NvshmemRank::set_blocks(int n) { launcher_->set_blocks(n); }
+
+void NvshmemRank::allocate_data(size_t bytes) {
+  check_cuda(cudaDeviceSynchronize(), "synchronising before re-allocating the data buffer");
+  nvshmem_barrier_all();  // nobody still reads or writes the old buffer
+  if (data_) nvshmem_free(data_);
+  data_ = nullptr;
+  data_bytes_ = 0;
+  if (bytes == 0) return;
+  data_ = nvshmem_malloc(bytes);
+  if (!data_) throw std::runtime_error("omniep: nvshmem_malloc of " + std::to_string(bytes) + " bytes failed "
+                                       "(raise NVSHMEM_SYMMETRIC_SIZE)");
+  data_bytes_ = bytes;
+  check_cuda(cudaMemset(data_, 0, bytes), "zeroing the data buffer");
+  check_cuda(cudaDeviceSynchronize(), "zeroing the data buffer");
+}
+
+static NvshmemTransport make_transport(RankWorkspace* ws, int me, int R, uint64_t timeout) {
+  NvshmemTransport tr = {};
+  tr.me = me;
+  tr.group_size = R;
+  tr.wait_timeout_ns = timeout;
+  tr.workspaces.p[me] = ws;
+  return tr;
+}
+
+void NvshmemRank::layout(const LayoutArgs& args, cudaStream_t stream) {
+  launcher_->layout(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), stream);
+}
+
+void NvshmemRank::dispatch(DispatchArgs args, cudaStream_t stream) {
+  // Symmetric buffers sit at the same offset on every PE: my addresses decide the copy unit.
+  uintptr_t addrs[2] = {reinterpret_cast<uintptr_t>(args.x.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x.p[rank_])};
+  args.unit = row_copy_unit(args.row_bytes, addrs, 2);
+  uintptr_t addrs2[2] = {reinterpret_cast<uintptr_t>(args.x2.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x2.p[rank_])};
+  args.unit2 = row_copy_unit(args.row2_bytes, addrs2, 2);
+  launcher_->dispatch(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), stream);
+}
+
+void NvshmemRank::combine(const CombineArgs& args, cudaStream_t stream) {
+  const bool vec = (static_cast<int64_t>(args.hidden) * dtype_size(args.dtype)) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(args.out.p[rank_]) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(args.y.p[rank_]) % 16 == 0;
+  launcher_->combine(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), vec, stream);
+}
+
+void NvshmemRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
+  check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, workspace_->counts, sizeof(int32_t) * kMaxRanks,
+                               sizeof(int32_t) * num_ranks_, num_ranks_, cudaMemcpyDeviceToDevice, stream),
+             "copying the count matrix");
+}
+
+void NvshmemRank::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
+  check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                             cudaMemcpyDeviceToDevice, stream), "copying rows to / from the data buffer");
+}
+
+ErrorRecord NvshmemRank::read_error() const {
+  check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
+  ErrorRecord out;
+  check_cuda(cudaMemcpy(&out, &workspace_->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost), "reading the error record");
+  return out;
+}
+
+void NvshmemRank::reset() {
+  check_cuda(cudaDeviceSynchronize(), "synchronising before reset");
+  check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "reset");
+  check_cuda(cudaDeviceSynchronize(), "reset");
+}
+
+}  // namespace omniep

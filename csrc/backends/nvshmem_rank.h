@@ -1,0 +1,68 @@
+// NvshmemRank: ONE rank (PE) of an EP group over NVSHMEM, one process per rank.
+//
+// Bootstrap by unique id: rank 0 calls unique_id(), the caller broadcasts the bytes (torch.distributed),
+// every rank constructs NvshmemRank(rank, R, id). The workspace and the data buffer come from
+// nvshmem_malloc (collective, same size on every PE), so a buffer at the same offset is symmetric;
+// the kernels reach peers through nvshmem_ptr (transports/nvshmem.cuh). All peers must be reachable
+// by loads/stores (NVLink / same GPU): the constructor checks it and refuses OMNIEP_FORCE_REMOTE=1,
+// since the put + signal path needs kernels that today's csrc/kernels do not have.
+// Same op interface as IpcRank (python/rank_args.h binds both). Host-only header.
+#pragma once
+
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+
+#include "kernels/args.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace omniep {
+
+class OneRankLauncher;
+
+class NvshmemRank {
+ public:
+  static std::string unique_id();  // nvshmemx_get_uniqueid, as bytes
+  NvshmemRank(int rank, int num_ranks, const std::string& unique_id, uint64_t timeout_ns);
+  ~NvshmemRank();  // nvshmem_free + nvshmem_finalize (collective)
+  NvshmemRank(const NvshmemRank&) = delete;
+  NvshmemRank& operator=(const NvshmemRank&) = delete;
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  uint64_t timeout_ns() const { return timeout_ns_; }
+  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
+  void set_blocks(int n);
+  size_t data_bytes() const { return data_bytes_; }
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
+  // Collective (every PE, same bytes): free and re-allocate the symmetric data buffer.
+  void allocate_data(size_t bytes);
+
+  // Entry [me] = my data buffer + offset (the transport derives the peers' with nvshmem_ptr).
+  template <typename T>
+  PerRank<T> sym(int64_t offset) const {
+    PerRank<T> out = {};
+    out.p[rank_] = data_ ? reinterpret_cast<T*>(static_cast<char*>(data_) + offset) : nullptr;
+    return out;
+  }
+
+  void layout(const LayoutArgs& args, cudaStream_t stream);
+  void dispatch(DispatchArgs args, cudaStream_t stream);
+  void combine(const CombineArgs& args, cudaStream_t stream);
+  void copy_counts(int32_t* dst, cudaStream_t stream) const;
+  void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
+  ErrorRecord read_error() const;
+  void reset();
+
+ private:
+  int rank_, num_ranks_;
+  uint64_t timeout_ns_;
+  RankWorkspace* workspace_ = nullptr;
+  void* data_ = nullptr;
+  size_t data_bytes_ = 0;
+  std::unique_ptr<OneRankLauncher> launcher_;
+};
+
+}  // namespace omniep
