@@ -75,7 +75,7 @@ def timeout_job(rank: int, job: dict) -> dict:
         be = CudaNvshmemTorch()
         idx = tw.to_torch(case.topk_idx[rank])
         state = be._state(idx.device)
-        state._g().set_timeout_ns(int(1e9))  # fail fast: this wait cannot succeed
+        state._g().set_timeout_ns(int(2e9))  # fail fast: this wait cannot succeed
         be.prepare(idx, case.config())
         try:
             state.check()

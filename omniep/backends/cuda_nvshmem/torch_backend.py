@@ -119,7 +119,8 @@ class CudaNvshmemTorch(EPBackend):
 
         device = values.device
         t = values.to(torch.int64).reshape(-1)
-        t = t.cpu() if dist.get_backend(self.group) == "gloo" else t.to("cuda", torch.cuda.current_device())
+        on_cpu = dist.get_backend(self.group) == "gloo"  # gloo all_gather takes CPU tensors
+        t = t.cpu() if on_cpu else t.to(torch.device("cuda", torch.cuda.current_device()))
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t, group=self.group)
         return torch.stack(out).to(device)
