@@ -99,12 +99,13 @@ class CollectiveJax(EPBackend):
         R, E, L, cap = cfg.num_ranks, cfg.num_experts, cfg.num_local_experts, cfg.capacity
         T, K = handle.topk_idx.shape
         owner = lay.owner_of(handle.topk_idx, E, L)
+        # Routing per destination block: local expert ids of the destination (-1 elsewhere), weights.
         slot_token = lay.token_of_slot(handle.send_pos)
-        has = (slot_token < T)[..., None]
+        sent = slot_token < T
         dest = jnp.arange(R, dtype=jnp.int32)[:, None, None]
-        mine = (lay.take_rows(owner, slot_token, slot_token < T) == dest) & has
-        send_idx = jnp.where(mine, lay.take_rows(handle.topk_idx, slot_token, slot_token < T) - dest * L, -1)
-        send_w = jnp.where(mine, lay.take_rows(topk_weights, slot_token, slot_token < T), 0.0)
+        mine = (lay.take_rows(owner, slot_token, sent) == dest) & sent[..., None]
+        send_idx = jnp.where(mine, lay.take_rows(handle.topk_idx, slot_token, sent) - dest * L, -1)
+        send_w = jnp.where(mine, lay.take_rows(topk_weights, slot_token, sent), 0.0)
         buf_idx = self._exchange(send_idx).reshape(R * T, K)
         buf_w = self._exchange(send_w).reshape(R * T, K)
         xs = x if isinstance(x, tuple) else (x,)
