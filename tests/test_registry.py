@@ -69,3 +69,35 @@ def test_unsupported_request_names_backend_feature_and_alternatives(monkeypatch)
     with pytest.raises(UnsupportedError, match="8 ranks"):
         registry.require(_RankMajorOnly, "jax", num_ranks=8)
     registry.require(_RankMajorOnly, "jax", layout=Layout.RANK_MAJOR, num_ranks=4)  # served: no error
+
+
+class _GpuOnly:
+    """A backend class as the registry sees it: available, but only for arrays on a GPU."""
+
+    name = "gpu_only"
+    framework = "torch"
+
+    @classmethod
+    def availability(cls):
+        from omniep.ep_core import Availability
+
+        return Availability(True, "test backend")
+
+    @classmethod
+    def capabilities(cls):
+        return Capabilities(devices=("gpu",))
+
+
+def test_auto_skips_a_backend_that_does_not_serve_the_device(monkeypatch, caplog):
+    """An available GPU-only backend ahead of collective is skipped for CPU tensors, and auto says why;
+    named, it raises UnsupportedError naming the device and who serves it."""
+    monkeypatch.delenv("OMNIEP_BACKEND", raising=False)
+    monkeypatch.setattr(registry, "_REGISTRY", {"gpu_only": {"torch": "test_registry:_GpuOnly"},
+                                                **registry._REGISTRY})
+    monkeypatch.setattr(registry, "_auto_logged", set())
+    with caplog.at_level(logging.INFO, logger="omniep"):
+        assert registry.select_backend("torch", device="cpu").name == "collective"
+    assert "gpu_only: does not serve arrays on cpu" in caplog.text
+    assert registry.select_backend("torch", device="cuda").name == "gpu_only"
+    with pytest.raises(UnsupportedError, match="'gpu_only' does not support arrays on cpu.*collective"):
+        registry.select_backend("torch", "gpu_only", device="cpu")

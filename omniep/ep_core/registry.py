@@ -62,35 +62,52 @@ def availability(name: str, framework: str) -> Availability:
         return Availability(False, exc.reason)
 
 
-def select_backend(framework: str, name: Optional[str] = None):
-    """Resolve ``name`` (or ``$OMNIEP_BACKEND``, default ``auto``) to an available backend class.
+def device_kind(name: str) -> str:
+    """Normalise a framework's device name: torch 'cuda' and jax 'gpu'/'cuda'/'rocm' are all 'gpu'."""
+    return "gpu" if name in ("cuda", "gpu", "rocm", "hip") else name
 
-    ``auto`` takes the first available backend in registry order and logs once what it chose and why;
-    a named backend that cannot run raises :class:`BackendUnavailableError` with the reason.
+
+def select_backend(framework: str, name: Optional[str] = None, *, layout=None, dtype: Optional[str] = None,
+                   fp8: bool = False, num_ranks: Optional[int] = None, device: Optional[str] = None):
+    """Resolve ``name`` (or ``$OMNIEP_BACKEND``, default ``auto``) to a backend class for this request.
+
+    A named backend must be available and serve the request, else :class:`BackendUnavailableError` /
+    :class:`UnsupportedError` says why. ``auto`` takes the first backend in registry order that is
+    available and serves the request (layout, dtype, ranks, device) and logs once what it chose and why
+    the others were passed over.
     """
+    request = dict(layout=layout, dtype=dtype, fp8=fp8, num_ranks=num_ranks, device=device)
     requested = name or os.environ.get("OMNIEP_BACKEND", "auto") or "auto"
     if requested != "auto":
         cls = get_backend_class(requested, framework)
         avail = cls.availability()
         if not avail:
             raise BackendUnavailableError(requested, avail.reason)
+        require(cls, framework, **request)
         return cls
     skipped = []
     for candidate in _REGISTRY:
         avail = availability(candidate, framework)
-        if avail:
-            key = (framework, candidate)
-            if key not in _auto_logged:
-                _auto_logged.add(key)
-                why = "; ".join(f"{n}: {r}" for n, r in skipped) or "first in preference order"
-                log.info("omniep: OMNIEP_BACKEND=auto chose %r for %s (%s)", candidate, framework, why)
-            return get_backend_class(candidate, framework)
-        skipped.append((candidate, avail.reason))
+        if not avail:
+            skipped.append((candidate, avail.reason))
+            continue
+        cls = get_backend_class(candidate, framework)
+        try:
+            require(cls, framework, **request)
+        except UnsupportedError as exc:
+            skipped.append((candidate, f"does not serve {exc.feature}"))
+            continue
+        key = (framework, candidate)
+        if key not in _auto_logged:
+            _auto_logged.add(key)
+            why = "; ".join(f"{n}: {r}" for n, r in skipped) or "first in preference order"
+            log.info("omniep: OMNIEP_BACKEND=auto chose %r for %s (%s)", candidate, framework, why)
+        return cls
     raise BackendUnavailableError("auto", "; ".join(f"{n}: {r}" for n, r in skipped))
 
 
 def require(cls, framework: str, *, layout=None, dtype: Optional[str] = None, fp8: bool = False,
-            num_ranks: Optional[int] = None) -> None:
+            num_ranks: Optional[int] = None, device: Optional[str] = None) -> None:
     """Raise UnsupportedError if backend ``cls`` cannot serve this request, naming who can."""
     caps = cls.capabilities()
     checks = []
@@ -101,6 +118,8 @@ def require(cls, framework: str, *, layout=None, dtype: Optional[str] = None, fp
     if num_ranks is not None and caps.max_ranks is not None and num_ranks > caps.max_ranks:
         checks.append((f"{num_ranks} ranks (max {caps.max_ranks})",
                        lambda c: c.max_ranks is None or num_ranks <= c.max_ranks))
+    if device is not None and device_kind(device) not in caps.devices:
+        checks.append((f"arrays on {device_kind(device)}", lambda c: device_kind(device) in c.devices))
     for feature, ok in checks:
         served = []
         for other in _REGISTRY:

@@ -80,6 +80,7 @@ class Capabilities:
     frameworks: tuple[str, ...] = ("jax", "torch")
     cuda_graph_safe: bool = False
     hidden_multiple: int = 1  # H must be a multiple of this (kernel vector width)
+    devices: tuple[str, ...] = ("cpu", "gpu")  # where the arrays may live: "cpu", "gpu" (CUDA or ROCm), "tpu"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,10 +86,11 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
         val.check_expert_ids(ids, num_experts)
     num_ranks = _axis_size(axis_name)
     val.check_group(num_experts, num_ranks)
-    cls = registry.select_backend("jax", backend)
-    val.check_tokens(x_rows, num_tokens, hidden_multiple=cls.capabilities().hidden_multiple, x_scales=x_scales)
     dtype = val.dtype_name(x_rows)
-    registry.require(cls, "jax", layout=layout, dtype=dtype, fp8=dtype in val.FP8_DTYPES, num_ranks=num_ranks)
+    known = dtype in val.FLOAT_DTYPES or dtype in val.FP8_DTYPES  # others are rejected by check_tokens
+    cls = registry.select_backend("jax", backend, layout=layout, dtype=dtype if known else None,
+                                  fp8=dtype in val.FP8_DTYPES, num_ranks=num_ranks, device=jax.default_backend())
+    val.check_tokens(x_rows, num_tokens, hidden_multiple=cls.capabilities().hidden_multiple, x_scales=x_scales)
     config = DispatchConfig(num_experts, num_ranks, layout,
                             resolve_capacity(capacity, num_ranks, num_tokens, layout, static=True),
                             check_expert_alignment(expert_alignment))

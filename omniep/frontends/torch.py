@@ -16,14 +16,13 @@ Example, inside a process of an initialized group::
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from ..ep_core import registry
 from ..ep_core.capacity import check_expert_alignment, resolve_capacity
-from ..ep_core.errors import InputError, UnsupportedError
+from ..ep_core.errors import InputError
 from ..ep_core.types import Dispatched, Handle, Layout
 from ..ep_core.validation import FLOAT_DTYPES, FP8_DTYPES, dtype_name
 from . import torch_ops as ops
@@ -41,34 +40,13 @@ def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _serves(cls, layout: Layout, x) -> None:
-    """Raise UnsupportedError if backend ``cls`` cannot serve this layout / dtype."""
-    name = dtype_name(x)
-    if name in FLOAT_DTYPES or name in FP8_DTYPES:  # other dtypes are rejected by validation, by name
-        registry.require(cls, "torch", layout=layout, dtype=name, fp8=name in FP8_DTYPES)
-    else:
-        registry.require(cls, "torch", layout=layout)
-
-
 def _select(backend: Optional[str], layout: Layout, x) -> type:
-    """A named backend must serve the request (or raise why not); ``auto`` takes the first available
-    backend that serves it, so a fast backend without, say, the expert-major layout falls back."""
-    cls = registry.select_backend("torch", backend)
-    try:
-        _serves(cls, layout, x)
-        return cls
-    except UnsupportedError:
-        if (backend or os.environ.get("OMNIEP_BACKEND", "auto") or "auto") != "auto":
-            raise
-        for name in registry.backend_names():
-            if name != cls.name and registry.availability(name, "torch"):
-                candidate = registry.get_backend_class(name, "torch")
-                try:
-                    _serves(candidate, layout, x)
-                    return candidate
-                except UnsupportedError:
-                    continue
-        raise
+    """The backend for this request: a named one must serve it (or raise why not); ``auto`` takes the
+    first available backend that serves the layout, dtype and device (see ``registry.select_backend``)."""
+    name = dtype_name(x)
+    known = name in FLOAT_DTYPES or name in FP8_DTYPES  # other dtypes are rejected by validation, by name
+    return registry.select_backend("torch", backend, layout=layout, dtype=name if known else None,
+                                   fp8=name in FP8_DTYPES, device=x.device.type)
 
 
 def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int, group=None,

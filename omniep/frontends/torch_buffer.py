@@ -47,7 +47,8 @@ class Buffer:
                  backend: Optional[str] = None) -> None:
         import torch.distributed as dist
 
-        cls = registry.select_backend("torch", backend)
+        device = "gpu" if dist.is_initialized() and dist.get_backend(group) == "nccl" else "cpu"
+        cls = registry.select_backend("torch", backend, device=device)
         if comm is not None:
             raise UnsupportedError(cls.name, "an mpi4py communicator (pass a torch.distributed group)")
         if low_latency_mode:

@@ -90,7 +90,7 @@ class CudaNvshmemTorch(EPBackend):
         return Capabilities(
             dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
             intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
-            frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1,
+            frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1, devices=("gpu",),
         )
 
     def num_ranks(self) -> int:
