@@ -33,7 +33,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, log to $OUT/NAME.log
 } 2>&1 | tee "$OUT/env.log"
 
 step build 180 scripts/build_native.sh
-step pytest 240 "$PY" -m pytest -m gpu tests/gpu -q -rs --timeout=200 -p no:cacheprovider
+step pytest 400 "$PY" -m pytest -m gpu tests/gpu -q -rs --timeout=400 -p no:cacheprovider
 step bench 90 "$PY" benchmarks/bench_native.py
 echo "gpu_check: exit $status; logs in $OUT"
 exit $status
