@@ -1,0 +1,76 @@
+// omniep._native_jax: the XLA FFI handlers of the cuda_nvshmem JAX backend (ffi/jax_handlers.h) and
+// the per-rank state they run on (ffi/jax_rank.h), for one rank per process over CUDA IPC peers.
+// Python creates one JaxRank per (process, EP group), bootstraps it through JAX's distributed
+// key-value store (omniep/backends/cuda_nvshmem/jax_state.py) and passes `JaxRank.handle` to every
+// ffi_call as the attribute `state`. No torch, no jax headers beyond XLA's FFI API.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "ffi/jax_handlers.h"
+#include "ffi/jax_rank.h"
+
+namespace py = pybind11;
+using omniep::JaxRank;
+
+namespace {
+
+std::vector<std::string> handles(const std::vector<py::bytes>& in) {
+  std::vector<std::string> out;
+  for (const auto& b : in) out.push_back(std::string(b));
+  return out;
+}
+
+py::capsule target(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+  return py::capsule(reinterpret_cast<void*>(fn), "xla._CUSTOM_CALL_TARGET");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native_jax, m) {
+  m.doc() = "omniep native core for JAX: XLA FFI handlers over one rank per process (CUDA IPC peers)";
+  m.attr("MAX_RANKS") = omniep::kMaxRanks;
+  m.def("ffi_targets", []() {
+    py::dict d;
+    d["omniep_jax_prepare"] = target(omniep_jax_prepare);
+    d["omniep_jax_dispatch"] = target(omniep_jax_dispatch);
+    d["omniep_jax_dispatch_rows"] = target(omniep_jax_dispatch_rows);
+    d["omniep_jax_combine"] = target(omniep_jax_combine);
+    d["omniep_jax_dispatch_bwd"] = target(omniep_jax_dispatch_bwd);
+    return d;
+  }, "name -> PyCapsule of every FFI handler (register with jax.ffi.register_ffi_target, platform CUDA).");
+
+  py::class_<JaxRank>(m, "JaxRank", "This process's rank of a JAX EP group: IPC peer table + symmetric buffers.")
+      .def(py::init<int, int, int, uint64_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("device"),
+           py::arg("timeout_ns"))
+      .def_property_readonly("handle", &JaxRank::handle, "Address passed to the FFI handlers as `state`.")
+      .def_property_readonly("alive", &JaxRank::alive)
+      .def_property_readonly("device", &JaxRank::device)
+      .def_property_readonly("rank", [](const JaxRank& s) { return s.ipc().rank(); })
+      .def_property_readonly("num_ranks", [](const JaxRank& s) { return s.ipc().num_ranks(); })
+      .def_property_readonly("data_bytes", [](const JaxRank& s) { return s.ipc().data_bytes(); })
+      .def("set_blocks", [](JaxRank& s, int n) { s.ipc().set_blocks(n); })
+      .def("workspace_handle", [](const JaxRank& s) { s.activate(); return py::bytes(s.ipc().workspace_handle()); })
+      .def("open_workspaces", [](JaxRank& s, const std::vector<py::bytes>& h) {
+            s.activate();
+            s.ipc().open_workspaces(handles(h));
+          })
+      .def("close_peer_data", [](JaxRank& s) { s.activate(); s.ipc().close_peer_data(); })
+      .def("close_peer_workspaces", [](JaxRank& s) { s.activate(); s.ipc().close_peer_workspaces(); })
+      .def("allocate_data", [](JaxRank& s, size_t n) { s.activate(); s.ipc().allocate_data(n); },
+           "Free + allocate my data buffer (synchronises).")
+      .def("data_handle", [](const JaxRank& s) { s.activate(); return py::bytes(s.ipc().data_handle()); })
+      .def("open_data", [](JaxRank& s, const std::vector<py::bytes>& h) {
+            s.activate();
+            s.ipc().open_data(handles(h));
+          })
+      .def("synchronize", &JaxRank::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("error", [](const JaxRank& s) {
+            s.activate();
+            const auto e = s.ipc().read_error();
+            return py::make_tuple(e.code, e.rank, e.peer, e.phase);
+          }, "(code, rank, peer, phase) of this rank; synchronises the device.")
+      .def("destroy", &JaxRank::destroy, "Free the buffers (peers must have unmapped them); the object stays.");
+}
