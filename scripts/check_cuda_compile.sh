@@ -38,5 +38,23 @@ for src in csrc/capi/*.cpp; do  # host-only C++: must not need CUDA headers
   echo "${CXX:-c++} $src"
   "${CXX:-c++}" -std=c++17 -Wall -Wextra -Werror -Icsrc -Icsrc/include -c "$src" -o "$out/$(basename "$src").o" || status=1
 done
+# XLA FFI handlers (csrc/ffi): host C++ against jax.ffi.include_dir() and the CUDA runtime headers;
+# skipped, and said so, where no interpreter imports jax.
+XLA_FFI_INC=""
+for py in "${PYTHON:-}" .venv/bin/python python3; do
+  [[ -n "$py" ]] && command -v "$py" >/dev/null || continue
+  XLA_FFI_INC="$("$py" -c 'import jax.ffi; print(jax.ffi.include_dir())' 2>/dev/null)" && break
+done
+for src in csrc/ffi/*.cpp; do
+  [[ -f "$src" ]] || continue
+  if [[ -z "$XLA_FFI_INC" || ! -f "$XLA_FFI_INC/xla/ffi/api/ffi.h" ]]; then
+    echo "skip $src (jax not importable: no XLA FFI headers)"
+    continue
+  fi
+  echo "nvcc -x c++ $src (XLA FFI)"
+  # nvcc as the driver: it adds the CUDA runtime headers; the code is host C++ (-x c++).
+  "$NVCC" -x c++ -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -Icsrc -Icsrc/include -isystem "$XLA_FFI_INC" \
+    -c "$src" -o "$out/$(basename "$src").o" || status=1
+done
 [[ $status -eq 0 ]] && echo "check_cuda_compile: all CUDA sources compile" || echo "check_cuda_compile: FAILED" >&2
 exit $status
