@@ -18,7 +18,10 @@ log = logging.getLogger("omniep")
 
 # name -> framework -> "module:Class". Order of names is the order `auto` tries them in.
 _REGISTRY: dict[str, dict[str, str]] = {
-    "cuda_nvshmem": {"torch": "omniep.backends.cuda_nvshmem.torch_backend:CudaNvshmemTorch"},
+    "cuda_nvshmem": {
+        "jax": "omniep.backends.cuda_nvshmem.jax_backend:CudaNvshmemJax",
+        "torch": "omniep.backends.cuda_nvshmem.torch_backend:CudaNvshmemTorch",
+    },
     "nccl_ep": {},
     "rocm_rocshmem": {},
     "collective": {

@@ -1,0 +1,263 @@
+"""The ``cuda_nvshmem`` backend for JAX: native kernels through XLA FFI, one process per GPU.
+
+Every method runs for ONE rank inside ``shard_map`` over the EP axis ``self.group`` and calls an XLA
+FFI handler of ``omniep._native_jax`` (csrc/ffi/jax_handlers.cpp) with ``jax.ffi.ffi_call``: the same
+kernels and launchers as the torch backend (p2p transport over CUDA IPC peers), on XLA's stream, with
+static shapes (``capacity`` rows) and no host synchronisation. Results are bit for bit those of
+:mod:`omniep.ep_core.reference`.
+
+Process model: one JAX process per GPU (``jax.distributed.initialize(..., local_device_ids=[i])``),
+the EP axis spanning every process in process order (the mesh built from ``jax.devices()``), so this
+process's rank is ``jax.process_index()``. Several processes may share one GPU (CUDA IPC to the same
+device). The per-rank state (peer table + symmetric buffers, :mod:`.jax_state`) is created once per
+(process, EP group) while the first call is traced; the handlers receive its address as the attribute
+``state``. Collective steps of the state (bootstrap, growing the data buffer) run while tracing, which
+every process does in the same order; the compiled programs contain only the FFI calls, which every
+process runs in the same order because they compile the same program.
+
+Handles are :class:`NativeHandle`: the fields of :class:`~omniep.ep_core.types.Handle`, filled as the
+collective backend fills them, plus ``send_offset`` (where this rank's rows start in every receiver's
+buffer, which the kernels need) and ``num_invalid`` (expert ids outside ``[-1, E)``, treated as ``-1``
+and counted in ``dropped``). Rank-major layout only: the expert-major kernels run on virtual ranks
+but have no one-rank-per-process launcher yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...ep_core.backend import EPBackend
+from ...ep_core.errors import InputError, UnsupportedError
+from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout, ProcessModel
+from ..collective.jax_layout import per_rank
+from .jax_state import JaxRankState, kv_client
+
+MIN_CC = (9, 0)
+_ALIGN = 256
+_STATES: dict = {}  # (axis name, num_ranks) -> JaxRankState, in creation order (same on every process)
+_registered = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeHandle(Handle):
+    """:class:`Handle` plus what the native kernels need.
+
+    send_offset [R] int32   first row of this rank's tokens in rank r's receive buffer
+    num_invalid []  int32   expert ids outside ``[-1, E)`` (treated as ``-1``, counted in ``dropped``)
+    """
+
+    send_offset: Any = None
+    num_invalid: Any = None
+
+    DATA_FIELDS = Handle.DATA_FIELDS + ("send_offset", "num_invalid")
+
+
+try:
+    jax.tree_util.register_dataclass(NativeHandle, data_fields=list(NativeHandle.DATA_FIELDS),
+                                     meta_fields=list(Handle.META_FIELDS))
+except ValueError:  # already registered (module reloaded)
+    pass
+
+
+def _regions(capacity: int, row_bytes: list) -> int:
+    """Bytes of ``[capacity, row_bytes[i]]`` regions packed in the data buffer (csrc/ffi/jax_rank.h)."""
+    return sum((capacity * b + _ALIGN - 1) // _ALIGN * _ALIGN for b in row_bytes)
+
+
+def _register_targets() -> None:
+    global _registered
+    if not _registered:
+        native = importlib.import_module("omniep._native_jax")
+        for name, capsule in native.ffi_targets().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _registered = True
+
+
+def destroy_states() -> None:
+    """Release every group's native buffers. Collective: every process calls it (e.g. before
+    ``jax.distributed.shutdown``). Programs compiled against a destroyed state fail with an FFI error."""
+    for key in list(_STATES):
+        _STATES.pop(key).destroy()
+
+
+def states() -> dict:
+    """The live per-group states (for :meth:`JaxRankState.check` after a run)."""
+    return dict(_STATES)
+
+
+class CudaNvshmemJax(EPBackend):
+    """``group`` is the ``shard_map`` axis name of the EP group (one device per process)."""
+
+    name = "cuda_nvshmem"
+    framework = "jax"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            importlib.import_module("omniep._native_jax")
+        except ImportError as exc:
+            return Availability(False, f"omniep._native_jax (JAX FFI handlers) not built: run `make native` "
+                                       f"with jax installed ({exc})")
+        try:
+            backend = jax.default_backend()
+        except RuntimeError as exc:
+            return Availability(False, f"jax has no usable backend: {exc}")
+        if backend != "gpu":
+            return Availability(False, f"jax has no GPU (default backend: {backend}); install jax[cuda13]")
+        if kv_client() is None:
+            return Availability(False, "jax.distributed is not initialized: cuda_nvshmem runs one process per GPU "
+                                       "(jax.distributed.initialize(..., local_device_ids=[i]))")
+        n = jax.local_device_count()
+        if n != 1:
+            return Availability(False, f"this process has {n} local devices; cuda_nvshmem serves one process per "
+                                       f"GPU (jax.distributed.initialize(..., local_device_ids=[i])); "
+                                       f"use collective for one process with many devices")
+        cc = getattr(jax.local_devices()[0], "compute_capability", None)
+        if cc is not None:
+            major, minor = (int(v) for v in str(cc).split(".")[:2])
+            if (major, minor) < MIN_CC:
+                return Availability(False, f"built for sm_90; this GPU is sm_{major}{minor}")
+        return Availability(True, f"native kernels over CUDA IPC peers (p2p), process {jax.process_index()} of "
+                                  f"{jax.process_count()}, one GPU each")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
+            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1,
+        )
+
+    def num_ranks(self) -> int:
+        if hasattr(jax.lax, "axis_size"):
+            return int(jax.lax.axis_size(self.group))
+        return int(jax.lax.psum(1, self.group))
+
+    # ---- plumbing ----
+    def _state(self) -> JaxRankState:
+        """This process's state for the group, created (collectively, while tracing) at first use."""
+        R = self.num_ranks()
+        key = (self.group, R)
+        if key not in _STATES:
+            if R != jax.process_count() or jax.local_device_count() != 1:
+                raise UnsupportedError(
+                    self.name, f"an EP axis of {R} devices over {jax.process_count()} processes with "
+                               f"{jax.local_device_count()} local devices each (it serves one process per GPU, "
+                               f"the EP axis spanning every process in process order)", ["collective"])
+            _register_targets()
+            device = jax.local_devices()[0]
+            _STATES[key] = JaxRankState(f"{self.group}-{R}-{len(_STATES)}", jax.process_index(), R,
+                                        int(getattr(device, "local_hardware_id", None) or 0),
+                                        timeout_s=float(os.environ.get("OMNIEP_TIMEOUT_S", "30")))
+        return _STATES[key]
+
+    def _call(self, target: str, results, *args, **attrs):
+        """``jax.ffi.ffi_call`` of ``target`` on this rank's state. ``results``: ``(shape, dtype)`` pairs,
+        typed like the (per-rank) operands so ``shard_map``'s varying-axes check holds."""
+        st = self._state()
+        args = per_rank(tuple(args), self.group)
+        like = jax.typeof(args[0])
+
+        def typed(shape, dtype):
+            spec = jax.P(*([None] * len(shape)))
+            sharding = like.sharding.update(spec=spec) if hasattr(like.sharding, "update") else like.sharding
+            return like.update(shape=tuple(shape), dtype=jnp.dtype(dtype), sharding=sharding)
+
+        out = jax.ffi.ffi_call(target, tuple(typed(s, d) for s, d in results), has_side_effect=True)(
+            *args, state=np.int64(st.handle), **{k: np.int64(v) for k, v in attrs.items()})
+        return per_rank(tuple(out), self.group)
+
+    def _check(self, handle: Handle) -> None:
+        if handle.config.layout != Layout.RANK_MAJOR:
+            raise UnsupportedError(self.name, f"layout {handle.config.layout.value}", ["collective"])
+
+    # ---- prepare / dispatch ----
+    def prepare(self, topk_idx, config: DispatchConfig) -> NativeHandle:
+        """Layout kernel + count exchange through the peers' workspaces, on device."""
+        if config.layout != Layout.RANK_MAJOR:
+            raise UnsupportedError(self.name, f"layout {config.layout.value}", ["collective"])
+        R, E = config.num_ranks, config.num_experts
+        T, K = topk_idx.shape
+        i32 = jnp.int32
+        idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped = self._call(
+            "omniep_jax_prepare",
+            [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)],
+            topk_idx, num_experts=E, capacity=config.capacity)
+        num_invalid = per_rank(jnp.sum((topk_idx < -1) | (topk_idx >= E), dtype=i32), self.group)
+        return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
+                            None, group=self.group, send_offset=send_offset, num_invalid=num_invalid)
+
+    def dispatch(self, x, topk_weights, handle: NativeHandle):
+        """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8, bytes unchanged) and the routing into the
+        receivers' buffers; returns the fields of :class:`Dispatched` and the completed handle."""
+        self._check(handle)
+        cfg = handle.config
+        C, E, L = cfg.capacity, cfg.num_experts, cfg.num_local_experts
+        T, K = handle.topk_idx.shape
+        fp8 = isinstance(x, tuple)
+        rows, scales = x if fp8 else (x, jnp.zeros((T, 0), jnp.float32))
+        scales = scales.astype(jnp.float32)
+        H, H2 = rows.shape[1], scales.shape[1]
+        row_bytes = H * jnp.dtype(rows.dtype).itemsize
+        self._state().reserve(_regions(C, [row_bytes] + ([H2 * 4] if H2 else []) + [K * 4, K * 4]))
+        recv_x, recv_s, recv_idx, recv_w, per_expert = self._call(
+            "omniep_jax_dispatch",
+            [((C, H), rows.dtype), ((C, H2), jnp.float32), ((C, K), jnp.int32), ((C, K), jnp.float32),
+             ((L,), jnp.int32)],
+            rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.send_pos, handle.send_offset,
+            handle.num_recv, num_experts=E, expert_alignment=cfg.expert_alignment)
+        total = jnp.sum(handle.recv_counts, dtype=jnp.int32)
+        dropped = total - handle.num_recv + handle.num_invalid
+        handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w)
+        out_x = (recv_x, recv_s) if fp8 else recv_x
+        return per_rank(((out_x, recv_idx, recv_w, handle.num_recv, per_expert, dropped), handle), self.group)
+
+    # ---- combine and the backward passes ----
+    def combine(self, y, handle: NativeHandle, bias: tuple = ()):
+        """``out[T, H]`` in ``y``'s dtype: every source pulls its rows back, fp32 sum over ranks
+        ascending, bias terms last in the order given, rounded once."""
+        self._check(handle)
+        C, H = y.shape
+        T = handle.topk_idx.shape[0]
+        self._state().reserve(_regions(C, [H * jnp.dtype(y.dtype).itemsize]))
+        native = ("float32", "bfloat16", "float16")
+        biases = tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
+        (out,) = self._call("omniep_jax_combine", [((T, H), y.dtype)], y, handle.topk_idx, handle.send_pos,
+                            handle.send_offset, *biases, num_experts=handle.config.num_experts)
+        return out
+
+    def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: NativeHandle):
+        """``(g_x, g_topk_weights)``: a combine of ``g_recv_x`` that also reads the weight cotangent back
+        from the slot that carried it (0 where dropped or not routed)."""
+        self._check(handle)
+        if isinstance(g_recv_x, tuple):
+            raise UnsupportedError(self.name, "gradients of an fp8 dispatch", ["collective"])
+        C, H = g_recv_x.shape
+        T, K = handle.topk_idx.shape
+        if g_recv_topk_weights is None:
+            g_recv_topk_weights = jnp.zeros((C, K), jnp.float32)
+        self._state().reserve(_regions(C, [H * jnp.dtype(g_recv_x.dtype).itemsize, K * 4]))
+        g_x, g_w = self._call("omniep_jax_dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32)],
+                              g_recv_x, g_recv_topk_weights.astype(jnp.float32), handle.topk_idx, handle.send_pos,
+                              handle.send_offset, num_experts=handle.config.num_experts)
+        return g_x, g_w
+
+    def combine_bwd(self, g_out, handle: NativeHandle, y: Optional[Any] = None):
+        """``(g_y, None)``: a cached dispatch of ``g_out`` (rows only; padding rows 0)."""
+        self._check(handle)
+        C = handle.config.capacity
+        T, H = g_out.shape
+        if T != handle.topk_idx.shape[0]:
+            raise InputError(f"g_out has {T} rows, expected {handle.topk_idx.shape[0]} (the tokens of the dispatch)")
+        self._state().reserve(_regions(C, [H * jnp.dtype(g_out.dtype).itemsize]))
+        (g_y,) = self._call("omniep_jax_dispatch_rows", [((C, H), g_out.dtype)], g_out, handle.send_pos,
+                            handle.send_offset, handle.num_recv, num_experts=handle.config.num_experts)
+        dtype = y.dtype if y is not None else g_out.dtype
+        return g_y.astype(dtype), None

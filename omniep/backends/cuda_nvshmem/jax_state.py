@@ -1,0 +1,129 @@
+"""This process's rank of a JAX EP group for the ``cuda_nvshmem`` JAX backend (one process per GPU).
+
+:class:`JaxRankState` wraps ``omniep._native_jax.JaxRank``: the rank's workspace and symmetric data
+buffer (CUDA IPC, as :mod:`omniep.native.ipc_rank` for torch) whose address the XLA FFI handlers get
+as the attribute ``state``. It is created ONCE per (process, EP group), while the first ``omniep.jax``
+call of that group is traced, and bootstrapped through JAX's distributed key-value store: every
+process publishes its IPC handle under a key of the group and reads everyone else's.
+
+Collective steps (construction, :meth:`reserve` when the buffer grows, :meth:`destroy`) happen while
+TRACING, never inside a compiled program: every process traces the same program in the same order,
+so they meet in the same step. Growing the buffer synchronises this process's device first (an
+executable still running keeps using the old buffer until then); compiled executables read the
+buffer's current address from the state on every call, so they stay valid after it grows.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from ...ep_core.errors import BackendUnavailableError, DestroyedError, PeerTimeoutError
+
+_PHASES = {1: "prepare (count exchange)", 2: "prepare (end)", 3: "dispatch (start)",
+           4: "dispatch (end)", 5: "combine (start)", 6: "combine (end)"}  # csrc transport.h Phase
+_RETIRED: list = []  # destroyed JaxRank shells: a stale executable gets an FFI error, not freed memory
+
+
+def kv_client():
+    """JAX's distributed key-value store client, or None when ``jax.distributed`` is not initialized."""
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - jax layout changed
+        return None
+    return getattr(distributed.global_state, "client", None)
+
+
+class JaxRankState:
+    """Rank ``rank`` of ``num_ranks`` on CUDA device ``device``; ``group_key`` names the group in the
+    key-value store and must be the same string on every process of the group."""
+
+    def __init__(self, group_key: str, rank: int, num_ranks: int, device: int, *, timeout_s: float = 30.0,
+                 bootstrap_timeout_s: float = 120.0, blocks: int = 0):
+        self.group_key, self.rank, self.num_ranks, self.device = group_key, rank, num_ranks, device
+        self.timeout_s = float(timeout_s)
+        self._timeout_ms = int(bootstrap_timeout_s * 1000)
+        self._client = kv_client()
+        if self._client is None:
+            raise BackendUnavailableError("cuda_nvshmem", "jax.distributed is not initialized: call "
+                                                          "jax.distributed.initialize(...) first")
+        self._step = 0
+        native = importlib.import_module("omniep._native_jax")
+        self._impl = native.JaxRank(rank, num_ranks, device, int(self.timeout_s * 1e9))
+        if blocks:
+            self._impl.set_blocks(int(blocks))
+        self._impl.open_workspaces(self._all_gather("workspace", self._impl.workspace_handle()))
+
+    # ---- bootstrap over the key-value store ----
+    def _all_gather(self, what: str, value: bytes) -> list:
+        """Every rank's ``value`` (bytes), by rank. Collective: every rank calls it in the same order."""
+        self._step += 1
+        key = f"omniep/jax/{self.group_key}/{self._step}-{what}"
+        self._client.key_value_set(f"{key}/{self.rank}", value.hex() or "-")
+        out = []
+        for r in range(self.num_ranks):
+            try:
+                got = self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)
+            except Exception as exc:  # the store raises its own error type on timeout
+                raise PeerTimeoutError(self.rank, r, self._timeout_ms / 1000,
+                                       what=f"cuda_nvshmem bootstrap ({what}): {exc}") from None
+            out.append(b"" if got == "-" else bytes.fromhex(got))
+        return out
+
+    def _barrier(self, what: str) -> None:
+        self._all_gather(what, b"")
+
+    # ---- life cycle ----
+    def _g(self):
+        if self._impl is None:
+            raise DestroyedError("the cuda_nvshmem JAX rank state was used after destroy()")
+        return self._impl
+
+    @property
+    def handle(self) -> int:
+        """The address the FFI handlers get as ``state``."""
+        return int(self._g().handle)
+
+    @property
+    def data_bytes(self) -> int:
+        return int(self._g().data_bytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the symmetric data buffer at least ``nbytes`` on every rank. Called while tracing with
+        sizes derived from static shapes only, so every rank grows at the same step (collective)."""
+        g = self._g()
+        if nbytes <= g.data_bytes:
+            return
+        new = max(int(nbytes), 2 * g.data_bytes, 1 << 21)
+        new = (new + (1 << 21) - 1) >> 21 << 21  # 2 MiB granules
+        g.synchronize()  # executables already enqueued may still use the old buffers
+        g.close_peer_data()
+        self._barrier("data-closed")  # nobody maps anyone's old buffer any more
+        g.allocate_data(new)
+        g.open_data(self._all_gather("data", g.data_handle()))
+
+    def check(self) -> None:
+        """Synchronise; raise PeerTimeoutError if this rank's kernels recorded a timed-out wait (the
+        compiled program itself cannot raise: a timed-out kernel skips its work and records why)."""
+        code, rank, peer, phase = self.error()
+        if code == 0:
+            return
+        what = "barrier of its own blocks" if code == 2 else _PHASES.get(phase, "communication")
+        raise PeerTimeoutError(rank, None if peer < 0 else peer, self.timeout_s, what=what)
+
+    def error(self) -> tuple:
+        """``(code, rank, peer, phase)`` of this rank's error record (0 = none); synchronises."""
+        return tuple(self._g().error())
+
+    def destroy(self) -> None:
+        """Collective: every rank calls it. Peers unmap my buffers before I free them."""
+        if self._impl is None:
+            return
+        g = self._impl
+        g.synchronize()
+        g.close_peer_data()
+        g.close_peer_workspaces()
+        self._barrier("closed")
+        g.destroy()
+        _RETIRED.append(g)
+        self._impl = None
