@@ -6,10 +6,21 @@ too), static capacity R*T. In ONE run, on every rank (one process per GPU, an NC
     copy of the received rows out of the symmetric buffer), combine (copy of y in + kernel);
   * the same through ``omniep.torch`` (frontend agreement step, validation and prepare included);
   * ``collective`` (NCCL all_to_all_single) through ``omniep.torch``: dispatch and combine;
-  * a raw peer copy of this rank's recv_x bytes to the other GPU (``copy_``, copy engines), and a local
-    device copy of the same bytes (what the copy-out of dispatch costs).
-Each figure: median over ``--iters`` timed calls (CUDA events, after warm-up; ranks meet at a gloo
-barrier before each call); the table shows the slowest rank. GB/s = bytes of recv_x / time.
+  * a raw peer copy of this rank's recv_x bytes to the other GPU (``copy_``, copy engines), of half of
+    them (one rank's remote share of a dispatch, both GPUs copying at once), and a local device copy
+    (what the copy-out of dispatch costs).
+
+Timing (CUDA events on this rank's stream, median of ``--iters`` after warm-up), two modes per op:
+  * ``dev`` (device time): ranks meet at a gloo barrier; each queues a ``--sleep-us`` spin kernel, then a
+    native device-side barrier over the group, then start event, the op, end event. The host enqueues
+    the whole op while the GPU sleeps, and the device barrier releases both streams together, so the
+    region holds only GPU work: no host launch gaps, no launch skew between the ranks.
+  * ``e2e`` (what a caller waits): gloo barrier, the device barrier, a stream sync (both hosts leave it
+    within µs of each other), then start event, the op as the caller issues it (host gaps included),
+    end event.
+Native ops also record events between their steps (IpcRankState.marks), giving per-phase times:
+prepare = layout kernel + count copy | torch post-processing; dispatch = kernel | copy-out of the rows;
+combine = copy-in of y | kernel. Every rank's medians are printed, then the slowest rank.
 
     python benchmarks/bench_multigpu.py [--gpus 2] [--tokens 4096] [--hidden 7168] [--iters 20]
 """
@@ -17,26 +28,42 @@ barrier before each call); the table shows the slowest rank. GB/s = bytes of rec
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
 
 
-def _timed(torch, dist, cpu_group, fn, iters: int, warmup: int = 3) -> float:
-    """Median microseconds of fn() on this rank, ranks aligned by a host barrier before each call."""
+def _timed(torch, dist, cpu_group, st, fn, iters: int, mode: str, sleep_cycles: int, warmup: int = 3) -> dict:
+    """Median microseconds of fn() on this rank: {"total": us, <phase>: us, ...} (see the module doc)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    samples: dict = {}
     for _ in range(iters):
         dist.barrier(group=cpu_group)
+        if mode == "dev":
+            torch.cuda._sleep(sleep_cycles)
+            st.barrier()
+        else:
+            st.barrier()
+            torch.cuda.current_stream().synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.marks = []
         start.record()
         fn()
         end.record()
+        marks, st.marks = st.marks, None
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        samples.setdefault("total", []).append(start.elapsed_time(end) * 1e3)
+        prev, prev_label = start, None
+        for label, ev in marks + [("end", end)]:
+            if prev_label is not None or label != "end":
+                name = label if prev_label is None else f"{prev_label}>{label}"
+                samples.setdefault(name, []).append(prev.elapsed_time(ev) * 1e3)
+            prev, prev_label = ev, label
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
@@ -55,6 +82,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
                             timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))
     cpu = dist.new_group(backend="gloo")
     T, H, K, E, iters = args["tokens"], args["hidden"], args["topk"], args["experts"], args["iters"]
+    sleep_cycles = int(args["sleep_us"] * 2000)  # cycles at <= 2 GHz: at least sleep_us long
     cap = world * T
     gen = torch.Generator(device="cuda").manual_seed(rank)
     idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices.to(torch.int64)
@@ -64,21 +92,29 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     s8 = torch.rand(T, H // 128, device="cuda", generator=gen)
     res = {}
 
-    def t(name, fn):
-        res[name] = _timed(torch, dist, cpu, fn, iters)
-
     nat = CudaNvshmemTorch()
     cfg = DispatchConfig(E, world, Layout.RANK_MAJOR, cap)
     handle = nat.prepare(idx, cfg)
+    st = nat._state(x.device)
     (recv_x, *_), full = nat.dispatch(x, w, handle)
     recv_bytes = int(full.num_recv) * H * 2
     res["recv_bytes"] = recv_bytes
     y = recv_x.clone()
+
+    def t(name, fn, modes=("dev", "e2e")):
+        for mode in modes:
+            res[f"{name}|{mode}"] = _timed(torch, dist, cpu, st, fn, iters, mode, sleep_cycles)
+
     t("native prepare", lambda: nat.prepare(idx, cfg))
     t("native dispatch", lambda: nat.dispatch(x, w, handle))
     t("native dispatch fp8", lambda: nat.dispatch((x8, s8), w, handle))
     t("native cached dispatch", lambda: nat.dispatch(x, None, full))
     t("native combine", lambda: nat.combine(y, full))
+    for blocks in args["sweep_blocks"]:  # kernel blocks of dispatch / combine (default: 24)
+        st._impl.set_blocks(blocks)
+        t(f"native dispatch @{blocks} blocks", lambda: nat.dispatch(x, w, handle), modes=("dev",))
+        t(f"native combine @{blocks} blocks", lambda: nat.combine(y, full), modes=("dev",))
+    st._impl.set_blocks(0)
     for label, backend in (("native", "cuda_nvshmem"), ("collective", "collective")):
         d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, backend=backend)
         t(f"{label} frontend dispatch", lambda: ep.dispatch(x, idx, w, num_experts=E, capacity=cap, backend=backend))
@@ -91,11 +127,14 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     t("collective dispatch", lambda: col.dispatch(x, w, ch))
     t("collective cached dispatch", lambda: col.dispatch(x, None, cfull))
     t("collective combine", lambda: col.combine(y, cfull))
-    src = torch.empty(recv_bytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(recv_bytes, dtype=torch.uint8, device="cuda").random_()
     peer = torch.empty(recv_bytes, dtype=torch.uint8, device=f"cuda:{(rank + 1) % world}")
     local = torch.empty_like(src)
+    half = recv_bytes // 2
     t("raw peer copy", lambda: peer.copy_(src, non_blocking=True))
+    t("raw peer copy half", lambda: peer[:half].copy_(src[:half], non_blocking=True))
     t("local copy", lambda: local.copy_(src))
+    t("local copy half", lambda: local[:half].copy_(src[:half]))
     torch.cuda.synchronize()
     dist.barrier(group=cpu)
     destroy_states()
@@ -105,7 +144,9 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
 
 ROWS = [  # (name in results, label, bytes factor: 1 bf16 recv_x, 0.5 fp8 rows (+ scales ignored))
     ("raw peer copy", "raw peer copy (copy engine)", 1.0),
+    ("raw peer copy half", "raw peer copy, half the bytes", 0.5),
     ("local copy", "local device copy", 1.0),
+    ("local copy half", "local device copy, half the bytes", 0.5),
     ("native prepare", "native prepare", None),
     ("native dispatch", "native dispatch bf16", 1.0),
     ("native dispatch fp8", "native dispatch fp8", 0.5),
@@ -131,6 +172,11 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sleep-us", type=float, default=3000.0, help="spin before a dev-mode region (covers the host)")
+    p.add_argument("--sweep-blocks", type=lambda v: [int(b) for b in v.split(",") if b], default=[24, 48, 132],
+                   help="dispatch/combine kernel blocks to time in dev mode (comma list; empty: none)")
+    p.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"], "bench_multigpu.json"),
+                   help="write every rank's numbers here")
     a = p.parse_args(argv)
     import torch
 
@@ -143,22 +189,53 @@ def main(argv=None) -> int:
         return 0
     t0 = time.time()
     results = run_ranks(rank_main, a.gpus, args=(vars(a),), timeout=400)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    R = len(results)
     print(f"# {avail.reason}; {torch.cuda.get_device_name(0)} x{a.gpus}, one process per GPU; "
           f"{time.time() - t0:.0f} s")
     print(f"# tokens/rank={a.tokens} hidden={a.hidden} top-{a.topk} of {a.experts}, capacity R*T; median of "
-          f"{a.iters}; slowest rank; GB/s = bytes of recv_x (bf16 rows; fp8 rows are half) / time")
+          f"{a.iters}; GB/s = bytes of recv_x (bf16 rows; fp8 rows are half) / slowest rank's time")
     nbytes = max(r["recv_bytes"] for r in results)
-    raw = max(r["raw peer copy"] for r in results)
     print(f"# recv_x bytes per rank (max) = {nbytes / 1e6:.1f} MB")
-    print(f"{'op':<40} {'time_us':>9} {'GB/s':>8} {'x raw copy':>10} {'vs NCCL':>8}")
+
+    def us(key, mode, phase="total"):
+        vals = [r.get(f"{key}|{mode}", {}).get(phase) for r in results]
+        return None if any(v is None for v in vals) else vals
+
+    # Phases of the native ops (dev mode: GPU time only), every rank.
+    print("\n# per-phase device time (dev mode), per rank and slowest")
+    print(f"{'op':<34} {'phase':<22} " + " ".join(f"{'r' + str(i):>8}" for i in range(R)) + f" {'max':>8}")
+    for key in ("native prepare", "native dispatch", "native dispatch fp8", "native cached dispatch",
+                "native combine"):
+        for phase in results[0].get(f"{key}|dev", {}):
+            vals = us(key, "dev", phase)
+            if vals:
+                print(f"{key:<34} {phase:<22} " + " ".join(f"{v:8.1f}" for v in vals) + f" {max(vals):8.1f}")
+    sweep = sorted({k.split("|")[0] for k in results[0] if " blocks" in k})
+    if sweep:
+        print("\n# kernel blocks sweep (dev mode, total incl. copy-out / copy-in), per rank and slowest")
+        for key in sweep:
+            vals = us(key, "dev")
+            print(f"{key:<57} " + " ".join(f"{v:8.1f}" for v in vals) + f" {max(vals):8.1f}")
+
+    raw = {m: max(us("raw peer copy", m)) for m in ("dev", "e2e")}
+    print(f"\n{'op':<40} {'mode':<4} " + " ".join(f"{'r' + str(i):>8}" for i in range(R)) +
+          f" {'max_us':>8} {'GB/s':>8} {'x raw':>6} {'vs NCCL':>8}")
     for key, label, factor in ROWS:
-        us = max(r[key] for r in results)
-        gbps = f"{nbytes * factor / (us * 1e-6) / 1e9:8.1f}" if factor else f"{'-':>8}"
-        ref_key = key.replace("native", "collective") if key.startswith("native") else None
-        vs = (f"{max(r[ref_key] for r in results) / us:8.2f}" if ref_key and ref_key in results[0]
-              else f"{'-':>8}")
-        print(f"{label:<40} {us:9.1f} {gbps} {us / raw:10.2f} {vs}")
-    print("# 'x raw copy' = time / raw peer copy time; 'vs NCCL' = NCCL time / native time (>1: native faster)")
+        for mode in ("dev", "e2e"):
+            vals = us(key, mode)
+            if not vals:
+                continue
+            t = max(vals)
+            gbps = f"{nbytes * factor / (t * 1e-6) / 1e9:8.1f}" if factor else f"{'-':>8}"
+            ref_key = key.replace("native", "collective") if key.startswith("native") else None
+            ref = us(ref_key, mode) if ref_key else None
+            vs = f"{max(ref) / t:8.2f}" if ref else f"{'-':>8}"
+            print(f"{label:<40} {mode:<4} " + " ".join(f"{v:8.1f}" for v in vals) +
+                  f" {t:8.1f} {gbps} {t / raw[mode]:6.2f} {vs}")
+    print("# 'x raw' = time / raw peer copy time (same mode); 'vs NCCL' = NCCL time / native time (>1: native faster)")
     return 0
 
 

@@ -172,6 +172,13 @@ void IpcRank::combine(const CombineArgs& args, cudaStream_t stream) {
   launcher_->combine(args, make_transport(workspaces_, rank_, timeout_ns_), vec, stream);
 }
 
+void IpcRank::barrier(cudaStream_t stream) {
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (!workspaces_[r]) throw std::runtime_error("omniep: workspace of rank " + std::to_string(r) + " not opened");
+  }
+  launcher_->barrier(make_transport(workspaces_, rank_, timeout_ns_), stream);
+}
+
 void IpcRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
   const RankWorkspace* ws = workspaces_[rank_];
   check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, ws->counts, sizeof(int32_t) * kMaxRanks,

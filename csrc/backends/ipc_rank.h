@@ -77,6 +77,8 @@ class IpcRank {
   void layout(const LayoutArgs& args, cudaStream_t stream);
   void dispatch(DispatchArgs args, cudaStream_t stream);  // fills args.unit / unit2
   void combine(const CombineArgs& args, cudaStream_t stream);
+  // A bare barrier over the group on `stream` (every rank must call it, in the same order as the ops).
+  void barrier(cudaStream_t stream);
   // dst[R, R] int32 <- the count matrix of my workspace (tokens s -> r at [s, r]), async on stream.
   // Valid right after layout() and before this rank's next dispatch (whose start barrier keeps the
   // peers' next count writes behind it).

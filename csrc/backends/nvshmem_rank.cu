@@ -114,6 +114,10 @@ void NvshmemRank::combine(const CombineArgs& args, cudaStream_t stream) {
   launcher_->combine(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), vec, stream);
 }
 
+void NvshmemRank::barrier(cudaStream_t stream) {
+  launcher_->barrier(make_transport(workspace_, rank_, num_ranks_, timeout_ns_), stream);
+}
+
 void NvshmemRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
   check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, workspace_->counts, sizeof(int32_t) * kMaxRanks,
                                sizeof(int32_t) * num_ranks_, num_ranks_, cudaMemcpyDeviceToDevice, stream),

@@ -51,6 +51,7 @@ class NvshmemRank {
   void layout(const LayoutArgs& args, cudaStream_t stream);
   void dispatch(DispatchArgs args, cudaStream_t stream);
   void combine(const CombineArgs& args, cudaStream_t stream);
+  void barrier(cudaStream_t stream);  // a bare barrier over the group (see IpcRank::barrier)
   void copy_counts(int32_t* dst, cudaStream_t stream) const;
   void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
   ErrorRecord read_error() const;

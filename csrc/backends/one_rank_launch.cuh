@@ -49,6 +49,11 @@ class OneRankLauncher {
   }
 
   template <typename Tr>
+  void barrier(const Tr& tr, cudaStream_t stream) {
+    launch(barrier_kernel<Tr>, 1, gpu::kWarpSize, 0, stream, 0, tr, "barrier");
+  }
+
+  template <typename Tr>
   void dispatch(const DispatchArgs& a, const Tr& tr, cudaStream_t stream) {
     if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
     const size_t smem = a.with_routing ? sizeof(int) * static_cast<size_t>(a.num_experts) : 0;

@@ -104,4 +104,12 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
   return s_ok != 0;
 }
 
+// A bare barrier over the group, one block per rank: on return of the kernel every rank has reached
+// it (block 0 waits for the peers' signals). Benchmarks launch it right before a timed region so that
+// the ranks' streams start that region together (launch skew is not counted in the region).
+template <typename Tr>
+__global__ void barrier_kernel(int /*unused*/, Tr tr) {
+  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false);
+}
+
 }  // namespace omniep

@@ -148,6 +148,7 @@ inline const char* phase_name(int phase) {
     case 4: return "dispatch (end)";
     case 5: return "combine (start)";
     case 6: return "combine (end)";
+    case 7: return "barrier";
     default: return "communication";
   }
 }
@@ -164,6 +165,8 @@ void bind_rank_ops(py::class_<G>& c) {
       .def("layout", [](G& g, const py::dict& d, uintptr_t s) { g.layout(layout_args(g, d), as_stream(s)); })
       .def("dispatch", [](G& g, const py::dict& d, uintptr_t s) { g.dispatch(dispatch_args(g, d), as_stream(s)); })
       .def("combine", [](G& g, const py::dict& d, uintptr_t s) { g.combine(combine_args(g, d), as_stream(s)); })
+      .def("barrier", [](G& g, uintptr_t s) { g.barrier(as_stream(s)); },
+           "A bare barrier over the group on stream s (collective, in op order; benchmarks align ranks).")
       .def("copy_counts", [](const G& g, uintptr_t dst, uintptr_t s) {
             g.copy_counts(reinterpret_cast<int32_t*>(dst), as_stream(s));
           })

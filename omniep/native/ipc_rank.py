@@ -85,6 +85,14 @@ class IpcRankState:
         if blocks:
             self._impl.set_blocks(int(blocks))
         self._impl.open_workspaces(self._all_gather(self._impl.workspace_handle()))
+        self.marks = None  # benchmarks: a list that collects (label, CUDA event) between an op's steps
+
+    def _mark(self, label: str) -> None:
+        """Record a CUDA event named ``label`` on the current stream if a benchmark asked for marks."""
+        if self.marks is not None:
+            ev = self._torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((label, ev))
 
     # ---- life cycle and bootstrap ----
     def _all_gather(self, obj) -> list:
@@ -122,6 +130,11 @@ class IpcRankState:
         self._all_gather(None)  # nobody maps anyone's old buffer any more
         g.allocate_data(new)
         g.open_data(self._all_gather(g.data_handle()))
+
+    def barrier(self) -> None:
+        """A bare device-side barrier over the group on the current stream (collective, in op order).
+        Benchmarks put it right before a timed region so that every rank's stream starts it together."""
+        self._g().barrier(self._stream())
 
     def check(self) -> None:
         """Synchronise; raise PeerTimeoutError if this rank recorded a timed-out wait on a peer."""
@@ -171,6 +184,7 @@ class IpcRankState:
         ), self._stream())
         # Read the count matrix before this rank's next dispatch (see IpcRank::copy_counts).
         g.copy_counts(lay.counts.data_ptr(), self._stream())
+        self._mark("kernel")
         return lay
 
     def dispatch(self, x, x_scales, topk_weights, *, topk_idx, send_pos, send_offset, num_recv, capacity: int,
@@ -206,6 +220,7 @@ class IpcRankState:
             args.update(topk_weights=w.data_ptr(), recv_topk_idx=offsets[at], recv_topk_weights=offsets[at + 1],
                         num_recv_tokens_per_expert=per_expert.data_ptr())
         self._g().dispatch(args, self._stream())
+        self._mark("kernel")
         recv_x = self._copy_out(offsets[0], (rows, H), x.dtype)
         recv_s = self._copy_out(offsets[1], (rows, x_scales.shape[1]), torch.float32) if x_scales is not None else None
         recv_idx = recv_w = None
@@ -242,6 +257,7 @@ class IpcRankState:
             self._copy_in(offsets[1], gw_in)
             g_w = self._empty((num_tokens, K), torch.float32)
             args.update(g_recv_topk_weights=offsets[1], g_topk_weights=g_w.data_ptr(), with_topk_grad=1)
+        self._mark("copy_in")
         self._g().combine(args, self._stream())
         return (out, g_w) if grad else out
 
@@ -264,6 +280,7 @@ class NvshmemRankState(IpcRankState):
         native = importlib.import_module("omniep._native_nvshmem")
         uid = self._all_gather(native.unique_id() if self.rank == 0 else None)[0]
         self._impl = native.NvshmemRank(self.rank, self.world, uid, int(self.timeout_s * 1e9))
+        self.marks = None
         if blocks:
             self._impl.set_blocks(int(blocks))
 

@@ -50,6 +50,7 @@ enum Phase : int32_t {
   kPhaseDispatchDone = 4,
   kPhaseCombineStart = 5,
   kPhaseCombineDone = 6,
+  kPhaseBarrier = 7,  // a bare barrier over the group (barrier_kernel: benchmarks align ranks with it)
 };
 
 // The first error a rank hit. Sticky: once `code` is set the rank's kernels skip all work and all
