@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -26,6 +27,24 @@ from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
 
 _STATES: dict = {}  # (group_name, device index) -> IpcRankState
+# Per-handle values the layout kernel already computed (send_offset [R], dropped []), keyed by the
+# handle's all_counts tensor (shared by a handle and its replace()d copies): saves a few small
+# kernels per dispatch / combine. A handle rebuilt from data misses the cache and recomputes them.
+# id(all_counts) -> (weakref to all_counts, send_offset, dropped); the entry leaves with the tensor.
+_DERIVED: dict = {}
+
+
+def _remember(all_counts, send_offset, dropped) -> None:
+    key = id(all_counts)
+    ref = weakref.ref(all_counts, lambda _r, k=key: _DERIVED.pop(k, None))
+    _DERIVED[key] = (ref, send_offset, dropped)
+
+
+def _derived(all_counts):
+    entry = _DERIVED.get(id(all_counts))
+    if entry is None or entry[0]() is not all_counts:
+        return None
+    return entry[1], entry[2]
 MIN_CC = (9, 0)
 
 
@@ -135,10 +154,16 @@ class CudaNvshmemTorch(EPBackend):
 
     def _send_offset(self, handle: TorchHandle) -> torch.Tensor:
         """First row of my tokens in every receiver's order: sum over lower source ranks."""
+        derived = _derived(handle.all_counts)
+        if derived is not None:
+            return derived[0]
         counts = handle.all_counts[:, : self.world].to(torch.int64)
         return exclusive_cumsum(counts, 0)[self.rank].to(torch.int32).contiguous()
 
     def _dropped(self, handle: TorchHandle) -> torch.Tensor:
+        derived = _derived(handle.all_counts)
+        if derived is not None:
+            return derived[1].clone()
         total = handle.all_counts[:, self.rank].to(torch.int64).sum()
         return (total - handle.num_recv.to(torch.int64)).to(torch.int32)
 
@@ -158,6 +183,7 @@ class CudaNvshmemTorch(EPBackend):
         if config.capacity is not None:
             keep &= slot < config.capacity
         send_slot = torch.where(keep, slot, -1).to(torch.int32)
+        _remember(all_counts, lay.send_offset, lay.dropped)
         return TorchHandle(
             config=config, backend=self.name, topk_idx=lay.topk_idx, topk_weights=None, send_pos=lay.send_pos,
             num_tokens_per_rank=lay.num_tokens_per_rank, recv_counts=lay.recv_counts, recv_topk_idx=None,
@@ -182,7 +208,10 @@ class CudaNvshmemTorch(EPBackend):
         recv_x, recv_s, recv_idx, recv_w, per_expert = self._move(x, x_scales, topk_weights, handle, not cached)
         if cached:
             recv_idx, recv_w = handle.recv_topk_idx, handle.recv_topk_weights
-            counts = torch.bincount(torch.where(recv_idx >= 0, recv_idx, L).flatten().long(), minlength=L + 1)[:L]
+            # scatter_add, not bincount: torch.bincount on CUDA reads the maximum on the host (a sync).
+            bins = torch.where(recv_idx >= 0, recv_idx, L).flatten().long()
+            counts = torch.zeros(L + 1, dtype=torch.int64, device=recv_idx.device).scatter_add_(
+                0, bins, torch.ones_like(bins))[:L]
             per_expert = align_up(counts.to(torch.int32), handle.config.expert_alignment).to(torch.int32)
         else:
             handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w)
