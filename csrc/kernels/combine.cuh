@@ -52,21 +52,45 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
 #pragma unroll
         for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
       }
-      for (int r = 0; r < R; ++r) {  // ascending rank: the contract's summation order
-        const int64_t slot = s_slot[warp][r];
-        if (slot < 0) continue;
-        const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H);
-        Pack v[kPacks];
+      // Two ranks per round: the loads of rank r and r + 1 are in flight together (2 * kPacks per
+      // lane), then added in ascending rank order (the contract's summation order, unchanged).
+      for (int r = 0; r < R; r += 2) {
+        const int64_t slot0 = s_slot[warp][r];
+        const int64_t slot1 = r + 1 < R ? s_slot[warp][r + 1] : -1;
+        if (slot0 < 0 && slot1 < 0) continue;
+        Pack v0[kPacks], v1[kPacks];
+        if (slot0 >= 0) {
+          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot0 * H);
 #pragma unroll
-        for (int j = 0; j < kPacks; ++j) {
-          const int p = base + lane + j * gpu::kWarpSize;
-          if (p < num_packs) v[j] = y[p];
+          for (int j = 0; j < kPacks; ++j) {
+            const int p = base + lane + j * gpu::kWarpSize;
+            if (p < num_packs) v0[j] = y[p];
+          }
         }
+        if (slot1 >= 0) {
+          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r + 1)) + slot1 * H);
 #pragma unroll
-        for (int j = 0; j < kPacks; ++j) {
-          if (base + lane + j * gpu::kWarpSize < num_packs) {
+          for (int j = 0; j < kPacks; ++j) {
+            const int p = base + lane + j * gpu::kWarpSize;
+            if (p < num_packs) v1[j] = y[p];
+          }
+        }
+        if (slot0 >= 0) {
 #pragma unroll
-            for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v[j].v[i]));
+          for (int j = 0; j < kPacks; ++j) {
+            if (base + lane + j * gpu::kWarpSize < num_packs) {
+#pragma unroll
+              for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v0[j].v[i]));
+            }
+          }
+        }
+        if (slot1 >= 0) {
+#pragma unroll
+          for (int j = 0; j < kPacks; ++j) {
+            if (base + lane + j * gpu::kWarpSize < num_packs) {
+#pragma unroll
+              for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v1[j].v[i]));
+            }
           }
         }
       }

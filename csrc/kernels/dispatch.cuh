@@ -49,18 +49,31 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   const int lane = gpu::lane_id();
   const int warps = gpu::warps_per_block();
   for (int t = blockIdx.x * warps + gpu::warp_id(); t < T; t += gridDim.x * warps) {
-    for (int r = 0; r < R; ++r) {
-      const int pos = send_pos[static_cast<int64_t>(t) * R + r];
-      if (pos < 0) continue;
-      const int64_t slot = static_cast<int64_t>(s_offset[r]) + pos;
-      if (slot >= C) continue;  // dropped: past the receiver's capacity
-      warp_copy_row(tr.peer(a.recv_x, r) + slot * a.row_bytes, x + static_cast<int64_t>(t) * a.row_bytes,
-                    a.row_bytes, a.unit);
-      if (a.row2_bytes > 0) {
-        warp_copy_row(tr.peer(a.recv_x2, r) + slot * a.row2_bytes,
-                      x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
+    // Lane r < R: where token t lands at rank r (or nowhere). The row is read once and stored to
+    // every destination (warp_copy_row_multi).
+    uint8_t* dst_x = nullptr;
+    uint8_t* dst_x2 = nullptr;
+    bool sent = false;
+    if (lane < R) {
+      const int pos = send_pos[static_cast<int64_t>(t) * R + lane];
+      const int64_t slot = static_cast<int64_t>(s_offset[lane]) + pos;
+      sent = pos >= 0 && slot < C;  // slot >= C: dropped, past the receiver's capacity
+      if (sent) {
+        dst_x = tr.peer(a.recv_x, lane) + slot * a.row_bytes;
+        if (a.row2_bytes > 0) dst_x2 = tr.peer(a.recv_x2, lane) + slot * a.row2_bytes;
       }
-      if (routing) {
+    }
+    const gpu::lane_mask_t dests = gpu::ballot(sent);
+    if (dests == 0) continue;
+    warp_copy_row_multi(dst_x, dests, x + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, a.unit);
+    if (a.row2_bytes > 0) {
+      warp_copy_row_multi(dst_x2, dests, x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
+    }
+    if (routing) {
+      for (gpu::lane_mask_t m = dests; m; m &= m - 1) {
+        const int r = gpu::lowest_lane(m);
+        const int pos = send_pos[static_cast<int64_t>(t) * R + r];
+        const int64_t slot = static_cast<int64_t>(s_offset[r]) + pos;
         int32_t* recv_idx = tr.peer(a.recv_topk_idx, r) + slot * K;
         float* recv_w = tr.peer(a.recv_topk_weights, r) + slot * K;
         for (int k = lane; k < K; k += gpu::kWarpSize) {

@@ -42,6 +42,51 @@ OMNIEP_DEVICE void warp_copy_row(void* dst, const void* src, int64_t bytes, int 
   }
 }
 
+// Copy one source row to several destinations with the whole warp, reading the source ONCE: lane d
+// (d < kWarpSize) holds destination d's address in `my_dst`; bit d of `dests` says whether it is used.
+// Each chunk is loaded once and stored to every destination (a token bound for R ranks costs one
+// read of its row instead of R).
+template <typename Unit>
+OMNIEP_DEVICE void warp_copy_units_multi(Unit* my_dst, gpu::lane_mask_t dests, const Unit* __restrict__ src,
+                                         int64_t n) {
+  constexpr int kUnroll = 4;
+  const int lane = gpu::lane_id();
+  const unsigned long long mine = reinterpret_cast<uintptr_t>(my_dst);
+  // Warp-uniform trip counts (the shuffles need every lane): full chunks, then a ragged tail.
+  int64_t base = 0;
+  for (; base + kUnroll * gpu::kWarpSize <= n; base += kUnroll * gpu::kWarpSize) {
+    const int64_t i = base + lane;
+    Unit v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = src[i + u * gpu::kWarpSize];
+    for (gpu::lane_mask_t m = dests; m; m &= m - 1) {
+      Unit* dst = reinterpret_cast<Unit*>(static_cast<uintptr_t>(gpu::shfl(mine, gpu::lowest_lane(m))));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) dst[i + u * gpu::kWarpSize] = v[u];
+    }
+  }
+  for (; base < n; base += gpu::kWarpSize) {
+    const int64_t j = base + lane;
+    Unit v{};
+    if (j < n) v = src[j];
+    for (gpu::lane_mask_t m = dests; m; m &= m - 1) {
+      Unit* dst = reinterpret_cast<Unit*>(static_cast<uintptr_t>(gpu::shfl(mine, gpu::lowest_lane(m))));
+      if (j < n) dst[j] = v;
+    }
+  }
+}
+
+OMNIEP_DEVICE void warp_copy_row_multi(void* my_dst, gpu::lane_mask_t dests, const void* src, int64_t bytes,
+                                       int unit) {
+  switch (unit) {
+    case 16: warp_copy_units_multi(static_cast<int4*>(my_dst), dests, static_cast<const int4*>(src), bytes / 16); break;
+    case 8: warp_copy_units_multi(static_cast<int2*>(my_dst), dests, static_cast<const int2*>(src), bytes / 8); break;
+    case 4: warp_copy_units_multi(static_cast<int*>(my_dst), dests, static_cast<const int*>(src), bytes / 4); break;
+    case 2: warp_copy_units_multi(static_cast<short*>(my_dst), dests, static_cast<const short*>(src), bytes / 2); break;
+    default: warp_copy_units_multi(static_cast<char*>(my_dst), dests, static_cast<const char*>(src), bytes); break;
+  }
+}
+
 // Zero `bytes` at dst with the whole warp, in units of `unit` bytes.
 OMNIEP_DEVICE void warp_zero_row(void* dst, int64_t bytes, int unit) {
   const int lane = gpu::lane_id();

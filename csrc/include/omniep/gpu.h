@@ -61,6 +61,7 @@ OMNIEP_DEVICE lane_mask_t lanes_below() {  // bits of the lanes with a smaller i
   return m;
 }
 OMNIEP_DEVICE void syncwarp() { __syncwarp(); }
+OMNIEP_DEVICE int lowest_lane(lane_mask_t m) { return __ffs(m) - 1; }  // m != 0
 #else
 OMNIEP_DEVICE lane_mask_t ballot(bool pred) { return __ballot(pred); }
 template <typename T>
@@ -68,6 +69,7 @@ OMNIEP_DEVICE T shfl(T v, int src_lane) { return __shfl(v, src_lane); }
 OMNIEP_DEVICE int popc(lane_mask_t m) { return __popcll(m); }
 OMNIEP_DEVICE lane_mask_t lanes_below() { return (lane_mask_t(1) << lane_id()) - 1; }
 OMNIEP_DEVICE void syncwarp() { __builtin_amdgcn_wave_barrier(); }
+OMNIEP_DEVICE int lowest_lane(lane_mask_t m) { return __ffsll(static_cast<unsigned long long>(m)) - 1; }  // m != 0
 #endif
 
 // ---- scoped loads, stores, atomics and fences ----
