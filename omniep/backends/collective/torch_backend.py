@@ -16,9 +16,8 @@ from typing import Optional
 
 import torch
 
-from ...ep_core.backend import EPBackend
+from ..torch_group import TorchGroupBackend
 from ...ep_core.capacity import align_up
-from ...ep_core.errors import InputError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
 from .torch_layout import (
     TorchHandle, acc_dtype, as_bytes, exclusive_cumsum, expert_major_send_slot, from_bytes, kept_from_sources,
@@ -27,7 +26,7 @@ from .torch_layout import (
 )
 
 
-class CollectiveTorch(EPBackend):
+class CollectiveTorch(TorchGroupBackend):
     """prepare / dispatch / combine / backward passes for ONE rank of a ``torch.distributed`` group.
 
     ``group`` is a ``ProcessGroup`` (``None``: the default group). Every rank of the group must make
@@ -36,17 +35,6 @@ class CollectiveTorch(EPBackend):
     """
 
     name = "collective"
-    framework = "torch"
-
-    def __init__(self, group=None):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise InputError("torch.distributed is not initialized: call "
-                             "torch.distributed.init_process_group(...) before using omniep")
-        super().__init__(group if group is not None else dist.group.WORLD)
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -68,8 +56,6 @@ class CollectiveTorch(EPBackend):
             frameworks=("torch",), cuda_graph_safe=False, hidden_multiple=1,
         )
 
-    def num_ranks(self) -> int:
-        return self.world
 
     # ---- communication --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ...backends.collective.torch_layout import TorchHandle, exclusive_cumsum
-from ...ep_core.backend import EPBackend
+from ..torch_group import TorchGroupBackend
 from ...ep_core.capacity import align_up
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
@@ -68,21 +68,10 @@ def destroy_states() -> None:
         _STATES.pop(key).destroy()
 
 
-class CudaNvshmemTorch(EPBackend):
+class CudaNvshmemTorch(TorchGroupBackend):
     """prepare / dispatch / combine / backward passes for ONE rank of a group, one process per rank."""
 
     name = "cuda_nvshmem"
-    framework = "torch"
-
-    def __init__(self, group=None):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
-                             "before using omniep")
-        super().__init__(group if group is not None else dist.group.WORLD)
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -112,8 +101,6 @@ class CudaNvshmemTorch(EPBackend):
             frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1, devices=("gpu",),
         )
 
-    def num_ranks(self) -> int:
-        return self.world
 
     # ---- plumbing ----
     def _state(self, device: torch.device):
