@@ -163,6 +163,7 @@ CHECKS = [
     ("hidden differs", "error_dispatch", dict(hidden=(4, 8))),
     ("num_experts differs", "error_dispatch", dict(experts=(4, 8))),
     ("bad id on rank 1 only", "error_dispatch", dict(bad_id=(None, 99))),
+    ("bad dtype on rank 1 only", "error_dispatch", dict(x_dtype=("float32", "float64"))),
     ("overflow on every rank", "error_dispatch", dict(tokens=(3, 3), capacity=1)),
     ("overflow expert-major", "error_dispatch", dict(tokens=(3, 3), capacity=1, layout="expert_major")),
     ("bad y on rank 1 only", "error_combine", dict(bad_rank=1)),
@@ -191,6 +192,9 @@ def test_mismatch_and_bad_input_raise_on_every_rank(two_rank_errors):
         assert e["still in step afterwards"][rank] == {"type": None, "message": "no error"}
     assert "expert id 99" in e["bad id on rank 1 only"][1]["message"]
     assert "rank(s) [1] of the EP group rejected their input" in e["bad id on rank 1 only"][0]["message"]
+    # validation that fails before the row's fields are known still sends a row of the same length
+    assert "x dtype float64 is not supported" in e["bad dtype on rank 1 only"][1]["message"]
+    assert "rank(s) [1] of the EP group rejected their input" in e["bad dtype on rank 1 only"][0]["message"]
     assert "combine input y has shape" in e["bad y on rank 1 only"][1]["message"]
     assert "rank(s) [1] of the EP group rejected their input" in e["bad y on rank 1 only"][0]["message"]
     assert "combine input y has shape" in e["bad y on rank 0, expert-major"][0]["message"]

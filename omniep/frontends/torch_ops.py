@@ -74,19 +74,37 @@ def handle_from_tensors(tensors, meta: tuple, topk_weights=None) -> TorchHandle:
                        topk_weights=topk_weights, group_name=group_name, **fields)
 
 
-def agree(backend, error: Optional[Exception], fields: dict, device) -> None:
-    """One all-gather of ``[status, *fields]``: raise on every rank if any rank rejected its input or
-    a field differs across ranks. ``error`` is this rank's validation error (re-raised here)."""
+def agree(backend, error: Optional[Exception], fields: dict, device, *, id_range=None) -> None:
+    """One all-gather of ``[status, *fields, *id_range]``: raise on every rank if any rank rejected its
+    input or a field differs across ranks. ``error`` is this rank's validation error (re-raised here).
+
+    ``id_range`` (dispatch): a device tensor ``[min, max]`` of this rank's expert ids, checked against
+    the ``num_experts`` field of the same row. It rides along with the exchange so that the id check
+    costs no host sync of its own; every rank must pass the same ``fields`` keys (so the rows have one
+    length) and all or none an ``id_range``.
+    """
     values = [1 if error is not None else 0] + ([-1] * len(fields) if error is not None else list(fields.values()))
-    table = backend.all_gather(torch.tensor(values, dtype=torch.int64, device=device)).tolist()
+    row = torch.tensor(values, dtype=torch.int64, device=device)
+    if id_range is not None:
+        row = torch.cat([row, id_range.to(device=device, dtype=torch.int64)])
+    table = backend.all_gather(row).tolist()
     if error is not None:
         raise error
-    bad = [r for r, row in enumerate(table) if row[0]]
+    ids_at = len(fields) + 1
+    experts_at = 1 + list(fields).index("num_experts") if id_range is not None else None
+
+    def rejected(r: list) -> bool:
+        return bool(r[0]) or (id_range is not None and (r[ids_at] < -1 or r[ids_at + 1] >= r[experts_at]))
+
+    mine = table[backend.rank]
+    if id_range is not None and rejected(mine):  # raises, naming the bad id
+        v.check_expert_ids(np.array(mine[ids_at:ids_at + 2]), mine[experts_at])
+    bad = [r for r, values in enumerate(table) if rejected(values)]
     if bad:
         raise InputError(f"rank(s) {bad} of the EP group rejected their input (see the error raised there); "
                          f"no data was sent")
     for i, name in enumerate(fields, start=1):
-        column = [row[i] for row in table]
+        column = [values[i] for values in table]
         if len(set(column)) > 1:
             shown = [_DTYPE_NAMES.get(c, c) if name == "dtype" else c for c in column]
             per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(shown))
@@ -124,16 +142,18 @@ def dispatch_op(x, x_scales, topk_idx, topk_weights, group_name, backend, num_ex
     outputs 2 and 3). Differentiable outputs: ``recv_x`` and ``recv_topk_weights``.
     """
     be = make_backend(backend, group_name)
-    error, fields = None, {}
+    # Every rank sends the same keys, so the agreement rows have one length even where validation failed.
+    error, fields = None, dict(hidden=-1, num_topk=-1)
     try:
-        fields = _validate_dispatch(x, x_scales, topk_idx, topk_weights, num_experts, be.num_ranks())
-        if topk_idx.numel():  # only the extremes cross to the host, not the whole routing
-            v.check_expert_ids(np.array([int(topk_idx.min()), int(topk_idx.max())]), num_experts)
+        fields.update(_validate_dispatch(x, x_scales, topk_idx, topk_weights, num_experts, be.num_ranks()))
     except InputError as exc:
         error = exc
+    # Only the extremes of the routing are checked, on the host, after the one agreement exchange.
+    id_range = (torch.stack([topk_idx.min(), topk_idx.max()]) if error is None and topk_idx.numel()
+                else torch.tensor([-1, -1]))
     fields.update(num_experts=num_experts, dtype=DTYPE_CODES.get(x.dtype, 0), layout=int(layout == "expert_major"),
                   capacity=capacity, expert_alignment=expert_alignment)
-    agree(be, error, fields, x.device)
+    agree(be, error, fields, x.device, id_range=id_range)
     config = make_config(num_experts, be.num_ranks(), layout, capacity, expert_alignment)
     handle = be.prepare(topk_idx, config)
     # The count exchange told every rank every rank's receive size: raise (on every rank) before

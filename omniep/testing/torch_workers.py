@@ -276,7 +276,7 @@ def error_session(rank: int, world: int, port: int, checks: list) -> list:
 
 
 def error_dispatch(rank: int, *, tokens=(3, 3), hidden=(4, 4), experts=(4, 4), bad_id=(None, None),
-                   capacity=None, layout="rank_major") -> None:
+                   capacity=None, layout="rank_major", x_dtype=("float32", "float32")) -> None:
     """dispatch where each keyword gives per-rank values; ``bad_id[rank]`` (if not None) is written
     into this rank's topk_idx."""
     import torch
@@ -288,8 +288,8 @@ def error_dispatch(rank: int, *, tokens=(3, 3), hidden=(4, 4), experts=(4, 4), b
     idx = torch.randint(0, max(E, 1), (T, 2), generator=gen)
     if bad_id[rank] is not None:
         idx[0, 0] = bad_id[rank]
-    ep.dispatch(torch.randn(T, hidden[rank], generator=gen), idx, torch.rand(T, 2, generator=gen),
-                num_experts=E, capacity=capacity, layout=layout)
+    x = torch.randn(T, hidden[rank], generator=gen).to(getattr(torch, x_dtype[rank]))
+    ep.dispatch(x, idx, torch.rand(T, 2, generator=gen), num_experts=E, capacity=capacity, layout=layout)
 
 
 def error_combine(rank: int, *, bad_rank: int, layout="rank_major") -> None:
