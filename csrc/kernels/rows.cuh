@@ -109,19 +109,19 @@ template <> struct Elem<float> {
   static OMNIEP_DEVICE float from_float(float v) { return v; }
 };
 template <> struct Elem<gpu::bfloat16> {
-  static OMNIEP_DEVICE float to_float(gpu::bfloat16 v) { return __bfloat162float(v); }
-  static OMNIEP_DEVICE gpu::bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  static OMNIEP_DEVICE float to_float(gpu::bfloat16 v) { return gpu::bf16_to_float(v); }
+  static OMNIEP_DEVICE gpu::bfloat16 from_float(float v) { return gpu::float_to_bf16_rn(v); }
 };
 template <> struct Elem<gpu::float16> {
-  static OMNIEP_DEVICE float to_float(gpu::float16 v) { return __half2float(v); }
-  static OMNIEP_DEVICE gpu::float16 from_float(float v) { return __float2half_rn(v); }
+  static OMNIEP_DEVICE float to_float(gpu::float16 v) { return gpu::half_to_float(v); }
+  static OMNIEP_DEVICE gpu::float16 from_float(float v) { return gpu::float_to_half_rn(v); }
 };
 
 // Load element i of a tensor whose dtype is known only at run time (bias terms).
 OMNIEP_DEVICE float load_as_float(const void* p, int dtype, int64_t i) {
   switch (dtype) {
-    case kBFloat16: return __bfloat162float(static_cast<const gpu::bfloat16*>(p)[i]);
-    case kFloat16: return __half2float(static_cast<const gpu::float16*>(p)[i]);
+    case kBFloat16: return gpu::bf16_to_float(static_cast<const gpu::bfloat16*>(p)[i]);
+    case kFloat16: return gpu::half_to_float(static_cast<const gpu::float16*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
 }

@@ -19,6 +19,9 @@
 
 namespace omniep {
 
+// Kernels give lane r of a warp rank r's data (r < R <= kMaxRanks).
+static_assert(gpu::kWarpSize >= kMaxRanks, "a warp must have a lane per rank");
+
 OMNIEP_DEVICE bool has_error(RankWorkspace* ws) {
   return gpu::load_acquire_sys(&ws->error.code) != kErrNone;
 }

@@ -1,9 +1,22 @@
 // Portable device dialect: the few GPU primitives omniep's kernels use, behind vendor-neutral names.
 //
 // Kernels include this header and never spell a CUDA or HIP intrinsic directly, so that one kernel
-// source builds for NVIDIA (nvcc) and AMD (hipcc). The CUDA mapping is compile-checked in CI
-// (scripts/check_cuda_compile.sh); the HIP mapping is written against the HIP atomic builtins and
-// is not compile-checked yet (no hipcc on the CI machine).
+// source builds for NVIDIA (nvcc) and AMD (hipcc). Both mappings are compile-checked in CI:
+// scripts/check_cuda_compile.sh (nvcc, sm_90) and scripts/check_hip_compile.sh (Debian's hipcc 5.2.3 /
+// clang-15, gfx90a and gfx940). The HIP mapping has NOT run on AMD hardware yet.
+//
+// Vendor differences kept here (kernels use only the names below):
+//   warp size        kWarpSize: 32 on NVIDIA, 64 on CDNA (gfx9: gfx90a, gfx940/942; wave32 RDNA is
+//                    refused at compile time); lane masks (ballots) are lane_mask_t, 32 or 64 bits.
+//   shuffles/ballots shfl / ballot / popc / lanes_below / lowest_lane / syncwarp.
+//   atomics, fences  system-scope acquire/release (PTX .sys; HIP __HIP_MEMORY_SCOPE_SYSTEM).
+//   timer            global_timer_ns: %globaltimer on NVIDIA, s_memrealtime (wall_clock64, 100 MHz on
+//                    gfx9) on AMD.
+//   fp32 rounding    add_rn / mul_rn: __fadd_rn / __fmul_rn on NVIDIA; on AMD plain fp32 ops inside
+//                    `#pragma clang fp contract(off)` (HIP's own __fadd_rn is a plain `x + y` that
+//                    hipcc's default -ffp-contract=fast-honor-pragmas may fuse into an FMA).
+//   bf16 / fp16      bf16_to_float / float_to_bf16_rn / half_to_float / float_to_half_rn.
+// Host-side differences (runtime API, cooperative launch) live in omniep/runtime.h.
 //
 // Memory-ordering vocabulary (PTX / HIP memory models):
 //   *_acquire_sys / *_release_sys  acquire load / release store or add at SYSTEM scope: orders the
@@ -18,9 +31,11 @@
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
 #define OMNIEP_HIP 1
-#include <hip/hip_bf16.h>
 #include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
+#if defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64
+#error "omniep: the HIP kernels assume 64-lane wavefronts (CDNA: gfx90a, gfx940, gfx942)"
+#endif
 #else
 #define OMNIEP_CUDA 1
 #include <cuda_bf16.h>
@@ -41,9 +56,14 @@ using float16 = __half;
 #else
 inline constexpr int kWarpSize = 64;
 using lane_mask_t = uint64_t;
-using bfloat16 = __hip_bfloat16;
+// omniep's own bf16 storage type on AMD: HIP's bf16 type changed across ROCm releases (hip_bfloat16
+// in 5.x, __hip_bfloat16 from 6.0), and the kernels only load, store and convert it.
+struct alignas(2) bfloat16 {
+  uint16_t bits;
+};
 using float16 = __half;
 #endif
+static_assert(sizeof(lane_mask_t) * 8 == kWarpSize, "one ballot bit per lane");
 
 OMNIEP_DEVICE int lane_id() { return static_cast<int>(threadIdx.x) % kWarpSize; }
 OMNIEP_DEVICE int warp_id() { return static_cast<int>(threadIdx.x) / kWarpSize; }
@@ -65,11 +85,19 @@ OMNIEP_DEVICE int lowest_lane(lane_mask_t m) { return __ffs(m) - 1; }  // m != 0
 #else
 OMNIEP_DEVICE lane_mask_t ballot(bool pred) { return __ballot(pred); }
 template <typename T>
-OMNIEP_DEVICE T shfl(T v, int src_lane) { return __shfl(v, src_lane); }
+OMNIEP_DEVICE T shfl(T v, int src_lane) { return __shfl(v, src_lane, kWarpSize); }
 OMNIEP_DEVICE int popc(lane_mask_t m) { return __popcll(m); }
 OMNIEP_DEVICE lane_mask_t lanes_below() { return (lane_mask_t(1) << lane_id()) - 1; }
-OMNIEP_DEVICE void syncwarp() { __builtin_amdgcn_wave_barrier(); }
-OMNIEP_DEVICE int lowest_lane(lane_mask_t m) { return __ffsll(static_cast<unsigned long long>(m)) - 1; }  // m != 0
+// A wavefront runs in lockstep; the fences order LDS accesses of its lanes around the barrier (what
+// __syncwarp guarantees on NVIDIA), the wave barrier keeps the compiler from moving code across it.
+OMNIEP_DEVICE void syncwarp() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
+OMNIEP_DEVICE int lowest_lane(lane_mask_t m) {  // m != 0
+  return static_cast<int>(__ffsll(static_cast<unsigned long long>(m))) - 1;
+}
 #endif
 
 // ---- scoped loads, stores, atomics and fences ----
@@ -135,15 +163,51 @@ OMNIEP_DEVICE int32_t cas_relaxed_sys(int32_t* p, int32_t expect, int32_t v) {
                                        __HIP_MEMORY_SCOPE_SYSTEM);
   return expect;
 }
-OMNIEP_DEVICE void fence_acq_rel_sys() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
-OMNIEP_DEVICE uint64_t global_timer_ns() { return wall_clock64() * 10; }  // 100 MHz on gfx9
+// "" = the system (agent-crossing) synchronisation scope of the AMDGPU memory model.
+OMNIEP_DEVICE void fence_acq_rel_sys() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, ""); }
+// s_memrealtime: a constant 100 MHz clock on gfx9 (MI200, MI300), shared by the device's CUs.
+OMNIEP_DEVICE uint64_t global_timer_ns() {
+#if defined(__HIP_DEVICE_COMPILE__)
+  return static_cast<uint64_t>(wall_clock64()) * 10;
+#else
+  return 0;  // the host pass of a device function (HIP declares wall_clock64 for the device only)
+#endif
+}
 OMNIEP_DEVICE void pause() { __builtin_amdgcn_s_sleep(1); }
 #endif
 
 // ---- exact fp32 arithmetic: round-to-nearest, never contracted into FMA or reassociated ----
-// (__fadd_rn and __fmul_rn exist under both CUDA and HIP.)
+#if defined(OMNIEP_CUDA)
 OMNIEP_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
 // The product rounded to fp32 on its own, so `add_rn(acc, mul_rn(w, y))` never becomes an FMA.
 OMNIEP_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+#else
+// IEEE fp32 add / mul round to nearest even on AMD; contract(off) leaves the operations without
+// LLVM's `contract` flag, so they are never fused into an FMA, also after inlining.
+OMNIEP_DEVICE float add_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a + b;
+}
+OMNIEP_DEVICE float mul_rn(float a, float b) {
+#pragma clang fp contract(off)
+  return a * b;
+}
+#endif
+
+// ---- bf16 / fp16 <-> fp32 (exact widening; one round-to-nearest-even narrowing) ----
+#if defined(OMNIEP_CUDA)
+OMNIEP_DEVICE float bf16_to_float(bfloat16 v) { return __bfloat162float(v); }
+OMNIEP_DEVICE bfloat16 float_to_bf16_rn(float v) { return __float2bfloat16_rn(v); }
+#else
+OMNIEP_DEVICE float bf16_to_float(bfloat16 v) { return __uint_as_float(static_cast<uint32_t>(v.bits) << 16); }
+// Round to nearest even, NaN to the canonical 0x7fff (what cvt.rn.bf16.f32 gives on NVIDIA).
+OMNIEP_DEVICE bfloat16 float_to_bf16_rn(float v) {
+  const uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bfloat16{0x7fff};
+  return bfloat16{static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+#endif
+OMNIEP_DEVICE float half_to_float(float16 v) { return __half2float(v); }
+OMNIEP_DEVICE float16 float_to_half_rn(float v) { return __float2half_rn(v); }
 
 }  // namespace omniep::gpu
