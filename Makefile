@@ -6,7 +6,7 @@ PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.omniep-deps
 
-.PHONY: demo test info bench native check-cuda clean
+.PHONY: demo test info bench native check-cuda check-hip clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ native:
 
 check-cuda:
 	scripts/check_cuda_compile.sh
+
+check-hip:
+	scripts/check_hip_compile.sh
 
 clean:
 	rm -rf $(VENV) build bench_out .pytest_cache omniep/_native*.so
