@@ -80,25 +80,35 @@ def compute(case: Case, seed: int = 0) -> tuple[dict, dict]:
         "g_recv_x": [randn(d.recv_x.shape) for d in disp],
         "g_recv_w": [rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in disp],
     }
-    expected = reference_results(case, inputs)
+    expected = {k: v for k, v in reference_results(case, inputs).items() if k in EXPECTED}
     assert all(len(v) == R for v in (*inputs.values(), *expected.values()))
     return inputs, expected
 
 
-def reference_results(case: Case, inputs: dict) -> dict:
-    """What the reference computes from a golden file's inputs (see the module docstring)."""
-    plan = ref.make_plan(inputs["topk_idx"], case.config(static_capacity(case)))
+def reference_results(case: Case, inputs: dict, capacity: int | None = None) -> dict:
+    """What the reference computes from inputs shaped like a golden file's (see the module docstring).
+
+    ``capacity`` defaults to :func:`static_capacity`. Biases come from ``inputs["biases"]`` (per rank a
+    tuple of up to two ``[T, H]`` arrays) or else ``inputs["bias"]`` (one per rank). Beyond the golden
+    fields, the result holds ``g_w_combine`` (the expert-major combine's weight gradient, zeros for
+    rank-major) and ``g_bias`` (per rank, ``g_out`` cast to each bias dtype).
+    """
+    plan = ref.make_plan(inputs["topk_idx"], case.config(static_capacity(case) if capacity is None else capacity))
     disp = ref.dispatch(inputs["x"], inputs["topk_weights"], plan)
-    out = ref.combine(inputs["y"], plan, topk_weights=inputs["topk_weights"], bias=[(b,) for b in inputs["bias"]])
+    biases = inputs["biases"] if "biases" in inputs else [(b,) for b in inputs["bias"]]
+    out = ref.combine(inputs["y"], plan, topk_weights=inputs["topk_weights"], bias=biases)
     g_x, g_w = ref.dispatch_bwd(inputs["g_recv_x"], inputs["g_recv_w"], plan)
-    g_y, _ = ref.combine_bwd(inputs["g_out"], plan, ys=inputs["y"], topk_weights=inputs["topk_weights"])
+    g_y, g_wc = ref.combine_bwd(inputs["g_out"], plan, ys=inputs["y"], topk_weights=inputs["topk_weights"])
+    if g_wc is None:  # rank-major combine does not read the weights
+        g_wc = [np.zeros(w.shape, np.float32) for w in inputs["topk_weights"]]
     return {
         "recv_x": [d.recv_x for d in disp], "recv_topk_idx": [d.recv_topk_idx for d in disp],
         "recv_topk_weights": [d.recv_topk_weights for d in disp],
         "num_recv": [np.array(d.num_recv, np.int32) for d in disp],
         "num_recv_tokens_per_expert": [d.num_recv_tokens_per_expert for d in disp],
         "dropped": [np.array(d.dropped, np.int32) for d in disp],
-        "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y,
+        "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y, "g_w_combine": g_wc,
+        "g_bias": [tuple(g.astype(b.dtype) for b in bs) for g, bs in zip(inputs["g_out"], biases)],
     }
 
 

@@ -17,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..ep_core import reference as ref
 from ..ep_core.types import Layout
+from . import golden
 from .cases import Case, make_case, np_dtype
 
 AXIS = "ep"
@@ -69,22 +69,8 @@ def make_inputs(case: Case, capacity: int, num_bias: int, seed: int = 0) -> dict
 
 def reference_results(case: Case, capacity: int, inputs: dict) -> dict:
     """Every output of :func:`run_case`, per rank, from the NumPy reference."""
-    plan = ref.make_plan(case.topk_idx, case.config(capacity))
-    disp = ref.dispatch(case.x, case.topk_weights, plan)
-    out = ref.combine(inputs["y"], plan, topk_weights=case.topk_weights, bias=inputs["biases"])
-    g_x, g_w = ref.dispatch_bwd(inputs["g_recv_x"], inputs["g_recv_w"], plan)
-    g_y, g_wc = ref.combine_bwd(inputs["g_out"], plan, ys=inputs["y"], topk_weights=case.topk_weights)
-    if g_wc is None:  # rank-major combine does not read the weights
-        g_wc = [np.zeros(w.shape, np.float32) for w in case.topk_weights]
-    return {
-        "recv_x": [d.recv_x for d in disp], "recv_topk_idx": [d.recv_topk_idx for d in disp],
-        "recv_topk_weights": [d.recv_topk_weights for d in disp],
-        "num_recv": [np.array(d.num_recv, np.int32) for d in disp],
-        "num_recv_tokens_per_expert": [d.num_recv_tokens_per_expert for d in disp],
-        "dropped": [np.array(d.dropped, np.int32) for d in disp],
-        "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y, "g_w_combine": g_wc,
-        "g_bias": [tuple(g.astype(b.dtype) for b in bs) for g, bs in zip(inputs["g_out"], inputs["biases"])],
-    }
+    routing = {"x": case.x, "topk_idx": case.topk_idx, "topk_weights": case.topk_weights}
+    return golden.reference_results(case, {**routing, **inputs}, capacity)
 
 
 def mesh_of(num_ranks: int, devices=None):
