@@ -14,11 +14,10 @@ import datetime
 import os
 import traceback
 
-import numpy as np
-
 from ..ep_core.errors import CapacityError, DestroyedError, InputError
 from ..ep_core.types import Layout
-from .cases import np_dtype
+from . import torch_bits
+from .torch_bits import to_numpy
 
 
 # ---- process group and array conversion ----------------------------------------------------------
@@ -47,29 +46,8 @@ def shutdown() -> None:
 
 
 def to_torch(a):
-    """numpy (ml_dtypes bfloat16 / float8 included) -> torch, bits unchanged."""
-    import torch
-
-    a = np.ascontiguousarray(a)
-    if a.dtype.name == "bfloat16":
-        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    elif a.dtype.name == "float8_e4m3fn":
-        t = torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-    else:
-        t = torch.from_numpy(a.copy())
-    return t.to(_DEVICE)
-
-
-def to_numpy(t) -> np.ndarray:
-    """torch -> numpy, bits unchanged (bfloat16 / float8 as ml_dtypes)."""
-    import torch
-
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy().view(np_dtype("float8_e4m3fn"))
-    return t.numpy()
+    """numpy (ml_dtypes bfloat16 / float8 included) -> torch on this rank's device, bits unchanged."""
+    return torch_bits.to_torch(a, _DEVICE)
 
 
 def _dispatched(recv_x, recv_topk_idx, recv_topk_weights, num_recv, num_recv_tokens_per_expert, dropped) -> dict:

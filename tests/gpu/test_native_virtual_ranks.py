@@ -16,6 +16,8 @@ from omniep.ep_core import reference as ref
 from omniep.ep_core.errors import CapacityError, PeerTimeoutError
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
+from omniep.testing import torch_bits
+from omniep.testing.torch_bits import to_numpy
 from omniep.testing.cases import case_strategy, make_case, np_dtype
 
 pytestmark = pytest.mark.gpu
@@ -49,30 +51,13 @@ def _release_groups():
 
 
 # ---- numpy <-> torch, bit-exact ----
-_BITS = {2: (np.int16, torch.int16), 1: (np.uint8, torch.uint8)}
-
-
 def to_torch(a: np.ndarray):
-    a = np.ascontiguousarray(a)
-    if a.dtype.name in ("bfloat16", "float8_e4m3fn"):
-        np_int, torch_int = _BITS[a.dtype.itemsize]
-        target = torch.bfloat16 if a.dtype.name == "bfloat16" else torch.float8_e4m3fn
-        return torch.from_numpy(a.view(np_int).copy()).to("cuda").view(target)
-    return torch.from_numpy(a.copy()).to("cuda")
-
-
-def to_numpy(t, like_dtype) -> np.ndarray:
-    t = t.detach().cpu()
-    dt = np.dtype(like_dtype)
-    if dt.name in ("bfloat16", "float8_e4m3fn"):
-        np_int, torch_int = _BITS[dt.itemsize]
-        return t.view(torch_int).numpy().view(dt)
-    return t.numpy()
+    return torch_bits.to_torch(a, "cuda")
 
 
 def assert_bits_equal(got, want, what: str) -> None:
     want = np.asarray(want)
-    got = to_numpy(got, want.dtype) if not isinstance(got, np.ndarray) else got
+    got = to_numpy(got) if not isinstance(got, np.ndarray) else got
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     w = want.view(f"u{want.dtype.itemsize}") if want.dtype.kind in "fV" else want
     g = got.astype(want.dtype).view(w.dtype) if want.dtype.kind in "fV" else got.astype(want.dtype)
