@@ -56,12 +56,14 @@ def _rank(rank: int, world: int, port: int, shapes, iters: int, warmup: int):
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
-    backend = registry.select_backend("torch").name
+    selected = registry.select_backend("torch", device=device.type).name
+    backends = list(dict.fromkeys([selected, "collective"]))  # the portable baseline in the same run
     progress = None
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=len(shapes) * 3 * (iters + warmup), desc="omniep bench", unit="it")
+        total = len(shapes) * (2 * len(backends) + 1) * (iters + warmup)
+        progress = tqdm(total=total, desc="omniep bench", unit="it")
     rows = []
     try:
         for name, T, H, K, E in shapes:
@@ -71,36 +73,41 @@ def _rank(rank: int, world: int, port: int, shapes, iters: int, warmup: int):
             w = torch.rand(T, K, generator=gen).to(device)
             state = {}
 
-            def dispatch():
-                state["d"] = ep.dispatch(x, idx, w, num_experts=E)
+            def dispatch(backend):
+                state["d"] = ep.dispatch(x, idx, w, num_experts=E, backend=backend)
 
-            def combine():
+            def combine(backend):
+                del backend  # the handle names the backend that made it
                 ep.combine(state["d"].recv_x, state["d"].handle)
 
-            dispatch()
+            dispatch(selected)
             recv_bytes = state["d"].recv_x.numel() * state["d"].recv_x.element_size()
             src = torch.empty(recv_bytes, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src) if not on_gpu or torch.cuda.device_count() < 2 else \
                 torch.empty(recv_bytes, dtype=torch.uint8, device=(device.index + 1) % torch.cuda.device_count())
 
-            def copy():
+            def copy(backend):
+                del backend
                 dst.copy_(src, non_blocking=True)
 
-            for op, fn in (("dispatch", dispatch), ("combine", combine), ("raw_copy", copy)):
+            runs = [(op, fn, b) for b in backends for op, fn in (("dispatch", dispatch), ("combine", combine))]
+            for op, fn, backend in runs + [("raw_copy", copy, "copy")]:
+                if op == "combine" or (op == "dispatch" and backend != selected):
+                    dispatch(backend)  # combine needs this backend's handle; warm the other backend
                 for _ in range(warmup):
                     dist.barrier()
-                    fn()
+                    fn(backend)
                     if progress:
                         progress.update()
                 times = []
                 for _ in range(iters):
                     dist.barrier()
-                    times += _timed(fn, sync, 1)
+                    times += _timed(lambda: fn(backend), sync, 1)
                     if progress:
                         progress.update()
                 med = statistics.median(times)
                 rows.append({"shape": name, "tokens": T, "hidden": H, "topk": K, "experts": E, "op": op,
-                             "backend": backend if op != "raw_copy" else "copy", "us": med * 1e6,
+                             "backend": backend, "us": med * 1e6,
                              "recv_bytes": recv_bytes, "GBps": recv_bytes / med / 1e9})
     finally:
         if progress:
@@ -110,12 +117,16 @@ def _rank(rank: int, world: int, port: int, shapes, iters: int, warmup: int):
 
 
 def format_table(rows) -> str:
-    lines = [f"{'shape':<12} {'T':>5} {'H':>5} {'op':<9} {'backend':<11} {'us':>10} {'GB/s':>8} {'vs copy':>8}"]
+    """One row per (shape, op, backend); ``vs copy`` and ``vs collective`` are bandwidth ratios."""
+    lines = [f"{'shape':<12} {'T':>5} {'H':>5} {'op':<9} {'backend':<13} {'us':>10} {'GB/s':>8} {'vs copy':>8} "
+             f"{'vs collective':>13}"]
     lines.append("-" * len(lines[0]))
     copy = {r["shape"]: r["GBps"] for r in rows if r["op"] == "raw_copy"}
+    base = {(r["shape"], r["op"]): r["GBps"] for r in rows if r["backend"] == "collective"}
     for r in rows:
-        lines.append(f"{r['shape']:<12} {r['tokens']:>5} {r['hidden']:>5} {r['op']:<9} {r['backend']:<11} "
-                     f"{r['us']:>10.1f} {r['GBps']:>8.2f} {r['GBps'] / copy[r['shape']]:>8.2f}")
+        vs_base = f"{r['GBps'] / base[(r['shape'], r['op'])]:>13.2f}" if (r["shape"], r["op"]) in base else f"{'-':>13}"
+        lines.append(f"{r['shape']:<12} {r['tokens']:>5} {r['hidden']:>5} {r['op']:<9} {r['backend']:<13} "
+                     f"{r['us']:>10.1f} {r['GBps']:>8.2f} {r['GBps'] / copy[r['shape']]:>8.2f} {vs_base}")
     return "\n".join(lines)
 
 
@@ -126,11 +137,13 @@ def plot(rows, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    ops = list(dict.fromkeys(r["op"] for r in rows))
+    for r in rows:
+        r.setdefault("series", r["op"] if r["backend"] in ("copy",) else f"{r['op']} ({r['backend']})")
+    ops = list(dict.fromkeys(r["series"] for r in rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(ops)
     for i, op in enumerate(ops):
-        vals = [next(r["GBps"] for r in rows if r["shape"] == s and r["op"] == op) for s in shapes]
+        vals = [next(r["GBps"] for r in rows if r["shape"] == s and r["series"] == op) for s in shapes]
         ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=op)
     ax.set_xticks([j + width * (len(ops) - 1) / 2 for j in range(len(shapes))], shapes)
     ax.set_ylabel("GB/s (bytes of recv_x / time), rank 0")
