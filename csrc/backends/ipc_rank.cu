@@ -1,7 +1,8 @@
-// Launchers of the kernels for ONE rank per process over CUDA IPC (see ipc_rank.h).
+// Launchers of the kernels for ONE rank per process over CUDA IPC (see ipc_rank.h). Also built by
+// hipcc for AMD (HIP IPC): omniep/runtime.h maps the CUDA runtime names used here to HIP.
 #include "backends/ipc_rank.h"
 
-#include <cuda_runtime.h>
+#include "omniep/runtime.h"
 
 #include <cstring>
 #include <stdexcept>
@@ -44,11 +45,11 @@ IpcRank::IpcRank(int rank, int num_ranks, uint64_t timeout_ns)
 }
 
 IpcRank::~IpcRank() {
-  cudaDeviceSynchronize();  // kernels may still use the buffers
+  (void)cudaDeviceSynchronize();  // kernels may still use the buffers
   close_peer_data();
   close_peer_workspaces();
-  if (data_[rank_]) cudaFree(data_[rank_]);
-  if (workspaces_[rank_]) cudaFree(workspaces_[rank_]);
+  if (data_[rank_]) (void)cudaFree(data_[rank_]);
+  if (workspaces_[rank_]) (void)cudaFree(workspaces_[rank_]);
 }
 
 void IpcRank::set_blocks(int n) { launcher_->set_blocks(n); }
@@ -81,7 +82,7 @@ void IpcRank::open_workspaces(const std::vector<std::string>& handles) {
 void IpcRank::close_peer_data() {
   for (int r = 0; r < num_ranks_; ++r) {
     if (r != rank_ && data_[r]) {
-      cudaIpcCloseMemHandle(data_[r]);
+      (void)cudaIpcCloseMemHandle(data_[r]);
       data_[r] = nullptr;
     }
   }
@@ -90,7 +91,7 @@ void IpcRank::close_peer_data() {
 void IpcRank::close_peer_workspaces() {
   for (int r = 0; r < num_ranks_; ++r) {
     if (r != rank_ && workspaces_[r]) {
-      cudaIpcCloseMemHandle(workspaces_[r]);
+      (void)cudaIpcCloseMemHandle(workspaces_[r]);
       workspaces_[r] = nullptr;
     }
   }
@@ -116,7 +117,7 @@ void IpcRank::open_data(const std::vector<std::string>& handles) {
   if (static_cast<int>(handles.size()) != num_ranks_) throw std::invalid_argument("omniep: one handle per rank");
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
-    if (data_[r]) cudaIpcCloseMemHandle(data_[r]);
+    if (data_[r]) (void)cudaIpcCloseMemHandle(data_[r]);
     void* p = nullptr;
     check_cuda(cudaIpcOpenMemHandle(&p, from_bytes(handles[r], r), cudaIpcMemLazyEnablePeerAccess),
                ("opening the data buffer of rank " + std::to_string(r)).c_str());

@@ -15,7 +15,9 @@
 // fields are filled by sym<T>(offset): entry r = rank r's data buffer (as mapped here) + offset,
 // so a buffer at the same offset on every rank is reachable as a peer buffer.
 //
-// Host-only header (the pybind module includes it without CUDA headers).
+// Host-only header (the pybind module includes it without CUDA headers). The same sources build for
+// AMD with hipcc (omniep/runtime.h maps the CUDA runtime names to HIP: IPC handles from
+// hipIpcGetMemHandle, xGMI peer mappings from hipIpcOpenMemHandle); see cmake/hip.cmake.
 #pragma once
 
 #include <stdint.h>
@@ -26,7 +28,7 @@
 
 #include "kernels/args.h"
 
-typedef struct CUstream_st* cudaStream_t;
+#include "omniep/stream.h"  // cudaStream_t (hipStream_t in a HIP build)
 
 namespace omniep {
 

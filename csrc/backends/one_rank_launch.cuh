@@ -1,8 +1,9 @@
 // Launchers of the kernels for ONE rank per process (gridDim.y == 1), for any Transport whose
-// rank() is a constant: shared by IpcRank (p2p over CUDA IPC) and NvshmemRank (nvshmem).
+// rank() is a constant: shared by IpcRank (p2p over CUDA IPC) and NvshmemRank (nvshmem). Builds with
+// nvcc and with hipcc: the runtime calls go through omniep/runtime.h (CUDA names, mapped to HIP there).
 #pragma once
 
-#include <cuda_runtime.h>
+#include "omniep/runtime.h"
 
 #include <map>
 #include <stdexcept>
@@ -91,17 +92,8 @@ class OneRankLauncher {
   template <typename Kernel, typename Args, typename Tr>
   static void launch(Kernel kernel, int blocks, int threads, size_t smem, cudaStream_t stream, const Args& args,
                      const Tr& tr, const char* what) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(blocks, 1);
-    config.blockDim = dim3(threads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    check_cuda(cudaLaunchKernelEx(&config, kernel, args, tr), what);
+    // CUDA: cudaLaunchKernelEx with the cooperative attribute; HIP: hipLaunchCooperativeKernel.
+    check_cuda(gpu::launch_cooperative(kernel, dim3(blocks, 1), dim3(threads), smem, stream, args, tr), what);
   }
 
   int blocks_for(const void* kernel, int threads, size_t smem) {

@@ -1,4 +1,5 @@
-// omniep._native_mp: one rank per process over CUDA IPC (backends/ipc_rank.h) as a Python module.
+// omniep._native_mp: one rank per process over CUDA IPC (backends/ipc_rank.h) as a Python module
+// (omniep._native_hip when built for AMD: the same class over HIP IPC).
 // No torch headers: tensors arrive as integer device addresses, streams as integer cudaStream_t.
 // Argument dicts: see python/rank_args.h.
 #include <string>
@@ -20,8 +21,15 @@ std::vector<std::string> handles(const std::vector<py::bytes>& in) {
 
 }  // namespace
 
+// One source, two modules: omniep._native_mp (CUDA build) and omniep._native_hip (HIP build,
+// cmake/hip.cmake: compiled with -DOMNIEP_HIP_HOST, IpcRank over hipIpc* handles).
+#if defined(OMNIEP_HIP_HOST)
+PYBIND11_MODULE(_native_hip, m) {
+  m.doc() = "omniep native core for AMD, one rank per process: p2p transport over HIP IPC (xGMI)";
+#else
 PYBIND11_MODULE(_native_mp, m) {
   m.doc() = "omniep native core, one rank per process: p2p transport over CUDA IPC";
+#endif
   m.attr("MAX_RANKS") = omniep::kMaxRanks;
 
   py::class_<IpcRank> c(m, "IpcRank", "This process's rank of an EP group over CUDA IPC peers.");

@@ -15,7 +15,7 @@
 
 #include "kernels/args.h"
 
-typedef struct CUstream_st* cudaStream_t;
+#include "omniep/stream.h"  // cudaStream_t (hipStream_t in a HIP build)
 
 namespace py = pybind11;
 

@@ -2,9 +2,15 @@
 // names (gpu::Error, gpu::Stream, gpu::launch_cooperative, ...), so that host code written against
 // it builds with nvcc and with hipcc.
 //
-// Today only csrc/kernels/instantiate_all.cu uses it (the compile check of every kernel for both
-// vendors). The existing launchers (csrc/backends/*.cu) still call the CUDA runtime directly: they are
-// CUDA-only host glue (cudaLaunchKernelEx, CUDA IPC) and are left out of the HIP compile check.
+// Users: csrc/kernels/instantiate_all.cu (the compile check of every kernel for both vendors) and the
+// one-rank-per-process launchers (backends/one_rank_launch.cuh, backends/ipc_rank.cu), which build
+// with nvcc for NVIDIA and with hipcc for AMD (omniep._native_hip: p2p over hipIpc* handles).
+//
+// CUDA runtime names on AMD: under hipcc this header also maps the CUDA runtime names that the
+// launchers spell (cudaMalloc, cudaIpcOpenMemHandle, cudaStream_t, ...) to their HIP twins with
+// macros, so that one host source serves both vendors and its CUDA build is untouched: on NVIDIA the
+// names are CUDA's own and nothing below the `#else` exists. The list is exactly what the launchers
+// use; a new CUDA call in them must be added here (the HIP compile check says which one is missing).
 #pragma once
 
 #include <cstddef>
@@ -14,6 +20,36 @@
 #include <utility>
 
 #include "omniep/gpu.h"
+#include "omniep/stream.h"
+
+#if defined(OMNIEP_HIP)
+// ---- CUDA runtime names -> HIP (host code of the launchers; see the header comment) ----
+#define cudaError_t hipError_t
+#define cudaSuccess hipSuccess
+#define cudaGetErrorName hipGetErrorName
+#define cudaGetErrorString hipGetErrorString
+#define cudaGetDevice hipGetDevice
+#define cudaDeviceSynchronize hipDeviceSynchronize
+#define cudaDeviceGetAttribute hipDeviceGetAttribute
+#define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaDevAttrCooperativeLaunch hipDeviceAttributeCooperativeLaunch
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+#define cudaMalloc hipMalloc
+#define cudaFree hipFree
+#define cudaMemset hipMemset
+#define cudaMemcpy hipMemcpy
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaMemcpy2DAsync hipMemcpy2DAsync
+#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+// IPC: hipIpcMemHandle_t is 64 bytes of `reserved`, like CUDA's; across GPUs of one node the mapping
+// goes over xGMI (hipIpcMemLazyEnablePeerAccess is the only flag HIP accepts).
+#define cudaIpcMemHandle_t hipIpcMemHandle_t
+#define cudaIpcGetMemHandle hipIpcGetMemHandle
+#define cudaIpcOpenMemHandle hipIpcOpenMemHandle
+#define cudaIpcCloseMemHandle hipIpcCloseMemHandle
+#define cudaIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
+#endif
 
 namespace omniep::gpu {
 
