@@ -26,8 +26,9 @@ info: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m omniep.cli bench
 
+# `make native OMNIEP_HIP=1`: the AMD build (omniep._native_hip; ROCm >= 6.2, cmake/hip.cmake).
 native:
-	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/build_native.sh
+	OMNIEP_HIP=$(OMNIEP_HIP) PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/build_native.sh
 
 check-cuda:
 	scripts/check_cuda_compile.sh

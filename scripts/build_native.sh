@@ -2,7 +2,8 @@
 # Build omniep._native in place (omniep/_native*.so) with CMake + Ninja; `make native` calls this.
 # Usage: scripts/build_native.sh [extra cmake -D options]
 # Env: PYTHON (interpreter the module is for; default .venv/bin/python if present, else python3),
-#      OMNIEP_BUILD_DIR (default build/native), CUDACXX (default: nvcc on PATH or /usr/local/cuda).
+#      OMNIEP_BUILD_DIR (default build/native), CUDACXX (default: nvcc on PATH or /usr/local/cuda),
+#      OMNIEP_HIP=1 (build omniep._native_hip for AMD with hipcc instead; default dir build/hip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,11 +13,18 @@ fi
 PYTHON="$(command -v "$PYTHON")"
 BUILD_DIR="${OMNIEP_BUILD_DIR:-build/native}"
 
-if [[ -z "${CUDACXX:-}" ]]; then
-  if command -v nvcc >/dev/null; then CUDACXX="$(command -v nvcc)"; else CUDACXX=/usr/local/cuda/bin/nvcc; fi
+# OMNIEP_HIP=1: the AMD build (omniep._native_hip, cmake/hip.cmake; ROCm >= 6.2), in build/hip.
+hip=()
+if [[ "${OMNIEP_HIP:-0}" == 1 ]]; then
+  hip=(-DOMNIEP_HIP=ON)
+  BUILD_DIR="${OMNIEP_BUILD_DIR:-build/hip}"
+else
+  if [[ -z "${CUDACXX:-}" ]]; then
+    if command -v nvcc >/dev/null; then CUDACXX="$(command -v nvcc)"; else CUDACXX=/usr/local/cuda/bin/nvcc; fi
+  fi
+  [[ -x "$CUDACXX" ]] || { echo "build_native: no nvcc found (set CUDACXX)" >&2; exit 1; }
+  export CUDACXX
 fi
-[[ -x "$CUDACXX" ]] || { echo "build_native: no nvcc found (set CUDACXX)" >&2; exit 1; }
-export CUDACXX
 
 # pybind11 from the target interpreter; if it lacks pybind11, borrow the cmake dir of another
 # interpreter of the SAME Python version (pybind11 is header-only).
@@ -38,6 +46,6 @@ inc="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DPython_EXECUTABLE="$PYTHON" -DCMAKE_BUILD_TYPE=Release \
-  "${extra[@]}" "$@"
+  "${extra[@]}" "${hip[@]}" "$@"
 cmake --build "$BUILD_DIR" -j "$(nproc)"
 ls -l omniep/_native*.so

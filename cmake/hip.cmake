@@ -1,0 +1,82 @@
+# The native core for AMD GPUs (omniep._native_hip): the SAME kernel sources (csrc/kernels) and the
+# one-rank-per-process launcher (csrc/backends/ipc_rank.cu: p2p transport over hipIpcGetMemHandle /
+# hipIpcOpenMemHandle, xGMI peers) compiled with hipcc. Included from CMakeLists.txt only with
+# -DOMNIEP_HIP=ON (then no CUDA toolchain is needed or used):
+#   cmake -S . -B build/hip -G Ninja -DOMNIEP_HIP=ON -DPython_EXECUTABLE=$(which python3) \
+#         [-DOMNIEP_HIP_ARCH="gfx942;gfx90a"] [-DROCSHMEM_DIR=/opt/rocshmem]
+#   cmake --build build/hip           (or: make native OMNIEP_HIP=1)
+# Needs ROCm >= 6.2 (find_package(hip), CMake's HIP language). Default target gfx942 (MI300X/MI325X).
+#
+# Built and run status: this file has NOT been configured against a ROCm >= 6.2 install (none on the
+# project's machines). What CI checks is that the same sources compile with Debian's hipcc 5.2.3 for
+# gfx90a / gfx940 (scripts/check_hip_compile.sh). Nothing has run on AMD hardware.
+#
+# Optional: with rocSHMEM >= 3.0 found (-DROCSHMEM_DIR=<prefix> or $ROCSHMEM_DIR, holding
+# include/rocshmem/rocshmem.hpp and lib/librocshmem.a) the target omniep_rocshmem_check compiles every
+# kernel over the rocshmem transport (csrc/transports/rocshmem.cuh, never compiled so far); without it
+# a configure message says it was skipped and why.
+set(OMNIEP_HIP_ARCH "gfx942" CACHE STRING "AMD GPU targets for hipcc (semicolon-separated, e.g. gfx942;gfx90a)")
+set(OMNIEP_HIP_MIN_ROCM "6.2" CACHE STRING "Oldest ROCm (HIP) version accepted")
+if(NOT DEFINED CMAKE_HIP_ARCHITECTURES)
+  set(CMAKE_HIP_ARCHITECTURES "${OMNIEP_HIP_ARCH}")
+endif()
+set(CMAKE_HIP_STANDARD 17)
+set(CMAKE_HIP_STANDARD_REQUIRED ON)
+
+if(DEFINED ENV{ROCM_PATH})
+  set(_omniep_rocm "$ENV{ROCM_PATH}")
+else()
+  set(_omniep_rocm "/opt/rocm")
+endif()
+list(APPEND CMAKE_PREFIX_PATH "${_omniep_rocm}" "${_omniep_rocm}/lib/cmake")
+
+include(CheckLanguage)
+check_language(HIP)
+if(NOT CMAKE_HIP_COMPILER)
+  message(FATAL_ERROR "OMNIEP_HIP=ON but CMake finds no HIP compiler: install ROCm >= ${OMNIEP_HIP_MIN_ROCM} "
+                      "(ROCM_PATH=${_omniep_rocm}) or pass -DCMAKE_HIP_COMPILER=<rocm>/llvm/bin/clang++")
+endif()
+enable_language(HIP)
+find_package(hip CONFIG REQUIRED)
+if(hip_VERSION VERSION_LESS OMNIEP_HIP_MIN_ROCM)
+  message(FATAL_ERROR "OMNIEP_HIP=ON needs ROCm >= ${OMNIEP_HIP_MIN_ROCM}; found HIP ${hip_VERSION} in ${hip_DIR}")
+endif()
+message(STATUS "omniep: HIP ${hip_VERSION} (${CMAKE_HIP_COMPILER}), targets ${CMAKE_HIP_ARCHITECTURES}")
+
+# One rank per process over HIP IPC: the .cu sources are HIP here (omniep/runtime.h maps the CUDA
+# runtime names they spell to HIP).
+set_source_files_properties(csrc/backends/ipc_rank.cu PROPERTIES LANGUAGE HIP)
+add_library(omniep_hip_ipc STATIC csrc/backends/ipc_rank.cu)
+target_include_directories(omniep_hip_ipc PUBLIC csrc csrc/include)
+set_target_properties(omniep_hip_ipc PROPERTIES POSITION_INDEPENDENT_CODE ON)
+target_link_libraries(omniep_hip_ipc PUBLIC hip::host)
+
+# NO_EXTRAS: no GCC LTO objects (the HIP linker, clang, cannot read them) and no strip.
+pybind11_add_module(_native_hip MODULE NO_EXTRAS csrc/python/module_mp.cpp)
+target_compile_definitions(_native_hip PRIVATE OMNIEP_HIP_HOST=1)  # cudaStream_t is hipStream_t
+target_link_libraries(_native_hip PRIVATE omniep_hip_ipc)
+set_target_properties(_native_hip PROPERTIES
+  LIBRARY_OUTPUT_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}/omniep"
+  LIBRARY_OUTPUT_DIRECTORY_RELEASE "${CMAKE_CURRENT_SOURCE_DIR}/omniep")
+
+# ---- optional: the rocshmem transport (GPU-initiated RDMA), only where rocSHMEM is found ----
+if(NOT ROCSHMEM_DIR AND DEFINED ENV{ROCSHMEM_DIR})
+  set(ROCSHMEM_DIR "$ENV{ROCSHMEM_DIR}")
+endif()
+find_path(OMNIEP_ROCSHMEM_INCLUDE rocshmem/rocshmem.hpp
+          HINTS "${ROCSHMEM_DIR}/include" "${_omniep_rocm}/include" NO_CACHE)
+find_library(OMNIEP_ROCSHMEM_LIB NAMES rocshmem HINTS "${ROCSHMEM_DIR}/lib" "${_omniep_rocm}/lib" NO_CACHE)
+if(OMNIEP_ROCSHMEM_INCLUDE AND OMNIEP_ROCSHMEM_LIB)
+  message(STATUS "omniep: rocSHMEM in ${OMNIEP_ROCSHMEM_INCLUDE}: building omniep_rocshmem_check "
+                 "(every kernel over transports/rocshmem.cuh; no launcher or module over it yet)")
+  set_source_files_properties(csrc/transports/rocshmem_compile_check.cu PROPERTIES LANGUAGE HIP)
+  add_library(omniep_rocshmem_check OBJECT csrc/transports/rocshmem_compile_check.cu)
+  target_include_directories(omniep_rocshmem_check PRIVATE csrc csrc/include "${OMNIEP_ROCSHMEM_INCLUDE}")
+  # rocSHMEM's device API is a device library: relocatable device code (-fgpu-rdc).
+  target_compile_options(omniep_rocshmem_check PRIVATE -fgpu-rdc)
+  target_link_libraries(omniep_rocshmem_check PRIVATE hip::host)
+else()
+  message(STATUS "omniep: rocshmem transport skipped: rocSHMEM not found (no rocshmem/rocshmem.hpp and "
+                 "librocshmem under ROCSHMEM_DIR='${ROCSHMEM_DIR}' or ${_omniep_rocm}); "
+                 "the rocm_rocshmem backend uses the p2p transport over HIP IPC")
+endif()
