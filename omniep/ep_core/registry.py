@@ -23,7 +23,7 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "torch": "omniep.backends.cuda_nvshmem.torch_backend:CudaNvshmemTorch",
     },
     "nccl_ep": {},
-    "rocm_rocshmem": {},
+    "rocm_rocshmem": {"torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch"},
     "collective": {
         "jax": "omniep.backends.collective.jax_backend:CollectiveJax",
         "torch": "omniep.backends.collective.torch_backend:CollectiveTorch",

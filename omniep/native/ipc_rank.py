@@ -70,7 +70,10 @@ def dtype_code(dtype) -> int:
 class IpcRankState:
     """This process's rank of ``group`` on the current CUDA device. Collective construction."""
 
-    def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0):
+    def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0, module: str = "omniep._native_mp"):
+        """``module``: the native module holding ``IpcRank``: ``omniep._native_mp`` (CUDA IPC) or
+        ``omniep._native_hip`` (the same class built for AMD, HIP IPC; torch's ROCm build names the
+        device ``cuda`` too, so nothing else here differs)."""
         import torch
         import torch.distributed as dist
 
@@ -80,7 +83,7 @@ class IpcRankState:
         self.world = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = float(timeout_s)
-        native = importlib.import_module("omniep._native_mp")
+        native = importlib.import_module(module)
         self._impl = native.IpcRank(self.rank, self.world, int(self.timeout_s * 1e9))
         if blocks:
             self._impl.set_blocks(int(blocks))
@@ -102,7 +105,7 @@ class IpcRankState:
 
     def _g(self):
         if self._impl is None:
-            raise DestroyedError("the cuda_nvshmem rank state was used after destroy()")
+            raise DestroyedError("the native rank state was used after destroy()")
         return self._impl
 
     def destroy(self) -> None:

@@ -1,0 +1,144 @@
+"""The ``rocm_rocshmem`` backend for PyTorch (ROCm build): native kernels, one rank per process, AMD GPUs.
+
+The torch side is :class:`~omniep.backends.cuda_nvshmem.torch_backend.CudaNvshmemTorch` unchanged (torch's
+ROCm build names AMD devices ``cuda`` and its streams are HIP streams); the native module is
+``omniep._native_hip``: the same ``IpcRank`` (csrc/backends/ipc_rank.cu) compiled by hipcc, peers mapped
+with ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``. Device discovery goes through ``hip-python``,
+imported lazily: this module imports on any machine, and :meth:`RocmRocshmemTorch.availability` lists
+exactly what is missing where it cannot run.
+
+Status: compile-checked only (gfx90a / gfx940, hipcc 5.2.3). It has NOT run on AMD hardware.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+
+from ...ep_core.errors import InputError, UnsupportedError
+from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
+from ..cuda_nvshmem.torch_backend import CudaNvshmemTorch
+
+NATIVE_MODULE = "omniep._native_hip"
+BUILD_HINT = "make native OMNIEP_HIP=1"
+_STATES: dict = {}  # (group_name, device index) -> IpcRankState over omniep._native_hip
+
+
+def destroy_states() -> None:
+    """Release every group's native buffers. Collective: every rank calls it."""
+    for key in list(_STATES):
+        _STATES.pop(key).destroy()
+
+
+def _hip():
+    """``hip.hip`` of hip-python, or raise ImportError / OSError saying why it cannot be loaded."""
+    from hip import hip  # noqa: PLC0415  (lazy: hip-python loads libamdhip64 at import)
+
+    return hip
+
+
+def _hip_ok(err) -> bool:
+    name = getattr(err, "name", None)
+    return name == "hipSuccess" if name is not None else int(err) == 0
+
+
+def amd_gpus() -> tuple[list, str]:
+    """``(names, why)``: the AMD GPUs hip-python sees (``gcnArchName`` of each), or ``[]`` and the reason."""
+    try:
+        hip = _hip()
+    except ImportError:
+        return [], "hip-python not installed (pip install hip-python)"
+    except OSError as exc:
+        return [], f"libamdhip64 not found ({exc})"
+    res = hip.hipGetDeviceCount()
+    err, count = res[0], res[1]
+    if not _hip_ok(err) or count < 1:
+        return [], f"no AMD GPU (hipGetDeviceCount: {getattr(err, 'name', err)}, {count} devices)"
+    names = []
+    for d in range(count):
+        props = hip.hipDeviceProp_t()
+        if _hip_ok(hip.hipGetDeviceProperties(props, d)[0]):
+            arch = props.gcnArchName
+            names.append(arch.decode() if isinstance(arch, bytes) else str(arch))
+    return names, f"{count} AMD GPU(s)"
+
+
+def _libamdhip64() -> bool:
+    for name in ("libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+class RocmRocshmemTorch(CudaNvshmemTorch):
+    """prepare / dispatch / combine / backward passes for ONE rank of a group, one process per AMD GPU."""
+
+    name = "rocm_rocshmem"
+
+    @classmethod
+    def missing(cls) -> list[str]:
+        """Everything this machine lacks for the backend, each as one phrase (empty: nothing missing)."""
+        out = []
+        gpus, why = amd_gpus()
+        if not gpus:
+            out.append(why)
+            if why.startswith("hip-python"):  # say what else is missing, without hip-python
+                if not _libamdhip64():
+                    out.append("libamdhip64 not found")
+                if not os.path.exists("/dev/kfd"):
+                    out.append("no AMD GPU (/dev/kfd absent)")
+        try:
+            importlib.import_module(NATIVE_MODULE)
+        except ImportError:
+            out.append(f"omniep native HIP module not built: {BUILD_HINT}")
+        try:
+            import torch
+        except ImportError:
+            out.append("torch not installed")
+        else:
+            if getattr(torch.version, "hip", None) is None:
+                out.append("torch is not a ROCm build (torch.version.hip is None)")
+            else:
+                import torch.distributed as dist
+
+                if not dist.is_available():
+                    out.append("torch was built without torch.distributed")
+        return out
+
+    @classmethod
+    def availability(cls) -> Availability:
+        missing = cls.missing()
+        if missing:
+            return Availability(False, "; ".join(missing))
+        gpus, _ = amd_gpus()
+        return Availability(True, f"native kernels over HIP IPC peers (p2p) on {', '.join(sorted(set(gpus)))}; "
+                                  f"not yet run on AMD hardware by omniep's tests")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
+            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            frameworks=("torch",), cuda_graph_safe=False, hidden_multiple=1, devices=("gpu",),
+        )
+
+    def _state(self, device):
+        import torch
+
+        from ...native.ipc_rank import IpcRankState
+
+        if device.type != "cuda":  # torch's ROCm build calls AMD GPUs "cuda"
+            raise UnsupportedError(self.name, f"tensors on {device} (it serves AMD GPU tensors; use "
+                                              f"OMNIEP_BACKEND=collective for CPU tensors)", ["collective"])
+        if device.index is not None and device.index != torch.cuda.current_device():
+            raise InputError(f"tensors are on {device} but this process's current device is "
+                             f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device first")
+        key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
+        if key not in _STATES:
+            timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
+            _STATES[key] = IpcRankState(self.group, timeout_s=timeout, module=NATIVE_MODULE)
+        return _STATES[key]
