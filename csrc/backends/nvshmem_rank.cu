@@ -49,13 +49,25 @@ NvshmemRank::NvshmemRank(int rank, int num_ranks, const std::string& uid, uint64
   if (!workspace_) throw std::runtime_error("omniep: nvshmem_malloc of the workspace failed");
   check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "zeroing the workspace");
   check_cuda(cudaDeviceSynchronize(), "zeroing the workspace");
-  const char* force_remote = std::getenv("OMNIEP_FORCE_REMOTE");
+  // Peers without a load/store path, or every peer with OMNIEP_FORCE_REMOTE=1, take the remote path.
+  const char* force = std::getenv("OMNIEP_FORCE_REMOTE");
+  const bool force_remote = force && std::strcmp(force, "1") == 0;
   for (int r = 0; r < num_ranks; ++r) {
-    if (r == rank) continue;
-    if (!nvshmem_ptr(workspace_, r) || (force_remote && std::strcmp(force_remote, "1") == 0)) {
-      throw std::runtime_error("omniep: PE " + std::to_string(r) + (force_remote ? " is forced remote" : " has no load/store path") +
-                               ": the NVSHMEM put + signal path needs put-based kernels, not implemented yet");
-    }
+    if (r != rank && (force_remote || !nvshmem_ptr(workspace_, r))) remote_mask_ |= 1u << r;
+  }
+  // The scratch allocation below is collective: every PE must take the same branch. Reachability is
+  // symmetric (across nodes every PE has remote peers) and OMNIEP_FORCE_REMOTE must be the same on
+  // every rank (omniep.native.ipc_rank.NvshmemRankState checks that before constructing).
+  if (remote_mask_ != 0) {
+    // Combine's staging: one stage per warp of every block a launch may have (resident limit: at
+    // most 2048 threads per SM, so 2048 / kCombineThreads blocks per SM). Same size on every PE
+    // (same GPU model), as nvshmem_malloc needs.
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+    const int max_blocks = sms * (2048 / kCombineThreads);
+    scratch_bytes_ = static_cast<int64_t>(max_blocks) * (kCombineThreads / gpu::kWarpSize) * kCombineStageBytesPerWarp;
+    scratch_ = static_cast<uint8_t*>(nvshmem_malloc(static_cast<size_t>(scratch_bytes_)));
+    if (!scratch_) throw std::runtime_error("omniep: nvshmem_malloc of the remote-path scratch failed");
   }
   nvshmem_barrier_all();  // every workspace is zero before anyone signals
 }
@@ -64,6 +76,7 @@ NvshmemRank::~NvshmemRank() {
   cudaDeviceSynchronize();
   nvshmem_barrier_all();
   if (data_) nvshmem_free(data_);
+  if (scratch_) nvshmem_free(scratch_);
   if (workspace_) nvshmem_free(workspace_);
   nvshmem_finalize();
 }
@@ -85,17 +98,20 @@ void NvshmemRank::allocate_data(size_t bytes) {
   check_cuda(cudaDeviceSynchronize(), "zeroing the data buffer");
 }
 
-static NvshmemTransport make_transport(RankWorkspace* ws, int me, int R, uint64_t timeout) {
+NvshmemTransport NvshmemRank::transport() const {
   NvshmemTransport tr = {};
-  tr.me = me;
-  tr.group_size = R;
-  tr.wait_timeout_ns = timeout;
-  tr.workspaces.p[me] = ws;
+  tr.me = rank_;
+  tr.group_size = num_ranks_;
+  tr.wait_timeout_ns = timeout_ns_;
+  tr.workspaces.p[rank_] = workspace_;
+  tr.remote_mask = remote_mask_;
+  tr.scratch = scratch_;
+  tr.scratch_bytes = scratch_bytes_;
   return tr;
 }
 
 void NvshmemRank::layout(const LayoutArgs& args, cudaStream_t stream) {
-  launcher_->layout(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), stream);
+  launcher_->layout(args, transport(), stream);
 }
 
 void NvshmemRank::dispatch(DispatchArgs args, cudaStream_t stream) {
@@ -104,18 +120,18 @@ void NvshmemRank::dispatch(DispatchArgs args, cudaStream_t stream) {
   args.unit = row_copy_unit(args.row_bytes, addrs, 2);
   uintptr_t addrs2[2] = {reinterpret_cast<uintptr_t>(args.x2.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x2.p[rank_])};
   args.unit2 = row_copy_unit(args.row2_bytes, addrs2, 2);
-  launcher_->dispatch(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), stream);
+  launcher_->dispatch(args, transport(), stream);
 }
 
 void NvshmemRank::combine(const CombineArgs& args, cudaStream_t stream) {
   const bool vec = (static_cast<int64_t>(args.hidden) * dtype_size(args.dtype)) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(args.out.p[rank_]) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(args.y.p[rank_]) % 16 == 0;
-  launcher_->combine(args, make_transport(workspace_, rank_, num_ranks_, timeout_ns_), vec, stream);
+  launcher_->combine(args, transport(), vec, stream);
 }
 
 void NvshmemRank::barrier(cudaStream_t stream) {
-  launcher_->barrier(make_transport(workspace_, rank_, num_ranks_, timeout_ns_), stream);
+  launcher_->barrier(transport(), stream);
 }
 
 void NvshmemRank::copy_counts(int32_t* dst, cudaStream_t stream) const {

@@ -3,9 +3,10 @@
 // Bootstrap by unique id: rank 0 calls unique_id(), the caller broadcasts the bytes (torch.distributed),
 // every rank constructs NvshmemRank(rank, R, id). The workspace and the data buffer come from
 // nvshmem_malloc (collective, same size on every PE), so a buffer at the same offset is symmetric;
-// the kernels reach peers through nvshmem_ptr (transports/nvshmem.cuh). All peers must be reachable
-// by loads/stores (NVLink / same GPU): the constructor checks it and refuses OMNIEP_FORCE_REMOTE=1,
-// since the put + signal path needs kernels that today's csrc/kernels do not have.
+// the kernels reach a peer through nvshmem_ptr (loads/stores: NVLink / same GPU) or, where it has no
+// pointer or OMNIEP_FORCE_REMOTE=1 (set on EVERY rank) says to, through puts, gets and signals (the
+// remote path of transports/nvshmem.cuh; remote_mask() says which). With some remote peer a
+// symmetric scratch area (combine's staging) is allocated as well, collectively.
 // Same op interface as IpcRank (python/rank_args.h binds both). Host-only header.
 #pragma once
 
@@ -21,6 +22,7 @@ typedef struct CUstream_st* cudaStream_t;
 namespace omniep {
 
 class OneRankLauncher;
+struct NvshmemTransport;
 
 class NvshmemRank {
  public:
@@ -35,6 +37,7 @@ class NvshmemRank {
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
   void set_blocks(int n);
+  uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r goes through puts + signals
   size_t data_bytes() const { return data_bytes_; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
   // Collective (every PE, same bytes): free and re-allocate the symmetric data buffer.
@@ -58,11 +61,16 @@ class NvshmemRank {
   void reset();
 
  private:
+  NvshmemTransport transport() const;  // the kernels' view of this rank (transports/nvshmem.cuh)
+
   int rank_, num_ranks_;
   uint64_t timeout_ns_;
   RankWorkspace* workspace_ = nullptr;
   void* data_ = nullptr;
   size_t data_bytes_ = 0;
+  uint32_t remote_mask_ = 0;
+  uint8_t* scratch_ = nullptr;  // symmetric, only with remote peers: combine's per-warp staging
+  int64_t scratch_bytes_ = 0;
   std::unique_ptr<OneRankLauncher> launcher_;
 };
 

@@ -7,6 +7,11 @@
 // With with_topk_grad (dispatch_bwd) the same pass reads back g_topk_weights[t, k] from the slot
 // that carried it: g_recv_topk_weights of the owning rank, or 0 when not routed or dropped.
 //
+// Remote ranks (a transport with kHasRemote: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
+// warp GETS each chunk of the row it needs into its stage in the transport's symmetric scratch
+// (blocking) and reads it from there; the sum is the same, in the same order (bitwise unchanged).
+// On p2p those branches compile away.
+//
 // Barriers: start (every rank's y is complete: its producer ran before this kernel on that rank's
 // stream), end (peers finished reading my y, so my stream may free or overwrite it afterwards).
 #pragma once
@@ -19,6 +24,29 @@ namespace omniep {
 
 inline constexpr int kCombineThreads = 512;
 inline constexpr int kPacks = 4;  // packs per lane per step (loads in flight per rank)
+// Remote path: bytes of one rank's chunk of a row in a warp's stage (16-byte packs), and a warp's
+// stage (two ranks per round). The host sizes the transport's scratch as blocks * warps * this.
+inline constexpr int kCombineChunkBytes = gpu::kWarpSize * kPacks * 16;
+inline constexpr int kCombineStageBytesPerWarp = 2 * kCombineChunkBytes;
+
+// Packs of row `slot` of rank r's y, indexable by pack number p in [base, base + kWarpSize * kPacks):
+// through r's pointer, or (a remote rank) after the warp GETS that chunk into `stage` (this warp's
+// staging area in the transport's symmetric scratch). Warp-uniform arguments: all lanes call it.
+template <typename Pack, typename Scalar, typename Tr>
+OMNIEP_DEVICE const Pack* y_row(const Tr& tr, const CombineArgs& a, int r, int64_t slot, int H,
+                                int base, int num_packs, Pack* stage) {
+  if constexpr (Tr::kHasRemote) {
+    if (tr.is_remote(r)) {
+      const int n = min(num_packs - base, gpu::kWarpSize * kPacks);
+      const Pack* src = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + slot * H) + base;
+      gpu::syncwarp();  // every lane has loaded the stage's previous chunk
+      tr.get_warp(stage, src, static_cast<size_t>(n) * sizeof(Pack), r);
+      gpu::syncwarp();  // every lane's part of the chunk is there
+      return stage - base;  // indexed by p >= base only
+    }
+  }
+  return reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H);
+}
 
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
 template <typename Tr, typename Scalar, int Vec>
@@ -36,6 +64,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   Scalar* out = static_cast<Scalar*>(tr.local(a.out));
   const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
   const int num_packs = H / Vec;
+  Pack* stage = nullptr;  // remote path: this warp's two chunks in the transport's scratch
+  if constexpr (Tr::kHasRemote) {
+    stage = reinterpret_cast<Pack*>(tr.scratch + (static_cast<int64_t>(blockIdx.x) * warps + warp) *
+                                                     kCombineStageBytesPerWarp);
+  }
 
   for (int t = blockIdx.x * warps + warp; t < T; t += gridDim.x * warps) {
     if (lane < R) {
@@ -60,7 +93,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
         if (slot0 < 0 && slot1 < 0) continue;
         Pack v0[kPacks], v1[kPacks];
         if (slot0 >= 0) {
-          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot0 * H);
+          const Pack* y = Tr::kHasRemote
+                              ? y_row<Pack, Scalar>(tr, a, r, slot0, H, base, num_packs, stage)
+                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot0 * H);
 #pragma unroll
           for (int j = 0; j < kPacks; ++j) {
             const int p = base + lane + j * gpu::kWarpSize;
@@ -68,7 +103,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
           }
         }
         if (slot1 >= 0) {
-          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r + 1)) + slot1 * H);
+          const Pack* y = Tr::kHasRemote
+                              ? y_row<Pack, Scalar>(tr, a, r + 1, slot1, H, base, num_packs,
+                                                    stage + kCombineChunkBytes / sizeof(Pack))
+                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r + 1)) + slot1 * H);
 #pragma unroll
           for (int j = 0; j < kPacks; ++j) {
             const int p = base + lane + j * gpu::kWarpSize;
@@ -121,7 +159,15 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
         if (e >= 0) {
           const int r = e / L;
           const int64_t slot = s_slot[warp][r];
-          if (slot >= 0) g = tr.peer(a.g_recv_topk_weights, r)[slot * K + k];
+          if (slot >= 0) {
+            bool far = false;
+            if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+            if (!far) {
+              g = tr.peer(a.g_recv_topk_weights, r)[slot * K + k];
+            } else if constexpr (Tr::kHasRemote) {
+              g = tr.get_f32(tr.local(a.g_recv_topk_weights) + slot * K + k, r);
+            }
+          }
         }
         g_w[static_cast<int64_t>(t) * K + k] = g;
       }

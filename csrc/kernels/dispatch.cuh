@@ -8,6 +8,11 @@
 // shared memory and adds them to the receiver's counters once at the end; the receiver zeroed those
 // counters before the start barrier and reads them after the end barrier.
 //
+// Remote receivers (a transport with kHasRemote, e.g. nvshmem across nodes or OMNIEP_FORCE_REMOTE=1):
+// the warp PUTS the row, the scales row and the routing entries to the same slot, and adds to the
+// receiver's counters with the transport's atomics; the end barrier completes them (quiet) before
+// it signals. On p2p those branches compile away.
+//
 // Barriers: start (receivers are ready: counters zeroed, earlier users of the buffers done), end
 // (all rows have arrived). The kernel completes on a rank only when its rows are all there, so
 // stream order is enough for whatever runs next on that rank.
@@ -54,33 +59,62 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     uint8_t* dst_x = nullptr;
     uint8_t* dst_x2 = nullptr;
     bool sent = false;
+    bool remote = false;  // lane's rank is reached by puts (transport's remote path)
     if (lane < R) {
       const int pos = send_pos[static_cast<int64_t>(t) * R + lane];
       const int64_t slot = static_cast<int64_t>(s_offset[lane]) + pos;
       sent = pos >= 0 && slot < C;  // slot >= C: dropped, past the receiver's capacity
-      if (sent) {
+      if constexpr (Tr::kHasRemote) remote = sent && tr.is_remote(lane);
+      if (sent && !remote) {
         dst_x = tr.peer(a.recv_x, lane) + slot * a.row_bytes;
         if (a.row2_bytes > 0) dst_x2 = tr.peer(a.recv_x2, lane) + slot * a.row2_bytes;
       }
     }
     const gpu::lane_mask_t dests = gpu::ballot(sent);
     if (dests == 0) continue;
-    warp_copy_row_multi(dst_x, dests, x + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, a.unit);
-    if (a.row2_bytes > 0) {
-      warp_copy_row_multi(dst_x2, dests, x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
+    gpu::lane_mask_t direct = dests;
+    if constexpr (Tr::kHasRemote) {
+      // Remote destinations: the warp puts the row (and the scales row) into the receiver's buffer at
+      // the same slot as a store would; the end barrier quiets the puts before it signals.
+      const gpu::lane_mask_t far = gpu::ballot(remote);
+      direct = dests & ~far;
+      for (gpu::lane_mask_t m = far; m; m &= m - 1) {
+        const int r = gpu::lowest_lane(m);
+        const int64_t slot = static_cast<int64_t>(s_offset[r]) + send_pos[static_cast<int64_t>(t) * R + r];
+        tr.put_warp(tr.local(a.recv_x) + slot * a.row_bytes, x + static_cast<int64_t>(t) * a.row_bytes,
+                    static_cast<size_t>(a.row_bytes), r);
+        if (a.row2_bytes > 0) {
+          tr.put_warp(tr.local(a.recv_x2) + slot * a.row2_bytes, x2 + static_cast<int64_t>(t) * a.row2_bytes,
+                      static_cast<size_t>(a.row2_bytes), r);
+        }
+      }
+    }
+    if (!Tr::kHasRemote || direct != 0) {
+      warp_copy_row_multi(dst_x, direct, x + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) {
+        warp_copy_row_multi(dst_x2, direct, x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
+      }
     }
     if (routing) {
       for (gpu::lane_mask_t m = dests; m; m &= m - 1) {
         const int r = gpu::lowest_lane(m);
         const int pos = send_pos[static_cast<int64_t>(t) * R + r];
         const int64_t slot = static_cast<int64_t>(s_offset[r]) + pos;
-        int32_t* recv_idx = tr.peer(a.recv_topk_idx, r) + slot * K;
-        float* recv_w = tr.peer(a.recv_topk_weights, r) + slot * K;
+        bool far = false;
+        if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+        // Remote rank: MY address of the symmetric buffers, the puts below name the rank.
+        int32_t* recv_idx = (far ? tr.local(a.recv_topk_idx) : tr.peer(a.recv_topk_idx, r)) + slot * K;
+        float* recv_w = (far ? tr.local(a.recv_topk_weights) : tr.peer(a.recv_topk_weights, r)) + slot * K;
         for (int k = lane; k < K; k += gpu::kWarpSize) {
           const int e = idx32[static_cast<int64_t>(t) * K + k];
           const bool mine = e >= 0 && e / L == r;
-          recv_idx[k] = mine ? e - r * L : -1;
-          recv_w[k] = mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f;
+          if (!far) {
+            recv_idx[k] = mine ? e - r * L : -1;
+            recv_w[k] = mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f;
+          } else if constexpr (Tr::kHasRemote) {
+            tr.put_i32(recv_idx + k, mine ? e - r * L : -1, r);
+            tr.put_f32(recv_w + k, mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f, r);
+          }
           if (mine) atomicAdd(&s_delivered[e], 1);
         }
       }
@@ -109,7 +143,14 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   if (routing) {
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-      if (s_delivered[e] != 0) gpu::add_relaxed_sys(&tr.workspace(e / L)->expert_counter[e % L], s_delivered[e]);
+      if (s_delivered[e] == 0) continue;
+      if constexpr (Tr::kHasRemote) {
+        if (tr.is_remote(e / L)) {  // remote receiver: an atomic add through the transport
+          tr.atomic_add_i32(&tr.workspace(me)->expert_counter[e % L], s_delivered[e], e / L);
+          continue;
+        }
+      }
+      gpu::add_relaxed_sys(&tr.workspace(e / L)->expert_counter[e % L], s_delivered[e]);
     }
   }
   if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false) || blockIdx.x != 0) return;

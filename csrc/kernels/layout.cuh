@@ -4,8 +4,9 @@
 // is "source token ascending", so this scan is what makes that order hold): chunks of blockDim
 // tokens, a warp ballot per destination rank, then a scan of the per-warp totals.
 // After the local layout every rank writes its num_tokens_per_rank row into every peer's count
-// matrix and signals; after the barrier each rank knows all counts, hence how many rows it
-// receives and where its own rows start at every receiver (sum over lower source ranks).
+// matrix (stores, or puts for a remote peer) and signals; after the barrier each rank knows all
+// counts, hence how many rows it receives and where its own rows start at every receiver (sum over
+// lower source ranks).
 // A second barrier keeps a fast peer's NEXT prepare from overwriting counts still being read.
 #pragma once
 
@@ -82,8 +83,15 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
     tr.local(a.num_tokens_per_rank)[r] = s_running[r];
-    int32_t* row = &tr.workspace(r)->counts[me * kMaxRanks];  // my row of peer r's count matrix
-    for (int j = 0; j < R; ++j) row[j] = s_running[j];
+    bool remote = false;
+    if constexpr (Tr::kHasRemote) remote = tr.is_remote(r);
+    if (!remote) {
+      int32_t* row = &tr.workspace(r)->counts[me * kMaxRanks];  // my row of peer r's count matrix
+      for (int j = 0; j < R; ++j) row[j] = s_running[j];
+    } else if constexpr (Tr::kHasRemote) {  // remote path: put the row (the barrier quiets and signals)
+      int32_t* row = &tr.workspace(me)->counts[me * kMaxRanks];  // same offset in r's workspace
+      for (int j = 0; j < R; ++j) tr.put_i32(row + j, s_running[j], r);
+    }
   }
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true)) return;
 

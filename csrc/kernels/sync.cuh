@@ -7,8 +7,10 @@
 //      signals[me] in s's workspace) and waits until its own signals[s] reaches expected[s] + 1;
 //   3. block 0 bumps the rank's `release` generation; the other blocks (if they must wait) spin on it.
 // Release cumulativity carries every block's writes (to local or peer memory) to the peers that
-// acquire the signal. Every wait has a timeout; the first failure is written into the rank's
-// ErrorRecord (naming the rank, the peer and the phase) and from then on the rank skips its work
+// acquire the signal. On a transport with a remote path every thread first completes its own puts
+// (quiet), and a remote peer is signalled with the transport's signal op (signal_peer).
+// Every wait has a timeout; the first failure is written into the rank's ErrorRecord (naming the
+// rank, the peer and the phase) and from then on the rank skips its work
 // and waits, so a missing peer turns into an error, never into a hang.
 #pragma once
 
@@ -35,6 +37,23 @@ OMNIEP_DEVICE void record_error(RankWorkspace* ws, int32_t code, int rank, int p
   }
 }
 
+// Add 1 to signals[me] in `peer`'s workspace: a release add through its pointer, or, for a peer the
+// transport reaches only by puts (remote path), a signal op after a fence. Either way whatever this
+// rank wrote to the peer before (ordered to this thread by the barrier; remote puts were completed
+// by each issuing thread's quiet() at the top of rank_barrier) is visible once the peer sees it.
+template <typename Tr>
+OMNIEP_DEVICE void signal_peer(const Tr& tr, int peer, int me) {
+  if constexpr (Tr::kHasRemote) {
+    if (tr.is_remote(peer)) {
+      gpu::fence_acq_rel_sys();
+      tr.signal_add(&tr.workspace(me)->signals[me], uint64_t{1}, peer);  // my address, PE `peer`'s copy
+      return;
+    }
+  }
+  gpu::fence_acq_rel_sys();
+  gpu::add_release_sys(&tr.workspace(peer)->signals[me], uint64_t{1});
+}
+
 // Poll `*counter` until it reaches `target` (compared as a signed difference so the counter may
 // wrap). Returns false on timeout.
 template <typename U>
@@ -58,6 +77,9 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
   __shared__ uint32_t s_gen;
   const int me = tr.rank();
   RankWorkspace* ws = tr.workspace(me);
+  if constexpr (Tr::kHasRemote) {
+    if (tr.any_remote()) tr.quiet();  // this thread's puts / atomics to remote peers have landed
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     s_ok = !has_error(ws);
@@ -80,8 +102,7 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
     const int R = tr.num_ranks();
     if (s_ok && static_cast<int>(threadIdx.x) < R) {
       const int peer = threadIdx.x;
-      gpu::fence_acq_rel_sys();
-      gpu::add_release_sys(&tr.workspace(peer)->signals[me], uint64_t{1});
+      signal_peer(tr, peer, me);
       const uint64_t target = ws->expected[peer] + 1;
       ws->expected[peer] = target;
       if (!wait_at_least(&ws->signals[peer], target, tr.timeout_ns())) {

@@ -1,13 +1,13 @@
-// nvshmem transport: symmetric buffers from nvshmem_malloc, peers reached through nvshmem_ptr.
+// nvshmem transport: symmetric buffers from nvshmem_malloc; each peer is reached either through
+// nvshmem_ptr (loads/stores: NVLink or the same GPU) or through puts, gets and signals (the remote
+// path: IBGDA/IBRC across nodes, or every peer when OMNIEP_FORCE_REMOTE=1).
 //
 // A PerRank<T> table needs only entry [me]: my address of a SYMMETRIC buffer (same offset in every
-// PE's heap); peer(a, r) asks NVSHMEM for PE r's copy (nvshmem_ptr: non-null when r is reachable
-// by loads/stores, i.e. NVLink or the same GPU). Launches run one rank per process (gridDim.y == 1).
-//
-// The remote path (peers without a pointer: IBGDA/IBRC across nodes, or every peer when
-// OMNIEP_FORCE_REMOTE=1) needs kernels that move rows with put_warp() + signal_add() instead of
-// stores through peer(); today's kernels (csrc/kernels) only use peer(), so the host launcher
-// refuses a group where some peer has no pointer. The primitives are here for those kernels.
+// PE's heap). peer(a, r) asks NVSHMEM for PE r's copy (nvshmem_ptr) and is only used for peers whose
+// bit in `remote_mask` is clear; for the others the kernels (csrc/kernels, `if constexpr
+// (Tr::kHasRemote)` branches) pass MY address of the symmetric buffer plus the PE to the put / get /
+// signal operations below. The choice is per peer and made at run time by the host (NvshmemRank
+// fills remote_mask). Launches run one rank per process (gridDim.y == 1).
 // Builds only with nvcc -rdc=true and the nvidia-nvshmem wheel (cmake/nvshmem.cmake).
 #pragma once
 
@@ -20,10 +20,15 @@
 namespace omniep {
 
 struct NvshmemTransport {
+  static constexpr bool kHasRemote = true;
+
   int me;           // my PE == my EP rank
   int group_size;   // R == number of PEs
   uint64_t wait_timeout_ns;
   PerRank<RankWorkspace> workspaces;  // entry [me]: my symmetric workspace
+  uint32_t remote_mask;  // bit r: peer r is reached by puts / gets / signals, never by loads/stores
+  uint8_t* scratch;      // symmetric staging area of the remote path (combine gets rows into it)
+  int64_t scratch_bytes;
 
   OMNIEP_DEVICE int rank() const { return me; }
   OMNIEP_DEVICE int num_ranks() const { return group_size; }
@@ -37,11 +42,25 @@ struct NvshmemTransport {
   }
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const { return peer(workspaces, r); }
 
-  // ---- remote path (put + signal), for kernels that use it ----
-  // The whole warp copies `bytes` from local `src` into PE r's copy of symmetric `dst`, non-blocking.
+  // ---- remote path: `dst` / `src` on the peer side are MY addresses of symmetric buffers ----
+  OMNIEP_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
+  OMNIEP_DEVICE bool any_remote() const { return remote_mask != 0; }
+  // The whole warp copies `bytes` from local `src` into PE r's copy of symmetric `dst`, non-blocking
+  // (complete after quiet()).
   OMNIEP_DEVICE void put_warp(void* dst, const void* src, size_t bytes, int r) const {
     nvshmemx_putmem_nbi_warp(dst, src, bytes, r);
   }
+  OMNIEP_DEVICE void put_i32(int32_t* dst, int32_t v, int r) const { nvshmem_int32_p(dst, v, r); }
+  OMNIEP_DEVICE void put_f32(float* dst, float v, int r) const { nvshmem_float_p(dst, v, r); }
+  OMNIEP_DEVICE void atomic_add_i32(int32_t* dst, int32_t v, int r) const { nvshmem_int_atomic_add(dst, v, r); }
+  // The whole warp copies `bytes` of PE r's copy of symmetric `src` into local symmetric `dst`;
+  // blocking (the data is there when every lane returns).
+  OMNIEP_DEVICE void get_warp(void* dst, const void* src, size_t bytes, int r) const {
+    nvshmemx_getmem_warp(dst, src, bytes, r);
+  }
+  OMNIEP_DEVICE float get_f32(const float* src, int r) const { return nvshmem_float_g(src, r); }
+  // Completes this thread's outstanding puts and atomics (to every PE).
+  OMNIEP_DEVICE void quiet() const { nvshmem_quiet(); }
   // Orders my earlier puts to PE r before adding `v` to PE r's copy of symmetric `signal`.
   OMNIEP_DEVICE void signal_add(uint64_t* signal, uint64_t v, int r) const {
     nvshmem_fence();

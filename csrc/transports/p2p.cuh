@@ -15,6 +15,10 @@
 namespace omniep {
 
 struct P2PTransport {
+  // Every peer is reached by loads/stores: no put path, so kernels compile their remote branches out
+  // (`if constexpr (Tr::kHasRemote)`) and p2p code generation is what it was before that path existed.
+  static constexpr bool kHasRemote = false;
+
   int first_rank;   // rank of blockIdx.y == 0
   int group_size;   // R
   uint64_t wait_timeout_ns;
@@ -29,6 +33,7 @@ struct P2PTransport {
   template <typename T>
   OMNIEP_DEVICE T* peer(const PerRank<T>& a, int r) const { return a.p[r]; }
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const { return workspaces.p[r]; }
+  OMNIEP_DEVICE bool is_remote(int) const { return false; }
 };
 
 }  // namespace omniep

@@ -12,9 +12,17 @@
 //                                   nvshmem: nvshmem_ptr)
 //   RankWorkspace* Tr::workspace(int r) const  rank r's workspace, reachable like a peer buffer
 //   uint64_t Tr::timeout_ns() const  how long a wait on a peer may take before it is an error
+//   static constexpr bool Tr::kHasRemote   whether some peer may lack a load/store path
+//   bool Tr::is_remote(int r) const        peer r is reached by puts / gets / signals only
+//
+// Transports with kHasRemote (nvshmem) also provide the remote path that kernels use, inside
+// `if constexpr (Tr::kHasRemote)` branches, for peers with is_remote(r): put_warp, put_i32, put_f32,
+// atomic_add_i32, get_warp, get_f32, quiet, signal_add, any_remote() and a symmetric `scratch`
+// staging area (transports/nvshmem.cuh). Peer-side addresses there are MY address of the symmetric
+// buffer plus the peer's rank. p2p has kHasRemote = false: those branches compile away.
 //
 // Signals and waits (kernels/sync.cuh) are built on these: a signal is a system-scope release add
-// on a counter in the PEER's workspace; a wait polls the local counter with acquire loads until it
+// on a counter in the PEER's workspace (a remote peer: a signal op after quiet + fence); a wait polls the local counter with acquire loads until it
 // reaches the expected count, or writes an ErrorRecord and gives up. Counters only grow, so no
 // reset is needed between calls (CUDA-graph safe: nothing on the host changes per call).
 #pragma once
