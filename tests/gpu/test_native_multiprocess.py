@@ -6,8 +6,11 @@ GPU when two GPUs are visible (IPC over NVLink). Each runs hypothesis-drawn rank
 cases through the frontend (dispatch, combine with biases, autograd backward), static-capacity cases
 through the backend (rows dropped and counted), the rank-major golden vectors, and a peer that never
 arrives (PeerTimeoutError naming it). With ``omniep._native_nvshmem`` built, every session repeats
-over the NVSHMEM transport (``OMNIEP_TRANSPORT=nvshmem``). ``OMNIEP_FORCE_REMOTE=1`` (the put + signal
-path) is not tested: today's kernels have no put path, and the NVSHMEM rank refuses it.
+over the NVSHMEM transport (``OMNIEP_TRANSPORT=nvshmem``: nvshmem_ptr loads/stores) and once more with
+``OMNIEP_FORCE_REMOTE=1`` (``nvshmem_remote``: every peer, even on the same GPU, through the internode
+path: warp puts of rows and routing + signals in dispatch and the count exchange, warp gets into a
+staging area in combine), bit for bit against the same reference. The backend checks, in every rank,
+that the NVSHMEM rank really treats every peer as remote.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ def _nvshmem_built() -> bool:
     return importlib.util.find_spec("omniep._native_nvshmem") is not None
 
 
-TRANSPORTS = ["ipc"] + (["nvshmem"] if _nvshmem_built() else [])
+TRANSPORTS = ["ipc"] + (["nvshmem", "nvshmem_remote"] if _nvshmem_built() else [])
+TRANSPORT_ENV = {
+    "ipc": {"OMNIEP_TRANSPORT": "ipc"},
+    "nvshmem": {"OMNIEP_TRANSPORT": "nvshmem"},
+    "nvshmem_remote": {"OMNIEP_TRANSPORT": "nvshmem", "OMNIEP_FORCE_REMOTE": "1"},  # puts + signals
+}
 
 
 def draw_cases(world: int, n: int) -> list:
@@ -164,7 +172,7 @@ def session(request):
                                            num_tokens=4, capacity=4 * world), silent=world - 1)]
     run = dict(frontend=jobs["frontend"] + jobs["golden"], backend=jobs["backend"] + jobs["golden"],
                timeout=jobs["timeout"])
-    env = {"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_TIMEOUT_S": "20", "OMNIEP_TRANSPORT": transport}
+    env = {"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_TIMEOUT_S": "20", **TRANSPORT_ENV[transport]}
     results = run_ranks(native_session, world, args=(run, mode == "per_gpu"), timeout=400, env=env)
     return world, jobs, results
 

@@ -5,6 +5,12 @@ the life of the process (created collectively at the group's first call; the fro
 backend object per op, so the state cannot live on the object). Results are bit for bit those of
 :mod:`omniep.ep_core.reference` (the kernels' contract). Rank-major layout only, for now.
 
+Transports: CUDA IPC peer pointers (p2p, the default) or NVSHMEM (``OMNIEP_TRANSPORT=nvshmem``): its
+peers are reached by ``nvshmem_ptr`` loads/stores, or by puts, gets and signals where there is no
+pointer or ``OMNIEP_FORCE_REMOTE=1`` (on every rank) says so — the internode algorithm, run and
+tested on one node. ``internode`` stays False in the capabilities: the remote path has run over
+NVLink / one GPU only (across nodes, IBGDA also needs the rows' source in registered memory).
+
 Host synchronisation: with ``capacity=None`` (exact receive sizes) each op reads the count matrix
 (``[R, R]`` int32) on the host once; with an int capacity the backend itself never synchronises
 (the buffer grows, collectively, only on the first call of a larger shape). The torch frontend adds
@@ -61,6 +67,11 @@ def transport() -> tuple[str, str]:
     return "nvshmem", "OMNIEP_TRANSPORT=nvshmem"
 
 
+def force_remote() -> bool:
+    """``OMNIEP_FORCE_REMOTE=1``: every peer goes through the NVSHMEM put + signal path (DESIGN §4)."""
+    return os.environ.get("OMNIEP_FORCE_REMOTE", "") == "1"
+
+
 def destroy_states() -> None:
     """Release every group's native buffers. Collective: every rank calls it (e.g. before
     ``destroy_process_group``); otherwise they are released at process exit."""
@@ -90,7 +101,15 @@ class CudaNvshmemTorch(TorchGroupBackend):
             return Availability(False, "torch was built without torch.distributed")
         name, why = transport()
         if name == "nvshmem":
-            return Availability(True, f"native kernels over NVSHMEM ({why})")
+            if force_remote():
+                return Availability(True, f"native kernels over NVSHMEM ({why}); OMNIEP_FORCE_REMOTE=1: every peer, "
+                                          f"even on NVLink or the same GPU, through puts + signals (the internode path)")
+            return Availability(True, f"native kernels over NVSHMEM ({why}): nvshmem_ptr loads/stores for NVLink "
+                                      f"peers, puts + signals for peers without a pointer")
+        if force_remote():
+            return Availability(False, f"OMNIEP_FORCE_REMOTE=1 needs the NVSHMEM transport (the CUDA IPC p2p transport "
+                                       f"has no put path): build it (-DOMNIEP_NVSHMEM=ON) and set "
+                                       f"OMNIEP_TRANSPORT=nvshmem; {why}")
         return Availability(True, f"native kernels over CUDA IPC peers (p2p); {why}")
 
     @classmethod
@@ -104,7 +123,7 @@ class CudaNvshmemTorch(TorchGroupBackend):
 
     # ---- plumbing ----
     def _state(self, device: torch.device):
-        from ...native.ipc_rank import IpcRankState, NvshmemRankState
+        from ...native.ipc_rank import IpcRankState
 
         if device.type != "cuda":
             raise UnsupportedError(self.name, f"tensors on {device} (it serves CUDA tensors; use "
@@ -115,9 +134,33 @@ class CudaNvshmemTorch(TorchGroupBackend):
         key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
         if key not in _STATES:
             timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
-            cls = NvshmemRankState if transport()[0] == "nvshmem" else IpcRankState
-            _STATES[key] = cls(self.group, timeout_s=timeout)
+            if transport()[0] == "nvshmem":
+                _STATES[key] = self._nvshmem_state(timeout)
+            else:
+                if force_remote():
+                    raise UnsupportedError(self.name, "OMNIEP_FORCE_REMOTE=1 over the CUDA IPC p2p transport (no put "
+                                                      "path): set OMNIEP_TRANSPORT=nvshmem", ["collective"])
+                _STATES[key] = IpcRankState(self.group, timeout_s=timeout)
         return _STATES[key]
+
+    def _nvshmem_state(self, timeout: float):
+        """The NVSHMEM rank state. Every rank must agree on OMNIEP_FORCE_REMOTE (the remote path's
+        symmetric scratch is allocated collectively); with it, every peer must be remote."""
+        import torch.distributed as dist
+
+        from ...native.ipc_rank import NvshmemRankState
+
+        forced = [None] * self.world
+        dist.all_gather_object(forced, force_remote(), group=self.group)
+        if len(set(forced)) != 1:
+            raise InputError(f"OMNIEP_FORCE_REMOTE=1 must be set on every rank or none (per rank: {forced})")
+        st = NvshmemRankState(self.group, timeout_s=timeout)
+        mask = int(st._g().remote_mask)
+        if forced[0] and mask != ((1 << self.world) - 1) & ~(1 << self.rank):
+            st.destroy()
+            raise RuntimeError(f"OMNIEP_FORCE_REMOTE=1 but the NVSHMEM rank reports remote peers {mask:#x}")
+        st.remote_mask = mask
+        return st
 
     def all_gather(self, values: torch.Tensor) -> torch.Tensor:
         """``[n]`` int64 from every rank -> ``[R, n]`` on ``values``' device (the frontend's agreement)."""
