@@ -18,15 +18,35 @@ if [[ -z "$NVSHMEM_ROOT" ]]; then
     NVSHMEM_ROOT="$("$py" -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0])' 2>/dev/null)" && break
   done
 fi
+# NCCL device-API sources (*nccl*) need nccl.h + nccl_device.h (NCCL >= 2.28, the nvidia-nccl-cu13
+# wheel): OMNIEP_NCCL_ROOT, or the package of $PYTHON; without them those sources are skipped, and said so.
+NCCL_ROOT="${OMNIEP_NCCL_ROOT:-}"
+if [[ -z "$NCCL_ROOT" ]]; then
+  for py in "${PYTHON:-}" .venv/bin/python python3; do
+    [[ -n "$py" ]] && command -v "$py" >/dev/null || continue
+    NCCL_ROOT="$("$py" -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)" && break
+  done
+fi
 CUDA_INC="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}/include"
 while IFS= read -r src; do
   extra=()
+  if [[ "$src" == *rocshmem* ]]; then  # HIP-only (rocSHMEM): scripts/check_hip_compile.sh / cmake/hip.cmake
+    echo "skip $src (HIP source, not for nvcc)"
+    continue
+  fi
   if [[ "$src" == *nvshmem* ]]; then
     if [[ -z "$NVSHMEM_ROOT" || ! -f "$NVSHMEM_ROOT/include/nvshmem.h" ]]; then
       echo "skip $src (NVSHMEM headers not found: set OMNIEP_NVSHMEM_ROOT or pip install nvidia-nvshmem-cu13)"
       continue
     fi
     extra=(-rdc=true -I"$NVSHMEM_ROOT/include" -I"$CUDA_INC/cccl")
+  fi
+  if [[ "$src" == *nccl* ]]; then
+    if [[ -z "$NCCL_ROOT" || ! -f "$NCCL_ROOT/include/nccl_device.h" ]]; then
+      echo "skip $src (NCCL >= 2.28 headers not found: set OMNIEP_NCCL_ROOT or pip install nvidia-nccl-cu13)"
+      continue
+    fi
+    extra=(-I"$NCCL_ROOT/include")
   fi
   echo "nvcc -arch=$ARCH ${extra[*]} $src"
   if ! "$NVCC" -arch="$ARCH" -std=c++17 -Icsrc -Icsrc/include --expt-relaxed-constexpr -Werror all-warnings \

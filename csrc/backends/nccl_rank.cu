@@ -1,0 +1,377 @@
+// NcclRank / NcclLocalGroup (see nccl_rank.h): communicators, symmetric windows, the device
+// communicator and the launchers over the NCCL device API.
+#include "backends/nccl_rank.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "backends/one_rank_launch.cuh"
+#include "transports/nccl_dev.cuh"
+
+namespace omniep {
+
+struct NcclDevCommBox {
+  ncclDevComm comm;
+};
+
+namespace {
+
+void check_nccl(ncclResult_t status, const char* what, ncclComm_t comm = nullptr) {
+  if (status == ncclSuccess) return;
+  std::string msg = std::string("omniep: ") + what + " failed: " + ncclGetErrorString(status);
+  if (comm) {
+    const char* last = ncclGetLastError(comm);
+    if (last && *last) msg += std::string(" (") + last + ")";
+  }
+  throw std::runtime_error(msg);
+}
+
+// Registered sizes: whole 2 MiB granules (the symmetric-window granularity on the GPUs we target).
+size_t granule(size_t bytes) { return (bytes + (size_t{1} << 21) - 1) >> 21 << 21; }
+
+bool force_remote() {
+  const char* v = std::getenv("OMNIEP_FORCE_REMOTE");
+  return v && std::strcmp(v, "1") == 0;
+}
+
+// Runs `step` for every rank inside one NCCL group (one thread driving several communicators).
+template <typename Ranks, typename Step>
+void grouped(Ranks& ranks, const char* what, Step step) {
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  try {
+    for (auto& r : ranks) step(*r);
+  } catch (...) {
+    ncclGroupEnd();
+    throw;
+  }
+  check_nccl(ncclGroupEnd(), what);
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&prev_), "cudaGetDevice");
+    if (prev_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    restore_ = prev_ != device;
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+  bool restore_ = false;
+};
+
+// Freed after the windows are gone (teardown) and before the communicator is destroyed.
+void free_and_destroy(ncclComm_t& comm, RankWorkspace*& ws, void*& data) {
+  if (data) ncclMemFree(data);
+  if (ws) ncclMemFree(ws);
+  data = nullptr;
+  ws = nullptr;
+  if (comm) {
+    ncclCommFinalize(comm);
+    ncclCommDestroy(comm);
+  }
+  comm = nullptr;
+}
+
+}  // namespace
+
+// Never launched: makes nvcc emit the GIN hooks of NcclDevTransport, so that the compile check covers
+// the GIN path that no kernel calls yet (it has not run: no network cards on our test machines).
+__global__ void nccl_gin_compile_check(NcclDevTransport tr, int peer, uint64_t* out) {
+  tr.gin_put_warp(tr.workspaces.p[tr.me]->counts, tr.workspaces.p[tr.me]->counts, sizeof(int32_t), peer);
+  tr.gin_signal_add(static_cast<uint32_t>(tr.me), 1, peer);
+  *out = tr.gin_signal_value(static_cast<uint32_t>(peer));
+}
+
+std::string NcclRank::unique_id() {
+  ncclUniqueId id;
+  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+int NcclRank::runtime_version() {
+  int v = 0;
+  check_nccl(ncclGetVersion(&v), "ncclGetVersion");
+  return v;
+}
+
+template <typename F>
+void NcclRank::on_device(F&& f) const {
+  DeviceGuard guard(device_);
+  f();
+}
+
+NcclRank::NcclRank(ncclComm_t comm, int device, uint64_t timeout_ns)
+    : comm_(comm), device_(device), timeout_ns_(timeout_ns) {
+  adopt();
+}
+
+void NcclRank::adopt() {
+  check_nccl(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", comm_);
+  check_nccl(ncclCommCount(comm_, &num_ranks_), "ncclCommCount", comm_);
+  if (num_ranks_ > kMaxRanks) {
+    throw std::invalid_argument("omniep: " + std::to_string(num_ranks_) + " ranks; at most " +
+                                std::to_string(kMaxRanks));
+  }
+  const ncclTeam_t lsa = ncclTeamLsa(comm_);
+  if (lsa.nRanks != num_ranks_ || force_remote()) {
+    // The GIN hooks of NcclDevTransport would serve these peers; no kernel calls them yet.
+    throw std::runtime_error(
+        "omniep: nccl_ep rank " + std::to_string(rank_) + ": " +
+        (force_remote() ? std::string("OMNIEP_FORCE_REMOTE=1 asks for the GIN path")
+                        : std::to_string(num_ranks_ - lsa.nRanks) + " peers are outside the LSA team (no NVLink)") +
+        "; the GIN put + signal path needs put-based kernels, not implemented yet");
+  }
+  DeviceGuard guard(device_);
+  launcher_ = std::make_unique<OneRankLauncher>(device_);
+}
+
+NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns) : timeout_ns_(timeout_ns) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
+    throw std::invalid_argument("omniep: rank " + std::to_string(rank) + " of " + std::to_string(num_ranks) +
+                                ": need 0 <= rank < num_ranks <= " + std::to_string(kMaxRanks));
+  }
+  if (runtime_version() < kMinNcclVersion) {
+    throw std::runtime_error("omniep: NCCL " + std::to_string(runtime_version()) + " has no device API (need >= " +
+                             std::to_string(kMinNcclVersion) + ")");
+  }
+  ncclUniqueId id;
+  if (uid.size() != sizeof(id)) throw std::invalid_argument("omniep: NCCL unique id has the wrong size");
+  std::memcpy(&id, uid.data(), sizeof(id));
+  check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
+  check_nccl(ncclCommInitRank(&comm_, num_ranks, id, rank), "ncclCommInitRank");
+  try {
+    adopt();  // rank, size and LSA checks
+  } catch (...) {
+    ncclCommDestroy(comm_);
+    throw;
+  }
+  alloc_workspace();
+  register_workspace();
+  create_dev_comm();
+}
+
+NcclRank::~NcclRank() {
+  if (!comm_) return;  // NcclLocalGroup tore it down already
+  try {
+    teardown();
+  } catch (...) {  // a destructor must not throw; the process is likely exiting
+  }
+  DeviceGuard guard(device_);
+  free_and_destroy(comm_, workspace_, data_);
+}
+
+void NcclRank::alloc_workspace() {
+  on_device([&] {
+    void* p = nullptr;
+    check_nccl(ncclMemAlloc(&p, granule(sizeof(RankWorkspace))), "ncclMemAlloc (workspace)", comm_);
+    workspace_ = static_cast<RankWorkspace*>(p);
+    check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "zeroing the workspace");
+    check_cuda(cudaDeviceSynchronize(), "zeroing the workspace");
+  });
+}
+
+void NcclRank::register_workspace() {
+  on_device([&] {
+    check_nccl(ncclCommWindowRegister(comm_, workspace_, granule(sizeof(RankWorkspace)), &ws_window_,
+                                      NCCL_WIN_COLL_SYMMETRIC), "ncclCommWindowRegister (workspace)", comm_);
+  });
+}
+
+void NcclRank::create_dev_comm() {
+  on_device([&] {
+    dev_comm_ = std::make_unique<NcclDevCommBox>();
+    ncclDevCommRequirements reqs;
+    std::memset(&reqs, 0, sizeof(reqs));
+    // LSA only: our barriers are kernels/sync.cuh over the workspace window (with timeouts), so no
+    // NCCL barrier resources. A GIN team would ask for one signal per source rank here.
+    check_nccl(ncclDevCommCreate(comm_, &reqs, &dev_comm_->comm), "ncclDevCommCreate", comm_);
+  });
+}
+
+void NcclRank::release_data() {
+  on_device([&] {
+    if (data_window_) check_nccl(ncclCommWindowDeregister(comm_, data_window_), "ncclCommWindowDeregister", comm_);
+    data_window_ = nullptr;
+  });
+}
+
+void NcclRank::alloc_data(size_t bytes) {
+  on_device([&] {
+    if (data_) check_nccl(ncclMemFree(data_), "ncclMemFree (data)", comm_);
+    data_ = nullptr;
+    data_bytes_ = 0;
+    if (bytes == 0) return;
+    check_nccl(ncclMemAlloc(&data_, granule(bytes)), "ncclMemAlloc (data)", comm_);
+    data_bytes_ = granule(bytes);
+    check_cuda(cudaMemset(data_, 0, data_bytes_), "zeroing the data buffer");
+    check_cuda(cudaDeviceSynchronize(), "zeroing the data buffer");
+  });
+}
+
+void NcclRank::register_data() {
+  on_device([&] {
+    if (!data_) return;
+    check_nccl(ncclCommWindowRegister(comm_, data_, data_bytes_, &data_window_, NCCL_WIN_COLL_SYMMETRIC),
+               "ncclCommWindowRegister (data)", comm_);
+  });
+}
+
+void NcclRank::allocate_data(size_t bytes) {
+  on_device([&] { check_cuda(cudaDeviceSynchronize(), "synchronising before re-allocating the data buffer"); });
+  release_data();  // collective: nobody reaches the old buffer afterwards
+  alloc_data(bytes);
+  register_data();
+}
+
+void NcclRank::teardown() {
+  on_device([&] {
+    cudaDeviceSynchronize();
+    if (dev_comm_) check_nccl(ncclDevCommDestroy(comm_, &dev_comm_->comm), "ncclDevCommDestroy", comm_);
+    dev_comm_.reset();
+    if (data_window_) check_nccl(ncclCommWindowDeregister(comm_, data_window_), "ncclCommWindowDeregister", comm_);
+    if (ws_window_) check_nccl(ncclCommWindowDeregister(comm_, ws_window_), "ncclCommWindowDeregister", comm_);
+    data_window_ = ws_window_ = nullptr;
+  });
+}
+
+void NcclRank::set_blocks(int n) { launcher_->set_blocks(n); }
+
+static NcclDevTransport make_transport(const NcclRank& g, RankWorkspace* ws, ncclWindow_t ws_window,
+                                       ncclWindow_t data_window, const void* data, const ncclDevComm& dev_comm) {
+  NcclDevTransport tr;
+  std::memset(&tr, 0, sizeof(tr));
+  tr.me = g.rank();
+  tr.group_size = g.num_ranks();
+  tr.wait_timeout_ns = g.timeout_ns();
+  tr.workspaces.p[g.rank()] = ws;
+  tr.ws_window = ws_window;
+  tr.data_window = data_window;
+  tr.data_base = static_cast<const char*>(data);
+  tr.gin = 0;  // the constructor refused non-LSA peers
+  tr.dev_comm = dev_comm;
+  return tr;
+}
+
+#define OMNIEP_NCCL_TRANSPORT make_transport(*this, workspace_, ws_window_, data_window_, data_, dev_comm_->comm)
+
+void NcclRank::layout(const LayoutArgs& args, cudaStream_t stream) {
+  on_device([&] { launcher_->layout(args, OMNIEP_NCCL_TRANSPORT, stream); });
+}
+
+void NcclRank::dispatch(DispatchArgs args, cudaStream_t stream) {
+  uintptr_t addrs[2] = {reinterpret_cast<uintptr_t>(args.x.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x.p[rank_])};
+  args.unit = row_copy_unit(args.row_bytes, addrs, 2);
+  uintptr_t addrs2[2] = {reinterpret_cast<uintptr_t>(args.x2.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x2.p[rank_])};
+  args.unit2 = row_copy_unit(args.row2_bytes, addrs2, 2);
+  on_device([&] { launcher_->dispatch(args, OMNIEP_NCCL_TRANSPORT, stream); });
+}
+
+void NcclRank::combine(const CombineArgs& args, cudaStream_t stream) {
+  const bool vec = (static_cast<int64_t>(args.hidden) * dtype_size(args.dtype)) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(args.out.p[rank_]) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(args.y.p[rank_]) % 16 == 0;
+  on_device([&] { launcher_->combine(args, OMNIEP_NCCL_TRANSPORT, vec, stream); });
+}
+
+void NcclRank::barrier(cudaStream_t stream) {
+  on_device([&] { launcher_->barrier(OMNIEP_NCCL_TRANSPORT, stream); });
+}
+
+#undef OMNIEP_NCCL_TRANSPORT
+
+void NcclRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
+  on_device([&] {
+    check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, workspace_->counts, sizeof(int32_t) * kMaxRanks,
+                                 sizeof(int32_t) * num_ranks_, num_ranks_, cudaMemcpyDeviceToDevice, stream),
+               "copying the count matrix");
+  });
+}
+
+void NcclRank::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
+  on_device([&] {
+    check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                               cudaMemcpyDeviceToDevice, stream), "copying rows to / from the data buffer");
+  });
+}
+
+ErrorRecord NcclRank::read_error() const {
+  ErrorRecord out;
+  on_device([&] {
+    check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
+    check_cuda(cudaMemcpy(&out, &workspace_->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost),
+               "reading the error record");
+  });
+  return out;
+}
+
+void NcclRank::reset() {
+  on_device([&] {
+    check_cuda(cudaDeviceSynchronize(), "synchronising before reset");
+    check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "reset");
+    check_cuda(cudaDeviceSynchronize(), "reset");
+  });
+}
+
+// ---- one process, several GPUs ----
+
+NcclLocalGroup::NcclLocalGroup(const std::vector<int>& devices, uint64_t timeout_ns) {
+  const int n = static_cast<int>(devices.size());
+  if (n < 1 || n > kMaxRanks) throw std::invalid_argument("omniep: a local NCCL group needs 1.." +
+                                                          std::to_string(kMaxRanks) + " devices");
+  if (NcclRank::runtime_version() < kMinNcclVersion) {
+    throw std::runtime_error("omniep: NCCL " + std::to_string(NcclRank::runtime_version()) +
+                             " has no device API (need >= " + std::to_string(kMinNcclVersion) + ")");
+  }
+  std::vector<ncclComm_t> comms(n, nullptr);
+  ncclUniqueId id;
+  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  int prev = 0;
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  for (int i = 0; i < n; ++i) {
+    check_cuda(cudaSetDevice(devices[i]), "cudaSetDevice");
+    check_nccl(ncclCommInitRank(&comms[i], n, id, i), "ncclCommInitRank");
+  }
+  check_nccl(ncclGroupEnd(), "grouped ncclCommInitRank");
+  check_cuda(cudaSetDevice(prev), "cudaSetDevice");
+  for (int i = 0; i < n; ++i) ranks_.emplace_back(new NcclRank(comms[i], devices[i], timeout_ns));
+  for (auto& r : ranks_) r->alloc_workspace();
+  grouped(ranks_, "grouped ncclCommWindowRegister (workspace)", [](NcclRank& r) { r.register_workspace(); });
+  grouped(ranks_, "grouped ncclDevCommCreate", [](NcclRank& r) { r.create_dev_comm(); });
+}
+
+NcclLocalGroup::~NcclLocalGroup() {
+  try {
+    grouped(ranks_, "grouped teardown", [](NcclRank& r) { r.teardown(); });
+  } catch (...) {
+  }
+  for (auto& r : ranks_) {
+    DeviceGuard guard(r->device_);
+    free_and_destroy(r->comm_, r->workspace_, r->data_);
+  }
+}
+
+NcclRank& NcclLocalGroup::rank(int i) {
+  if (i < 0 || i >= size()) throw std::out_of_range("omniep: local rank " + std::to_string(i));
+  return *ranks_[i];
+}
+
+void NcclLocalGroup::allocate_data(size_t bytes) {
+  for (auto& r : ranks_) {
+    DeviceGuard guard(r->device_);
+    check_cuda(cudaDeviceSynchronize(), "synchronising before re-allocating the data buffer");
+  }
+  grouped(ranks_, "grouped ncclCommWindowDeregister (data)", [](NcclRank& r) { r.release_data(); });
+  for (auto& r : ranks_) r->alloc_data(bytes);
+  grouped(ranks_, "grouped ncclCommWindowRegister (data)", [](NcclRank& r) { r.register_data(); });
+}
+
+}  // namespace omniep

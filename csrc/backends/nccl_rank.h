@@ -1,0 +1,117 @@
+// NcclRank: ONE rank of an EP group over the NCCL device API (transports/nccl_dev.cuh).
+//
+// Life cycle (NCCL's examples/06_device_api): communicator -> windows -> ncclDevComm -> kernels ->
+// teardown. Two ways to make the communicators:
+//   * one process per rank: rank 0 calls unique_id(), the caller exchanges the bytes (torch.distributed
+//     or JAX's key-value store), every rank constructs NcclRank(rank, R, id, timeout) on its current device;
+//   * one process driving several local GPUs: NcclLocalGroup(devices, timeout) makes one communicator
+//     per device with grouped init (ncclGroupStart + ncclCommInitRank per device), and runs every
+//     collective step (window registration, devComm creation, re-allocation, teardown) for all of
+//     its ranks inside one NCCL group, as NCCL requires when one thread drives several ranks.
+// The workspace and the data buffer come from ncclMemAlloc and are registered as symmetric windows;
+// the kernels reach LSA peers through window pointers. Every peer must be in the LSA team
+// (NVLink, the same node); a group with other peers (or OMNIEP_FORCE_REMOTE=1) is refused: the GIN
+// hooks of the transport exist, but no kernel calls them yet.
+// Same op interface as IpcRank / NvshmemRank (python/rank_args.h binds all three). Host-only header.
+#pragma once
+
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/args.h"
+
+typedef struct CUstream_st* cudaStream_t;
+typedef struct ncclComm* ncclComm_t;
+typedef struct ncclWindow_vidmem* ncclWindow_t;
+
+namespace omniep {
+
+class OneRankLauncher;
+struct NcclDevCommBox;  // holds the ncclDevComm (nccl_device.h stays out of this header)
+
+class NcclRank {
+ public:
+  static std::string unique_id();  // ncclGetUniqueId, as bytes
+  static int runtime_version();    // ncclGetVersion of the loaded libnccl (e.g. 22809)
+  // One process per rank: collective over the R processes; uses the current CUDA device.
+  NcclRank(int rank, int num_ranks, const std::string& unique_id, uint64_t timeout_ns);
+  ~NcclRank();  // collective: devComm, windows, memory, communicator
+  NcclRank(const NcclRank&) = delete;
+  NcclRank& operator=(const NcclRank&) = delete;
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  int device() const { return device_; }
+  uint64_t timeout_ns() const { return timeout_ns_; }
+  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
+  void set_blocks(int n);
+  size_t data_bytes() const { return data_bytes_; }
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
+  // Collective (every rank, same bytes): deregister, free, allocate and register the data buffer.
+  void allocate_data(size_t bytes);
+
+  // Entry [me] = my data buffer + offset (the transport derives the peers' through the window).
+  template <typename T>
+  PerRank<T> sym(int64_t offset) const {
+    PerRank<T> out = {};
+    out.p[rank_] = data_ ? reinterpret_cast<T*>(static_cast<char*>(data_) + offset) : nullptr;
+    return out;
+  }
+
+  void layout(const LayoutArgs& args, cudaStream_t stream);
+  void dispatch(DispatchArgs args, cudaStream_t stream);
+  void combine(const CombineArgs& args, cudaStream_t stream);
+  void barrier(cudaStream_t stream);
+  void copy_counts(int32_t* dst, cudaStream_t stream) const;
+  void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
+  ErrorRecord read_error() const;
+  void reset();
+
+ private:
+  friend class NcclLocalGroup;
+  NcclRank(ncclComm_t comm, int device, uint64_t timeout_ns);  // comm made by the caller
+  void adopt();                // rank, size, the LSA check, the launcher
+  // The collective steps, split so that NcclLocalGroup can run each for all its ranks in one group.
+  void alloc_workspace();      // local: ncclMemAlloc + zero
+  void register_workspace();   // collective
+  void create_dev_comm();      // collective
+  void release_data();         // collective (deregister) + local free
+  void alloc_data(size_t bytes);  // local
+  void register_data();        // collective
+  void teardown();             // collective; the rank is unusable afterwards
+  template <typename F>
+  void on_device(F&& f) const;
+
+  ncclComm_t comm_ = nullptr;
+  int rank_ = 0, num_ranks_ = 0, device_ = 0;
+  uint64_t timeout_ns_;
+  RankWorkspace* workspace_ = nullptr;
+  ncclWindow_t ws_window_ = nullptr;
+  void* data_ = nullptr;
+  size_t data_bytes_ = 0;
+  ncclWindow_t data_window_ = nullptr;
+  std::unique_ptr<NcclDevCommBox> dev_comm_;
+  std::unique_ptr<OneRankLauncher> launcher_;
+};
+
+// One process, several local GPUs: rank i runs on devices[i]. Owns its ranks; destroying it tears
+// all of them down together.
+class NcclLocalGroup {
+ public:
+  NcclLocalGroup(const std::vector<int>& devices, uint64_t timeout_ns);
+  ~NcclLocalGroup();
+  NcclLocalGroup(const NcclLocalGroup&) = delete;
+  NcclLocalGroup& operator=(const NcclLocalGroup&) = delete;
+
+  int size() const { return static_cast<int>(ranks_.size()); }
+  NcclRank& rank(int i);
+  void allocate_data(size_t bytes);  // every rank's data buffer, grouped
+
+ private:
+  std::vector<std::unique_ptr<NcclRank>> ranks_;
+};
+
+}  // namespace omniep
