@@ -5,7 +5,8 @@
 IPC), joins a gloo group (the control plane; data moves through the native kernels) and runs every
 job once, returning numpy arrays with their bits intact for the parent to compare with the
 reference. Frontend jobs reuse :func:`omniep.testing.torch_workers.frontend_job` with inputs placed on
-the GPU; backend jobs call :class:`CudaNvshmemTorch` directly (static capacity that drops rows).
+the GPU; backend jobs call the backend class directly (static capacity that drops rows): the one that
+``OMNIEP_BACKEND`` names, ``cuda_nvshmem`` or ``nccl_ep`` (same torch backend interface).
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ def _cuda_inputs():
     return tw
 
 
+def _backend_class():
+    """The native torch backend under test: ``OMNIEP_BACKEND`` (``cuda_nvshmem`` or ``nccl_ep``)."""
+    import os
+
+    from ..ep_core.registry import get_backend_class
+
+    return get_backend_class(os.environ.get("OMNIEP_BACKEND", "cuda_nvshmem"), "torch")
+
+
 def backend_job(rank: int, job: dict) -> dict:
     """dispatch, combine (with the job's biases), dispatch_bwd, combine_bwd through the backend itself."""
-    from ..backends.cuda_nvshmem.torch_backend import CudaNvshmemTorch
-
     tw = _cuda_inputs()
     case = job["case"]
-    be = CudaNvshmemTorch()
+    be = _backend_class()()
     x, idx, w = (tw.to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
     handle = be.prepare(idx, case.config())
     fp8 = case.dtype == "float8_e4m3fn"
@@ -66,13 +74,11 @@ def timeout_job(rank: int, job: dict) -> dict:
     """Rank ``job['silent']`` skips prepare; the others must get PeerTimeoutError naming it."""
     import torch.distributed as dist
 
-    from ..backends.cuda_nvshmem.torch_backend import CudaNvshmemTorch
-
     tw = _cuda_inputs()
     case = job["case"]
     out = dict(error=None)
     if rank != job["silent"]:
-        be = CudaNvshmemTorch()
+        be = _backend_class()()
         idx = tw.to_torch(case.topk_idx[rank])
         state = be._state(idx.device)
         state._g().set_timeout_ns(int(2e9))  # fail fast: this wait cannot succeed
@@ -87,10 +93,13 @@ def timeout_job(rank: int, job: dict) -> dict:
 
 def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool) -> dict:
     """Run ``jobs`` (keys: frontend, backend, timeout -> lists of job dicts) in one gloo group."""
+    import importlib
+
     import torch
 
-    from ..backends.cuda_nvshmem.torch_backend import destroy_states
     from ..testing.torch_workers import init_gloo, shutdown
+
+    destroy_states = importlib.import_module(_backend_class().__module__).destroy_states
 
     torch.cuda.set_device(rank if per_gpu else 0)
     init_gloo(rank, world, port, timeout_s=120)

@@ -1,0 +1,63 @@
+"""``nccl_ep``: the native kernels (csrc/kernels, unchanged) over the NCCL device API (NCCL >= 2.28).
+
+Transport ``nccl_dev`` (csrc/transports/nccl_dev.cuh): symmetric NCCL windows, LSA pointers for peers
+on NVLink, the barriers and timeouts of the shared kernels. GIN put/signal hooks for peers off the
+LSA team are compiled but have not run on a network here (no NICs on our machines) and no kernel
+uses them yet, so a group with such peers is refused. Optional module ``omniep._native_nccl``, built
+with ``OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON`` from the
+``nvidia-nccl-cu13`` wheel. NCCL refuses two ranks on one GPU: this backend needs a GPU per rank.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+MIN_NCCL = 22800  # NCCL_VERSION_CODE of 2.28.0, the first release with nccl_device.h as used here
+BUILD_HINT = "OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON"
+
+
+def version_string(code: int) -> str:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def _wheel_nccl() -> tuple[Optional[str], Optional[int], bool]:
+    """``(root, version code, has nccl_device.h)`` of the nvidia-nccl wheel, or Nones if absent."""
+    import os
+    import re
+
+    try:
+        root = list(importlib.import_module("nvidia.nccl").__path__)[0]
+    except ImportError:
+        return None, None, False
+    header = os.path.join(root, "include", "nccl.h")
+    code = None
+    try:
+        with open(header) as f:
+            m = re.search(r"#define NCCL_VERSION_CODE (\d+)", f.read())
+            code = int(m.group(1)) if m else None
+    except OSError:
+        pass
+    return root, code, os.path.exists(os.path.join(root, "include", "nccl_device.h"))
+
+
+def native_reason() -> tuple[Optional[object], str]:
+    """``(module, "")`` when ``omniep._native_nccl`` imports and its libnccl has the device API, else
+    ``(None, why)``: NCCL missing, NCCL too old, no device API, or the module not built."""
+    try:
+        mod = importlib.import_module("omniep._native_nccl")
+    except ImportError as exc:
+        if "ncclDevComm" in str(exc) or "ncclCommWindow" in str(exc):
+            return None, f"no device API in the libnccl that was loaded ({exc}); need NCCL >= 2.28"
+        root, code, device_api = _wheel_nccl()
+        if root is None:
+            return None, f"NCCL not found (pip install nvidia-nccl-cu13) and native NCCL module not built: {BUILD_HINT}"
+        if code is not None and code < MIN_NCCL:
+            return None, f"NCCL {version_string(code)} too old: the device API needs >= 2.28"
+        if not device_api:
+            return None, f"no device API: {root}/include has no nccl_device.h (need NCCL >= 2.28)"
+        return None, f"native NCCL module not built: {BUILD_HINT} ({exc})"
+    code = mod.nccl_version()
+    if code < MIN_NCCL:
+        return None, f"NCCL {version_string(code)} too old (loaded at run time): the device API needs >= 2.28"
+    return mod, ""

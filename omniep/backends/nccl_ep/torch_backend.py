@@ -1,0 +1,78 @@
+"""The ``nccl_ep`` backend for PyTorch: the native kernels over the NCCL device API, one process per GPU.
+
+The ops are those of :class:`~omniep.backends.cuda_nvshmem.torch_backend.CudaNvshmemTorch` (same
+handles, same buffer layout, same kernels; results bit for bit :mod:`omniep.ep_core.reference`); only
+the per-group native state differs: an :class:`~omniep.native.nccl_rank.NcclRankState`, whose NCCL
+communicator is made from a unique id all-gathered through ``torch.distributed``. One state per
+``(group, device)`` lives for the life of the process (created collectively at the group's first call).
+Rank-major layout only, for now. Peers must be on NVLink (the LSA team); the GIN path has not run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...ep_core.errors import InputError, UnsupportedError
+from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
+from ..cuda_nvshmem.torch_backend import MIN_CC, CudaNvshmemTorch
+from . import native_reason, version_string
+
+_STATES: dict = {}  # (group_name, device index) -> NcclRankState
+
+
+def destroy_states() -> None:
+    """Release every group's NCCL communicator and windows. Collective: every rank calls it (e.g.
+    before ``destroy_process_group``); otherwise they are released at process exit."""
+    for key in list(_STATES):
+        _STATES.pop(key).destroy()
+
+
+class NcclEpTorch(CudaNvshmemTorch):
+    """prepare / dispatch / combine / backward passes for ONE rank of a group, over NCCL windows."""
+
+    name = "nccl_ep"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        mod, why = native_reason()
+        if mod is None:
+            return Availability(False, why)
+        if not torch.cuda.is_available():
+            return Availability(False, "no CUDA device")
+        cc = torch.cuda.get_device_capability()
+        if tuple(cc) < MIN_CC:
+            return Availability(False, f"built for sm_90; this GPU is sm_{cc[0]}{cc[1]}")
+        if torch.cuda.device_count() < 2:
+            return Availability(False, "one GPU only: NCCL refuses two ranks on one GPU, so nccl_ep needs a GPU "
+                                       "per rank (use cuda_nvshmem to run several ranks on one GPU)")
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return Availability(False, "torch was built without torch.distributed")
+        return Availability(True, f"native kernels over the NCCL {version_string(mod.nccl_version())} device API "
+                                  f"(LSA peers over NVLink; GIN compiled, not run on a network here)")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
+            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1, devices=("gpu",),
+        )
+
+    def _state(self, device: torch.device):
+        from ...native.nccl_rank import NcclRankState
+
+        if device.type != "cuda":
+            raise UnsupportedError(self.name, f"tensors on {device} (it serves CUDA tensors; use "
+                                              f"OMNIEP_BACKEND=collective for CPU tensors)", ["collective"])
+        if device.index is not None and device.index != torch.cuda.current_device():
+            raise InputError(f"tensors are on {device} but this process's current device is "
+                             f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device first")
+        key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
+        if key not in _STATES:
+            timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
+            _STATES[key] = NcclRankState(self.group, timeout_s=timeout)
+        return _STATES[key]
