@@ -69,8 +69,8 @@ find_library(OMNIEP_ROCSHMEM_LIB NAMES rocshmem HINTS "${ROCSHMEM_DIR}/lib" "${_
 if(OMNIEP_ROCSHMEM_INCLUDE AND OMNIEP_ROCSHMEM_LIB)
   message(STATUS "omniep: rocSHMEM in ${OMNIEP_ROCSHMEM_INCLUDE}: building omniep_rocshmem_check "
                  "(every kernel over transports/rocshmem.cuh; no launcher or module over it yet)")
-  set_source_files_properties(csrc/transports/rocshmem_compile_check.cu PROPERTIES LANGUAGE HIP)
-  add_library(omniep_rocshmem_check OBJECT csrc/transports/rocshmem_compile_check.cu)
+  set_source_files_properties(csrc/transports/rocshmem_compile_check.hip PROPERTIES LANGUAGE HIP)
+  add_library(omniep_rocshmem_check OBJECT csrc/transports/rocshmem_compile_check.hip)
   target_include_directories(omniep_rocshmem_check PRIVATE csrc csrc/include "${OMNIEP_ROCSHMEM_INCLUDE}")
   # rocSHMEM's device API is a device library: relocatable device code (-fgpu-rdc).
   target_compile_options(omniep_rocshmem_check PRIVATE -fgpu-rdc)

@@ -1,7 +1,8 @@
 // Every kernel over the rocshmem transport, instantiated and launched through omniep/runtime.h: the
 // target cmake/hip.cmake builds (omniep_rocshmem_check) when rocSHMEM is found. NEVER COMPILED here
 // (no rocSHMEM on this project's machines); see transports/rocshmem.cuh. Mirrors
-// csrc/kernels/instantiate_all.cu (the p2p compile check) with Tr = RocshmemTransport.
+// csrc/kernels/instantiate_all.cu (the p2p compile check) with Tr = RocshmemTransport. A .hip file,
+// not .cu, so that the nvcc compile check (scripts/check_cuda_compile.sh: every *.cu) leaves it out.
 #include "kernels/combine.cuh"
 #include "kernels/dispatch.cuh"
 #include "kernels/layout.cuh"
