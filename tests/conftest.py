@@ -5,7 +5,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# The shared native multi-process checks live in the package; keep pytest's assertion messages there.
+pytest.register_assert_rewrite("omniep.native.mp_suite")
 
 # "ci" keeps the suite inside CI's budget on 2 cores; OMNIEP_HYPOTHESIS=thorough for long runs.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
