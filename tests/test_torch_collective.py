@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import settings
 
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
-from omniep.testing.cases import case_strategy, make_case, np_dtype
+from omniep.testing.cases import case_strategy, draw, make_case, np_dtype
+from omniep.testing.jobs import make_job
 from omniep.testing.procs import run_ranks
 from omniep.testing.torch_workers import collective_session
 
@@ -28,16 +29,7 @@ RM, EM = Layout.RANK_MAJOR, Layout.EXPERT_MAJOR
 
 def draw_cases(world: int, n: int) -> list:
     """``n`` cases drawn by hypothesis from ``case_strategy`` (ranks hold different token counts)."""
-    drawn = []
-
-    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12))
-    def collect(case):
-        drawn.append(case)
-
-    collect()
-    return drawn
+    return draw(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12), n)
 
 
 def edge_cases(world: int) -> list:
@@ -59,25 +51,6 @@ def edge_cases(world: int) -> list:
         make_case(11, num_experts=2 * R, num_tokens=uneven, num_topk=2, hidden=128, dtype="float8_e4m3fn",
                   num_ranks=R, layout=EM, capacity=2 * R * 8),
     ]
-
-
-def make_job(case, seed: int, n_bias: int) -> dict:
-    """Inputs for one case: combine input ``y`` shaped like ``recv_x``, biases, backward seeds."""
-    rng = np.random.default_rng(seed)
-    disp = ref.dispatch(case.x, case.topk_weights, ref.make_plan(case.topk_idx, case.config()))
-    job = dict(case=case)
-    if case.dtype == "float8_e4m3fn":
-        job["x_scales"] = [rng.random((x.shape[0], x.shape[1] // 128)).astype(np.float32) for x in case.x]
-        return job
-    dt = np_dtype(case.dtype)
-
-    def randn(shape):
-        return rng.standard_normal(shape).astype(np.float32).astype(dt)
-
-    job.update(y=[randn(d.recv_x.shape) for d in disp], bias=[[randn(x.shape) for _ in range(n_bias)] for x in case.x],
-               g_out=[randn(x.shape) for x in case.x], g_recv_x=[randn(d.recv_x.shape) for d in disp],
-               g_recv_w=[rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in disp])
-    return job
 
 
 def expected(job: dict) -> dict:

@@ -17,26 +17,16 @@ import numpy as np
 from ..ep_core import reference as ref
 from ..ep_core.types import Layout
 from ..testing import golden
-from ..testing.cases import case_strategy, make_case, np_dtype
+from ..testing.cases import case_strategy, draw, make_case
+from ..testing.jobs import make_job
 from ..testing.procs import run_ranks
 
 RM = Layout.RANK_MAJOR
 
 
 def draw_cases(world: int, n: int) -> list:
-    from hypothesis import HealthCheck, Phase, given, settings
-
-    drawn = []
-
-    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12, layouts=(RM,),
-                         dtypes=("bfloat16", "float16", "float32")))
-    def collect(case):
-        drawn.append(case)
-
-    collect()
-    return drawn
+    return draw(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12, layouts=(RM,),
+                              dtypes=("bfloat16", "float16", "float32")), n)
 
 
 def edge_cases(world: int) -> list:
@@ -53,24 +43,6 @@ def edge_cases(world: int) -> list:
         make_case(10, num_experts=2 * R, num_tokens=[2] * R, hidden=256, dtype="float8_e4m3fn", capacity=2 * R,
                   **common),
     ]
-
-
-def make_job(case, seed: int, n_bias: int) -> dict:
-    rng = np.random.default_rng(seed)
-    disp = ref.dispatch(case.x, case.topk_weights, ref.make_plan(case.topk_idx, case.config()))
-    job = dict(case=case)
-    if case.dtype == "float8_e4m3fn":
-        job["x_scales"] = [rng.random((x.shape[0], x.shape[1] // 128)).astype(np.float32) for x in case.x]
-        return job
-    dt = np_dtype(case.dtype)
-
-    def randn(shape):
-        return rng.standard_normal(shape).astype(np.float32).astype(dt)
-
-    job.update(y=[randn(d.recv_x.shape) for d in disp], bias=[[randn(x.shape) for _ in range(n_bias)] for x in case.x],
-               g_out=[randn(x.shape) for x in case.x], g_recv_x=[randn(d.recv_x.shape) for d in disp],
-               g_recv_w=[rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in disp])
-    return job
 
 
 def golden_jobs(world: int) -> list:

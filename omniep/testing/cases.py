@@ -119,3 +119,20 @@ def case_strategy(*, max_ranks: int = 4, fixed_ranks: Optional[int] = None, equa
         )
 
     return strategy()
+
+
+def draw(strategy, n: int) -> list:
+    """``n`` examples of a hypothesis ``strategy`` as a plain list (for sessions that run many cases in
+    one process group, where a ``@given`` test per case would restart the processes every time)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    drawn = []
+
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(case):
+        drawn.append(case)
+
+    collect()
+    return drawn

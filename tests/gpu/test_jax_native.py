@@ -15,7 +15,7 @@ import pytest
 
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
-from omniep.testing.cases import case_strategy, make_case
+from omniep.testing.cases import case_strategy, draw, make_case
 from omniep.testing.procs import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -48,18 +48,7 @@ if _gpus() < 1:
 
 
 def draw_cases(n: int) -> list:
-    from hypothesis import HealthCheck, Phase, given, settings
-
-    drawn = []
-
-    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(case_strategy(fixed_ranks=WORLD, equal_tokens=True, max_tokens=10, max_hidden=12, layouts=(RM,)))
-    def collect(case):
-        drawn.append(case)
-
-    collect()
-    return drawn
+    return draw(case_strategy(fixed_ranks=WORLD, equal_tokens=True, max_tokens=10, max_hidden=12, layouts=(RM,)), n)
 
 
 def session_cases() -> list:
