@@ -6,23 +6,7 @@
 #   scripts/gpu_check.sh            # on the GPU machine, from the repository root
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-export PYTHON="$PY"
-status=0
-step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, log to $OUT/NAME.log, remember failures
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc"
-  [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
-  return 0
-}
+source scripts/gpu_steps.sh  # env, $OUT, $PY, step()
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
