@@ -71,10 +71,18 @@ for src in csrc/ffi/*.cpp; do
     echo "skip $src (jax not importable: no XLA FFI headers)"
     continue
   fi
-  echo "nvcc -x c++ $src (XLA FFI)"
+  extra=()
+  if [[ "$src" == *nccl* ]]; then
+    if [[ -z "$NCCL_ROOT" || ! -f "$NCCL_ROOT/include/nccl_device.h" ]]; then
+      echo "skip $src (NCCL >= 2.28 headers not found: set OMNIEP_NCCL_ROOT or pip install nvidia-nccl-cu13)"
+      continue
+    fi
+    extra=(-I"$NCCL_ROOT/include")
+  fi
+  echo "nvcc -x c++ ${extra[*]} $src (XLA FFI)"
   # nvcc as the driver: it adds the CUDA runtime headers; the code is host C++ (-x c++).
   "$NVCC" -x c++ -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -Icsrc -Icsrc/include -isystem "$XLA_FFI_INC" \
-    -c "$src" -o "$out/$(basename "$src").o" || status=1
+    "${extra[@]}" -c "$src" -o "$out/$(basename "$src").o" || status=1
 done
 [[ $status -eq 0 ]] && echo "check_cuda_compile: all CUDA sources compile" || echo "check_cuda_compile: FAILED" >&2
 exit $status

@@ -1,377 +1,41 @@
-// XLA FFI handlers over IpcRank (see jax_handlers.h): they translate XLA buffers into the argument
-// structs of csrc/kernels/args.h and call the same launchers as the torch path
-// (omniep/native/ipc_rank.py), data path included:
-//   dispatch: peers push rows into my symmetric data buffer; I copy the receive rows out into XLA's
-//             result buffers (stream order);
-//   combine / dispatch_bwd: I copy y (and the weight cotangents) into my data buffer; peers pull.
-// Every kernel starts and ends with a barrier over all ranks, so these copies never race a peer.
-// The data buffer is sized from Python while tracing (jax_state.py reserve); a handler whose shapes
-// need more than it has returns an error instead of writing past it.
+// The cuda_nvshmem JAX handlers (omniep_jax_*: ffi/jax_ops.h over IpcRank) and JaxRank, the state
+// they run on (ffi/jax_rank.h).
 #include "ffi/jax_handlers.h"
 
-#include <cuda_runtime.h>
-
-#include <cstring>
-#include <exception>
-#include <stdexcept>
-#include <string>
-
+#include "backends/ipc_rank.h"
+#include "ffi/jax_ops.h"
 #include "ffi/jax_rank.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace omniep {
 
-// ---- JaxRank --------------------------------------------------------------------------------------
-
-static void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("omniep: ") + what + ": " + cudaGetErrorName(err) + ": " +
-                             cudaGetErrorString(err));
-  }
-}
-
 JaxRank::JaxRank(int rank, int num_ranks, int device, uint64_t timeout_ns) : device_(device) {
-  check(cudaSetDevice(device), "selecting the rank's device");
+  jax_ffi::check_runtime(cudaSetDevice(device), "selecting the rank's device");
   impl_ = std::make_unique<IpcRank>(rank, num_ranks, timeout_ns);
+  group_.add(device, impl_.get());
 }
 
 JaxRank::~JaxRank() {
+  group_.retire();
   if (impl_) {
     cudaSetDevice(device_);
     impl_.reset();
   }
-  magic_ = 0;
 }
 
-void JaxRank::activate() const { check(cudaSetDevice(device_), "selecting the rank's device"); }
+void JaxRank::activate() const { jax_ffi::check_runtime(cudaSetDevice(device_), "selecting the rank's device"); }
 
 void JaxRank::synchronize() const {
   activate();
-  check(cudaDeviceSynchronize(), "synchronising the device");
+  jax_ffi::check_runtime(cudaDeviceSynchronize(), "synchronising the device");
 }
 
 void JaxRank::destroy() {
   if (!impl_) return;
+  group_.retire();  // an executable that still names this state gets an FFI error from now on
   activate();
   impl_.reset();  // ~IpcRank: synchronise, unmap peers, free my buffers
 }
 
-namespace {
-
-using Dims = ffi::AnyBuffer::Dimensions;
-
-int64_t rows_of(const ffi::AnyBuffer& b) { return b.dimensions().size() ? b.dimensions()[0] : 0; }
-
-// Bytes of one row (all dimensions but the first) of a buffer.
-int64_t row_bytes_of(const ffi::AnyBuffer& b) {
-  const Dims d = b.dimensions();
-  int64_t n = static_cast<int64_t>(ffi::ByteWidth(b.element_type()));
-  for (size_t i = 1; i < d.size(); ++i) n *= d[i];
-  return n;
-}
-
-int64_t cols_of(const ffi::AnyBuffer& b) { return b.dimensions().size() > 1 ? b.dimensions()[1] : 1; }
-
-int dtype_code(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return kFloat32;
-    case ffi::DataType::BF16: return kBFloat16;
-    case ffi::DataType::F16: return kFloat16;
-    default: throw std::invalid_argument("omniep: combine needs float32, bfloat16 or float16 rows");
-  }
-}
-
-template <typename T>
-PerRank<T> mine(const JaxRank& st, void* p) {
-  PerRank<T> out = {};
-  out.p[st.ipc().rank()] = static_cast<T*>(p);
-  return out;
-}
-
-void* data(const ffi::AnyBuffer& b) { return b.untyped_data(); }
-void* data(ffi::Result<ffi::AnyBuffer>& b) { return b->untyped_data(); }
-
-// Every handler: resolve the state, select its device, turn C++ exceptions into FFI errors.
-template <typename F>
-ffi::Error guarded(int64_t state, const char* op, F&& body) {
-  JaxRank* st = JaxRank::from_handle(state);
-  if (st == nullptr) return ffi::Error::InvalidArgument(std::string("omniep ") + op + ": `state` is not a JaxRank");
-  if (!st->alive()) {
-    return ffi::Error::InvalidArgument(std::string("omniep ") + op +
-                                       ": the cuda_nvshmem JAX rank state was used after destroy()");
-  }
-  try {
-    st->activate();
-    body(*st, st->ipc());
-  } catch (const std::invalid_argument& e) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": " + e.what());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string(op) + ": " + e.what());
-  }
-  return ffi::Error::Success();
-}
-
-void need_bytes(const IpcRank& g, int64_t total, const char* op) {
-  if (static_cast<size_t>(total) > g.data_bytes()) {
-    throw std::invalid_argument(std::string("omniep: ") + op + " needs a " + std::to_string(total) +
-                                "-byte data buffer but this rank has " + std::to_string(g.data_bytes()) +
-                                " (it is reserved while tracing: trace through omniep.jax)");
-  }
-}
-
-void copy(const IpcRank& g, void* dst, uintptr_t src, int64_t bytes, cudaStream_t s) {
-  if (bytes > 0) g.memcpy(reinterpret_cast<uintptr_t>(dst), src, static_cast<size_t>(bytes), s);
-}
-
-void copy_in(const IpcRank& g, int64_t offset, const void* src, int64_t bytes, cudaStream_t s) {
-  if (bytes > 0) g.memcpy(g.data_ptr() + offset, reinterpret_cast<uintptr_t>(src), static_cast<size_t>(bytes), s);
-}
-
-// ---- handlers -------------------------------------------------------------------------------------
-
-ffi::Error Prepare(cudaStream_t stream, ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> idx32,
-                   ffi::Result<ffi::AnyBuffer> send_pos, ffi::Result<ffi::AnyBuffer> per_rank,
-                   ffi::Result<ffi::AnyBuffer> per_expert, ffi::Result<ffi::AnyBuffer> recv_counts,
-                   ffi::Result<ffi::AnyBuffer> send_offset, ffi::Result<ffi::AnyBuffer> num_recv,
-                   ffi::Result<ffi::AnyBuffer> dropped, int64_t state, int64_t num_experts, int64_t capacity) {
-  return guarded(state, "omniep_jax_prepare", [&](JaxRank& st, IpcRank& g) {
-    const auto t = topk_idx.element_type();
-    if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
-    LayoutArgs a = {};
-    a.topk_idx = mine<const void>(st, data(topk_idx));
-    a.topk_idx32 = mine<int32_t>(st, data(idx32));
-    a.send_pos = mine<int32_t>(st, data(send_pos));
-    a.num_tokens_per_rank = mine<int32_t>(st, data(per_rank));
-    a.num_tokens_per_expert = mine<int32_t>(st, data(per_expert));
-    a.recv_counts = mine<int32_t>(st, data(recv_counts));
-    a.send_offset = mine<int32_t>(st, data(send_offset));
-    a.num_recv = mine<int32_t>(st, data(num_recv));
-    a.dropped = mine<int32_t>(st, data(dropped));
-    a.num_tokens[g.rank()] = static_cast<int>(rows_of(topk_idx));
-    a.num_topk = static_cast<int>(cols_of(topk_idx));
-    a.num_experts = static_cast<int>(num_experts);
-    a.capacity = static_cast<int>(capacity);
-    a.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
-    g.layout(a, stream);
-  });
-}
-
-// Shared by dispatch (routing) and dispatch_rows (rows only).
-void run_dispatch(JaxRank& st, IpcRank& g, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer* x2,
-                  const ffi::AnyBuffer* idx32, const ffi::AnyBuffer* weights, const ffi::AnyBuffer& send_pos,
-                  const ffi::AnyBuffer& send_offset, const ffi::AnyBuffer& num_recv, ffi::Result<ffi::AnyBuffer>& recv_x,
-                  ffi::Result<ffi::AnyBuffer>* recv_x2, ffi::Result<ffi::AnyBuffer>* recv_idx,
-                  ffi::Result<ffi::AnyBuffer>* recv_w, ffi::Result<ffi::AnyBuffer>* per_expert, int64_t num_experts,
-                  int64_t expert_alignment) {
-  const bool routing = idx32 != nullptr;
-  const int64_t C = rows_of(*recv_x), K = routing ? cols_of(*idx32) : 0;
-  const int64_t row_bytes = row_bytes_of(x), row2_bytes = x2 ? row_bytes_of(*x2) : 0;
-  int64_t sizes[4] = {row_bytes, 0, 0, 0}, offsets[4] = {};
-  int n = 1;
-  const int at_x2 = row2_bytes > 0 ? n++ : -1;
-  if (at_x2 >= 0) sizes[at_x2] = row2_bytes;
-  const int at_idx = routing ? n : -1;
-  if (routing) {
-    sizes[n++] = K * 4;
-    sizes[n++] = K * 4;
-  }
-  const int64_t total = pack_regions(C, sizes, n, offsets);
-  need_bytes(g, total, "dispatch");
-
-  DispatchArgs a = {};
-  a.x = mine<const uint8_t>(st, data(x));
-  a.send_pos = mine<const int32_t>(st, data(send_pos));
-  a.send_offset = mine<const int32_t>(st, data(send_offset));
-  a.num_recv = mine<const int32_t>(st, data(num_recv));
-  a.recv_x = g.sym<uint8_t>(offsets[0]);
-  if (at_x2 >= 0) {
-    a.x2 = mine<const uint8_t>(st, data(*x2));
-    a.recv_x2 = g.sym<uint8_t>(offsets[at_x2]);
-  }
-  if (routing) {
-    a.topk_idx32 = mine<const int32_t>(st, data(*idx32));
-    a.topk_weights = mine<const float>(st, data(*weights));
-    a.recv_topk_idx = g.sym<int32_t>(offsets[at_idx]);
-    a.recv_topk_weights = g.sym<float>(offsets[at_idx + 1]);
-    a.num_recv_tokens_per_expert = mine<int32_t>(st, data(*per_expert));
-  }
-  a.num_tokens[g.rank()] = static_cast<int>(rows_of(x));
-  a.row_bytes = row_bytes;
-  a.row2_bytes = row2_bytes;
-  a.num_topk = static_cast<int>(K);
-  a.num_experts = static_cast<int>(num_experts);
-  a.capacity = static_cast<int>(C);
-  a.expert_alignment = static_cast<int>(expert_alignment);
-  a.with_routing = routing ? 1 : 0;
-  g.dispatch(a, stream);
-
-  const uintptr_t base = g.data_ptr();
-  copy(g, data(recv_x), base + offsets[0], C * row_bytes, stream);
-  if (at_x2 >= 0) copy(g, data(*recv_x2), base + offsets[at_x2], C * row2_bytes, stream);
-  if (routing) {
-    copy(g, data(*recv_idx), base + offsets[at_idx], C * K * 4, stream);
-    copy(g, data(*recv_w), base + offsets[at_idx + 1], C * K * 4, stream);
-  }
-}
-
-ffi::Error Dispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x2, ffi::AnyBuffer idx32,
-                    ffi::AnyBuffer weights, ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset, ffi::AnyBuffer num_recv,
-                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x2,
-                    ffi::Result<ffi::AnyBuffer> recv_idx, ffi::Result<ffi::AnyBuffer> recv_w,
-                    ffi::Result<ffi::AnyBuffer> per_expert, int64_t state, int64_t num_experts,
-                    int64_t expert_alignment) {
-  return guarded(state, "omniep_jax_dispatch", [&](JaxRank& st, IpcRank& g) {
-    if (weights.element_type() != ffi::DataType::F32) throw std::invalid_argument("topk_weights must be float32");
-    run_dispatch(st, g, stream, x, &x2, &idx32, &weights, send_pos, send_offset, num_recv, recv_x, &recv_x2,
-                 &recv_idx, &recv_w, &per_expert, num_experts, expert_alignment);
-  });
-}
-
-ffi::Error DispatchRows(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset,
-                        ffi::AnyBuffer num_recv, ffi::Result<ffi::AnyBuffer> recv_x, int64_t state,
-                        int64_t num_experts) {
-  return guarded(state, "omniep_jax_dispatch_rows", [&](JaxRank& st, IpcRank& g) {
-    run_dispatch(st, g, stream, x, nullptr, nullptr, nullptr, send_pos, send_offset, num_recv, recv_x, nullptr,
-                 nullptr, nullptr, nullptr, num_experts, 1);
-  });
-}
-
-// Shared by combine (biases) and dispatch_bwd (weight cotangents read back).
-void run_combine(JaxRank& st, IpcRank& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ffi::AnyBuffer* g_recv_w,
-                 const ffi::AnyBuffer& idx32, const ffi::AnyBuffer& send_pos, const ffi::AnyBuffer& send_offset,
-                 const ffi::RemainingArgs* biases, ffi::Result<ffi::AnyBuffer>& out,
-                 ffi::Result<ffi::AnyBuffer>* g_w, int64_t num_experts) {
-  const int64_t C = rows_of(y), H = cols_of(y), K = cols_of(idx32);
-  const int64_t y_row = row_bytes_of(y);
-  int64_t sizes[2] = {y_row, K * 4}, offsets[2] = {};
-  const int n = g_recv_w ? 2 : 1;
-  need_bytes(g, pack_regions(C, sizes, n, offsets), g_recv_w ? "dispatch_bwd" : "combine");
-
-  CombineArgs a = {};
-  a.y = g.sym<const void>(offsets[0]);
-  a.out = mine<void>(st, data(out));
-  a.topk_idx32 = mine<const int32_t>(st, data(idx32));
-  a.send_pos = mine<const int32_t>(st, data(send_pos));
-  a.send_offset = mine<const int32_t>(st, data(send_offset));
-  a.num_tokens[g.rank()] = static_cast<int>(rows_of(idx32));
-  a.hidden = static_cast<int>(H);
-  a.num_topk = static_cast<int>(K);
-  a.num_experts = static_cast<int>(num_experts);
-  a.capacity = static_cast<int>(C);
-  a.dtype = dtype_code(y.element_type());
-  if (biases) {
-    if (biases->size() > 2) throw std::invalid_argument("at most two bias terms");
-    a.num_bias = static_cast<int>(biases->size());
-    for (size_t i = 0; i < biases->size(); ++i) {
-      auto b = biases->get<ffi::AnyBuffer>(i);
-      if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
-      a.bias[i] = mine<const void>(st, b->untyped_data());
-      a.bias_dtype[i] = dtype_code(b->element_type());
-    }
-  }
-  copy_in(g, offsets[0], data(y), C * y_row, stream);
-  if (g_recv_w) {
-    if (g_recv_w->element_type() != ffi::DataType::F32) throw std::invalid_argument("weight cotangents must be float32");
-    copy_in(g, offsets[1], data(*g_recv_w), C * K * 4, stream);
-    a.g_recv_topk_weights = g.sym<const float>(offsets[1]);
-    a.g_topk_weights = mine<float>(st, data(*g_w));
-    a.with_topk_grad = 1;
-  }
-  g.combine(a, stream);
-}
-
-ffi::Error Combine(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer idx32, ffi::AnyBuffer send_pos,
-                   ffi::AnyBuffer send_offset, ffi::RemainingArgs biases, ffi::Result<ffi::AnyBuffer> out,
-                   int64_t state, int64_t num_experts) {
-  return guarded(state, "omniep_jax_combine", [&](JaxRank& st, IpcRank& g) {
-    run_combine(st, g, stream, y, nullptr, idx32, send_pos, send_offset, &biases, out, nullptr, num_experts);
-  });
-}
-
-ffi::Error DispatchBwd(cudaStream_t stream, ffi::AnyBuffer g_recv_x, ffi::AnyBuffer g_recv_w, ffi::AnyBuffer idx32,
-                       ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset, ffi::Result<ffi::AnyBuffer> g_x,
-                       ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t num_experts) {
-  return guarded(state, "omniep_jax_dispatch_bwd", [&](JaxRank& st, IpcRank& g) {
-    run_combine(st, g, stream, g_recv_x, &g_recv_w, idx32, send_pos, send_offset, nullptr, g_x, &g_w, num_experts);
-  });
-}
-
-}  // namespace
 }  // namespace omniep
 
-using ffi::AnyBuffer;
-using ffi::Ffi;
-using Stream = ffi::PlatformStream<cudaStream_t>;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(omniep_jax_prepare, omniep::Prepare,
-                              Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Attr<int64_t>("state")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("capacity"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(omniep_jax_dispatch, omniep::Dispatch,
-                              Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Attr<int64_t>("state")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("expert_alignment"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(omniep_jax_dispatch_rows, omniep::DispatchRows,
-                              Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Attr<int64_t>("state")
-                                  .Attr<int64_t>("num_experts"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(omniep_jax_combine, omniep::Combine,
-                              Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<AnyBuffer>()
-                                  .Attr<int64_t>("state")
-                                  .Attr<int64_t>("num_experts"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(omniep_jax_dispatch_bwd, omniep::DispatchBwd,
-                              Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Arg<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Ret<AnyBuffer>()
-                                  .Attr<int64_t>("state")
-                                  .Attr<int64_t>("num_experts"));
+OMNIEP_JAX_HANDLERS(omniep_jax, omniep::IpcRank);

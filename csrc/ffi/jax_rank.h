@@ -1,11 +1,11 @@
-// JaxRank: the state of ONE rank of a JAX EP group (one process per GPU) for the XLA FFI handlers.
+// JaxRank: ONE rank of a cuda_nvshmem JAX EP group (one process per GPU, CUDA IPC peers) for the XLA
+// FFI handlers (ffi/jax_ops.h over IpcRank).
 //
 // Created once per (process, EP group) from Python (omniep/backends/cuda_nvshmem/jax_state.py), which
 // bootstraps it (CUDA IPC handles all-gathered through JAX's distributed key-value store) and passes
-// its address to every ffi_call as the integer attribute `state`. The handlers keep no state of their
-// own: everything they need (the IpcRank with its peer table and symmetric data buffer) hangs off
-// this object. destroy() frees the GPU buffers but leaves the object (kept alive by Python), so a
-// compiled executable that still names it gets an FFI error instead of touching freed memory.
+// handle() (its one-rank JaxGroup) to every ffi_call as the integer attribute `state`. destroy() frees
+// the GPU buffers and retires the group but leaves both objects (kept alive by Python), so a compiled
+// executable that still names them gets an FFI error instead of touching freed memory.
 //
 // Host-only header (no CUDA headers).
 #pragma once
@@ -16,13 +16,12 @@
 #include <stdexcept>
 
 #include "backends/ipc_rank.h"
+#include "ffi/jax_group.h"
 
 namespace omniep {
 
 class JaxRank {
  public:
-  static constexpr uint64_t kMagic = 0x6f6d6e6965702d6aULL;  // "omniep-j"
-
   // Makes `device` current and allocates this rank's workspace there (IpcRank).
   JaxRank(int rank, int num_ranks, int device, uint64_t timeout_ns);
   ~JaxRank();
@@ -41,29 +40,12 @@ class JaxRank {
   // Make the state's device current on the calling thread (XLA runs handlers on its own threads).
   void activate() const;
   void synchronize() const;
-  uintptr_t handle() const { return reinterpret_cast<uintptr_t>(this); }
-
-  // The object behind an FFI `state` attribute, or nullptr when it is not a JaxRank.
-  static JaxRank* from_handle(int64_t handle) {
-    auto* p = reinterpret_cast<JaxRank*>(static_cast<uintptr_t>(handle));
-    return (p != nullptr && p->magic_ == kMagic) ? p : nullptr;
-  }
+  int64_t handle() const { return group_.handle(); }  // the FFI `state` attribute
 
  private:
-  uint64_t magic_ = kMagic;
   int device_;
   std::unique_ptr<IpcRank> impl_;
+  JaxGroup<IpcRank> group_;
 };
-
-// Byte offsets of [capacity, row_bytes[i]] regions packed in the symmetric data buffer (256-byte
-// aligned, the same rule as omniep/native/ipc_rank.py `regions`); returns the total.
-inline int64_t pack_regions(int64_t capacity, const int64_t* row_bytes, int n, int64_t* offsets) {
-  int64_t total = 0;
-  for (int i = 0; i < n; ++i) {
-    offsets[i] = total;
-    total += (capacity * row_bytes[i] + 255) / 256 * 256;
-  }
-  return total;
-}
 
 }  // namespace omniep

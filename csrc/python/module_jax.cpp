@@ -11,6 +11,7 @@
 
 #include "ffi/jax_handlers.h"
 #include "ffi/jax_rank.h"
+#include "python/jax_targets.h"
 
 namespace py = pybind11;
 using omniep::JaxRank;
@@ -23,24 +24,12 @@ std::vector<std::string> handles(const std::vector<py::bytes>& in) {
   return out;
 }
 
-py::capsule target(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
-  return py::capsule(reinterpret_cast<void*>(fn), "xla._CUSTOM_CALL_TARGET");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_native_jax, m) {
   m.doc() = "omniep native core for JAX: XLA FFI handlers over one rank per process (CUDA IPC peers)";
   m.attr("MAX_RANKS") = omniep::kMaxRanks;
-  m.def("ffi_targets", []() {
-    py::dict d;
-    d["omniep_jax_prepare"] = target(omniep_jax_prepare);
-    d["omniep_jax_dispatch"] = target(omniep_jax_dispatch);
-    d["omniep_jax_dispatch_rows"] = target(omniep_jax_dispatch_rows);
-    d["omniep_jax_combine"] = target(omniep_jax_combine);
-    d["omniep_jax_dispatch_bwd"] = target(omniep_jax_dispatch_bwd);
-    return d;
-  }, "name -> PyCapsule of every FFI handler (register with jax.ffi.register_ffi_target, platform CUDA).");
+  omniep_py::def_ffi_targets(m, OMNIEP_JAX_HANDLER_TABLE(omniep_jax));
 
   py::class_<JaxRank>(m, "JaxRank", "This process's rank of a JAX EP group: IPC peer table + symmetric buffers.")
       .def(py::init<int, int, int, uint64_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("device"),

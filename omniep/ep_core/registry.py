@@ -22,7 +22,10 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "jax": "omniep.backends.cuda_nvshmem.jax_backend:CudaNvshmemJax",
         "torch": "omniep.backends.cuda_nvshmem.torch_backend:CudaNvshmemTorch",
     },
-    "nccl_ep": {"torch": "omniep.backends.nccl_ep.torch_backend:NcclEpTorch"},
+    "nccl_ep": {
+        "jax": "omniep.backends.nccl_ep.jax_backend:NcclEpJax",
+        "torch": "omniep.backends.nccl_ep.torch_backend:NcclEpTorch",
+    },
     "rocm_rocshmem": {"torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch"},
     "collective": {
         "jax": "omniep.backends.collective.jax_backend:CollectiveJax",

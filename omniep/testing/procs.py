@@ -97,3 +97,15 @@ def run_ranks(target: Callable[..., Any], world: int, *, args: tuple = (), timeo
                 p.kill()
                 p.join()
         results.close()
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs on this host per ``nvidia-smi -L`` (0 without it), without initialising CUDA or JAX
+    in the calling process (tests decide what to skip before spawning children)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())

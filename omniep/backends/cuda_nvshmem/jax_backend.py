@@ -37,12 +37,13 @@ from ...ep_core.backend import EPBackend
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout, ProcessModel
 from ..collective.jax_layout import per_rank
-from .jax_state import JaxRankState, kv_client
+from ..jax_native import kv_client
+from .jax_state import JaxRankState
 
 MIN_CC = (9, 0)
 _ALIGN = 256
-_STATES: dict = {}  # (axis name, num_ranks) -> JaxRankState, in creation order (same on every process)
-_registered = False
+_STATES: dict = {}  # (backend, axis name, num_ranks) -> JaxRankState or NcclJaxState, in creation order
+_registered: set = set()  # native modules whose FFI handlers XLA knows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +72,13 @@ def _regions(capacity: int, row_bytes: list) -> int:
     return sum((capacity * b + _ALIGN - 1) // _ALIGN * _ALIGN for b in row_bytes)
 
 
-def _register_targets() -> None:
-    global _registered
-    if not _registered:
-        native = importlib.import_module("omniep._native_jax")
+def register_targets(module: str) -> None:
+    """Register the FFI handlers of native module ``module`` with XLA (once per module)."""
+    if module not in _registered:
+        native = importlib.import_module(module)
         for name, capsule in native.ffi_targets().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-        _registered = True
+        _registered.add(module)
 
 
 def destroy_states() -> None:
@@ -93,10 +94,15 @@ def states() -> dict:
 
 
 class CudaNvshmemJax(EPBackend):
-    """``group`` is the ``shard_map`` axis name of the EP group (one device per process)."""
+    """``group`` is the ``shard_map`` axis name of the EP group (one device per process).
+
+    Subclasses over another native module (``nccl_ep``) change ``_module`` / ``_prefix`` (where the FFI
+    handlers live and their name prefix, csrc/ffi/jax_handlers.h) and ``_make_state``."""
 
     name = "cuda_nvshmem"
     framework = "jax"
+    _module = "omniep._native_jax"
+    _prefix = "omniep_jax"
 
     @classmethod
     def availability(cls) -> Availability:
@@ -141,25 +147,28 @@ class CudaNvshmemJax(EPBackend):
         return int(jax.lax.psum(1, self.group))
 
     # ---- plumbing ----
-    def _state(self) -> JaxRankState:
+    def _state(self):
         """This process's state for the group, created (collectively, while tracing) at first use."""
         R = self.num_ranks()
-        key = (self.group, R)
+        key = (self.name, self.group, R)
         if key not in _STATES:
-            if R != jax.process_count() or jax.local_device_count() != 1:
-                raise UnsupportedError(
-                    self.name, f"an EP axis of {R} devices over {jax.process_count()} processes with "
-                               f"{jax.local_device_count()} local devices each (it serves one process per GPU, "
-                               f"the EP axis spanning every process in process order)", ["collective"])
-            _register_targets()
-            device = jax.local_devices()[0]
-            _STATES[key] = JaxRankState(f"{self.group}-{R}-{len(_STATES)}", jax.process_index(), R,
-                                        int(getattr(device, "local_hardware_id", None) or 0),
-                                        timeout_s=float(os.environ.get("OMNIEP_TIMEOUT_S", "30")))
+            register_targets(self._module)
+            _STATES[key] = self._make_state(R, f"{self.group}-{R}-{len(_STATES)}",
+                                            float(os.environ.get("OMNIEP_TIMEOUT_S", "30")))
         return _STATES[key]
 
+    def _make_state(self, num_ranks: int, group_key: str, timeout_s: float):
+        if num_ranks != jax.process_count() or jax.local_device_count() != 1:
+            raise UnsupportedError(
+                self.name, f"an EP axis of {num_ranks} devices over {jax.process_count()} processes with "
+                           f"{jax.local_device_count()} local devices each (it serves one process per GPU, "
+                           f"the EP axis spanning every process in process order)", ["nccl_ep", "collective"])
+        device = jax.local_devices()[0]
+        return JaxRankState(group_key, jax.process_index(), num_ranks,
+                            int(getattr(device, "local_hardware_id", None) or 0), timeout_s=timeout_s)
+
     def _call(self, target: str, results, *args, **attrs):
-        """``jax.ffi.ffi_call`` of ``target`` on this rank's state. ``results``: ``(shape, dtype)`` pairs,
+        """``jax.ffi.ffi_call`` of handler ``<prefix>_<target>`` on this rank's state. ``results``: ``(shape, dtype)`` pairs,
         typed like the (per-rank) operands so ``shard_map``'s varying-axes check holds."""
         st = self._state()
         args = per_rank(tuple(args), self.group)
@@ -170,7 +179,7 @@ class CudaNvshmemJax(EPBackend):
             sharding = like.sharding.update(spec=spec) if hasattr(like.sharding, "update") else like.sharding
             return like.update(shape=tuple(shape), dtype=jnp.dtype(dtype), sharding=sharding)
 
-        out = jax.ffi.ffi_call(target, tuple(typed(s, d) for s, d in results), has_side_effect=True)(
+        out = jax.ffi.ffi_call(f"{self._prefix}_{target}", tuple(typed(s, d) for s, d in results), has_side_effect=True)(
             *args, state=np.int64(st.handle), **{k: np.int64(v) for k, v in attrs.items()})
         return per_rank(tuple(out), self.group)
 
@@ -187,7 +196,7 @@ class CudaNvshmemJax(EPBackend):
         T, K = topk_idx.shape
         i32 = jnp.int32
         idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped = self._call(
-            "omniep_jax_prepare",
+            "prepare",
             [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)],
             topk_idx, num_experts=E, capacity=config.capacity)
         num_invalid = per_rank(jnp.sum((topk_idx < -1) | (topk_idx >= E), dtype=i32), self.group)
@@ -208,7 +217,7 @@ class CudaNvshmemJax(EPBackend):
         row_bytes = H * jnp.dtype(rows.dtype).itemsize
         self._state().reserve(_regions(C, [row_bytes] + ([H2 * 4] if H2 else []) + [K * 4, K * 4]))
         recv_x, recv_s, recv_idx, recv_w, per_expert = self._call(
-            "omniep_jax_dispatch",
+            "dispatch",
             [((C, H), rows.dtype), ((C, H2), jnp.float32), ((C, K), jnp.int32), ((C, K), jnp.float32),
              ((L,), jnp.int32)],
             rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.send_pos, handle.send_offset,
@@ -229,7 +238,7 @@ class CudaNvshmemJax(EPBackend):
         self._state().reserve(_regions(C, [H * jnp.dtype(y.dtype).itemsize]))
         native = ("float32", "bfloat16", "float16")
         biases = tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
-        (out,) = self._call("omniep_jax_combine", [((T, H), y.dtype)], y, handle.topk_idx, handle.send_pos,
+        (out,) = self._call("combine", [((T, H), y.dtype)], y, handle.topk_idx, handle.send_pos,
                             handle.send_offset, *biases, num_experts=handle.config.num_experts)
         return out
 
@@ -244,7 +253,7 @@ class CudaNvshmemJax(EPBackend):
         if g_recv_topk_weights is None:
             g_recv_topk_weights = jnp.zeros((C, K), jnp.float32)
         self._state().reserve(_regions(C, [H * jnp.dtype(g_recv_x.dtype).itemsize, K * 4]))
-        g_x, g_w = self._call("omniep_jax_dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32)],
+        g_x, g_w = self._call("dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32)],
                               g_recv_x, g_recv_topk_weights.astype(jnp.float32), handle.topk_idx, handle.send_pos,
                               handle.send_offset, num_experts=handle.config.num_experts)
         return g_x, g_w
@@ -257,7 +266,7 @@ class CudaNvshmemJax(EPBackend):
         if T != handle.topk_idx.shape[0]:
             raise InputError(f"g_out has {T} rows, expected {handle.topk_idx.shape[0]} (the tokens of the dispatch)")
         self._state().reserve(_regions(C, [H * jnp.dtype(g_out.dtype).itemsize]))
-        (g_y,) = self._call("omniep_jax_dispatch_rows", [((C, H), g_out.dtype)], g_out, handle.send_pos,
+        (g_y,) = self._call("dispatch_rows", [((C, H), g_out.dtype)], g_out, handle.send_pos,
                             handle.send_offset, handle.num_recv, num_experts=handle.config.num_experts)
         dtype = y.dtype if y is not None else g_out.dtype
         return g_y.astype(dtype), None

@@ -16,22 +16,11 @@ buffer's current address from the state on every call, so they stay valid after 
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
-from ...ep_core.errors import BackendUnavailableError, DestroyedError, PeerTimeoutError
+from ...ep_core.errors import BackendUnavailableError, DestroyedError
+from ..jax_native import KvExchange, kv_client, raise_for_error
 
-_PHASES = {1: "prepare (count exchange)", 2: "prepare (end)", 3: "dispatch (start)",
-           4: "dispatch (end)", 5: "combine (start)", 6: "combine (end)"}  # csrc transport.h Phase
 _RETIRED: list = []  # destroyed JaxRank shells: a stale executable gets an FFI error, not freed memory
-
-
-def kv_client():
-    """JAX's distributed key-value store client, or None when ``jax.distributed`` is not initialized."""
-    try:
-        from jax._src import distributed
-    except ImportError:  # pragma: no cover - jax layout changed
-        return None
-    return getattr(distributed.global_state, "client", None)
 
 
 class JaxRankState:
@@ -42,36 +31,17 @@ class JaxRankState:
                  bootstrap_timeout_s: float = 120.0, blocks: int = 0):
         self.group_key, self.rank, self.num_ranks, self.device = group_key, rank, num_ranks, device
         self.timeout_s = float(timeout_s)
-        self._timeout_ms = int(bootstrap_timeout_s * 1000)
-        self._client = kv_client()
-        if self._client is None:
+        client = kv_client()
+        if client is None:
             raise BackendUnavailableError("cuda_nvshmem", "jax.distributed is not initialized: call "
                                                           "jax.distributed.initialize(...) first")
-        self._step = 0
+        self._kv = KvExchange(client, group_key, rank, num_ranks, timeout_s=bootstrap_timeout_s,
+                              backend="cuda_nvshmem")
         native = importlib.import_module("omniep._native_jax")
         self._impl = native.JaxRank(rank, num_ranks, device, int(self.timeout_s * 1e9))
         if blocks:
             self._impl.set_blocks(int(blocks))
-        self._impl.open_workspaces(self._all_gather("workspace", self._impl.workspace_handle()))
-
-    # ---- bootstrap over the key-value store ----
-    def _all_gather(self, what: str, value: bytes) -> list:
-        """Every rank's ``value`` (bytes), by rank. Collective: every rank calls it in the same order."""
-        self._step += 1
-        key = f"omniep/jax/{self.group_key}/{self._step}-{what}"
-        self._client.key_value_set(f"{key}/{self.rank}", value.hex() or "-")
-        out = []
-        for r in range(self.num_ranks):
-            try:
-                got = self._client.blocking_key_value_get(f"{key}/{r}", self._timeout_ms)
-            except Exception as exc:  # the store raises its own error type on timeout
-                raise PeerTimeoutError(self.rank, r, self._timeout_ms / 1000,
-                                       what=f"cuda_nvshmem bootstrap ({what}): {exc}") from None
-            out.append(b"" if got == "-" else bytes.fromhex(got))
-        return out
-
-    def _barrier(self, what: str) -> None:
-        self._all_gather(what, b"")
+        self._impl.open_workspaces(self._kv.all_gather("workspace", self._impl.workspace_handle()))
 
     # ---- life cycle ----
     def _g(self):
@@ -98,18 +68,14 @@ class JaxRankState:
         new = (new + (1 << 21) - 1) >> 21 << 21  # 2 MiB granules
         g.synchronize()  # executables already enqueued may still use the old buffers
         g.close_peer_data()
-        self._barrier("data-closed")  # nobody maps anyone's old buffer any more
+        self._kv.barrier("data-closed")  # nobody maps anyone's old buffer any more
         g.allocate_data(new)
-        g.open_data(self._all_gather("data", g.data_handle()))
+        g.open_data(self._kv.all_gather("data", g.data_handle()))
 
     def check(self) -> None:
         """Synchronise; raise PeerTimeoutError if this rank's kernels recorded a timed-out wait (the
         compiled program itself cannot raise: a timed-out kernel skips its work and records why)."""
-        code, rank, peer, phase = self.error()
-        if code == 0:
-            return
-        what = "barrier of its own blocks" if code == 2 else _PHASES.get(phase, "communication")
-        raise PeerTimeoutError(rank, None if peer < 0 else peer, self.timeout_s, what=what)
+        raise_for_error(self.error(), self.timeout_s)
 
     def error(self) -> tuple:
         """``(code, rank, peer, phase)`` of this rank's error record (0 = none); synchronises."""
@@ -123,7 +89,7 @@ class JaxRankState:
         g.synchronize()
         g.close_peer_data()
         g.close_peer_workspaces()
-        self._barrier("closed")
+        self._kv.barrier("closed")
         g.destroy()
         _RETIRED.append(g)
         self._impl = None
