@@ -67,13 +67,13 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
-// Freed after the windows are gone (teardown) and before the communicator is destroyed.
-void free_and_destroy(ncclComm_t& comm, RankWorkspace*& ws, void*& data) {
+// Freed after the windows are gone (teardown) and before the communicator is destroyed (if it is ours).
+void free_and_destroy(ncclComm_t& comm, bool owned, RankWorkspace*& ws, void*& data) {
   if (data) ncclMemFree(data);
   if (ws) ncclMemFree(ws);
   data = nullptr;
   ws = nullptr;
-  if (comm) {
+  if (comm && owned) {
     ncclCommFinalize(comm);
     ncclCommDestroy(comm);
   }
@@ -158,6 +158,29 @@ NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t tim
   create_dev_comm();
 }
 
+NcclRank::NcclRank(uintptr_t borrowed_comm, uint64_t timeout_ns)
+    : comm_(reinterpret_cast<ncclComm_t>(borrowed_comm)), owns_comm_(false), timeout_ns_(timeout_ns) {
+  if (comm_ == nullptr) {
+    throw std::invalid_argument("omniep: the process group has no NCCL communicator yet (run one collective "
+                                "on it first, or pass device_id to init_process_group)");
+  }
+  if (runtime_version() < kMinNcclVersion) {
+    throw std::runtime_error("omniep: NCCL " + std::to_string(runtime_version()) + " has no device API (need >= " +
+                             std::to_string(kMinNcclVersion) + ")");
+  }
+  int comm_device = -1;
+  check_nccl(ncclCommCuDevice(comm_, &comm_device), "ncclCommCuDevice", comm_);
+  check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
+  if (comm_device != device_) {
+    throw std::invalid_argument("omniep: the NCCL communicator is on device " + std::to_string(comm_device) +
+                                " but the current device is " + std::to_string(device_));
+  }
+  adopt();
+  alloc_workspace();
+  register_workspace();
+  create_dev_comm();
+}
+
 NcclRank::~NcclRank() {
   if (!comm_) return;  // NcclLocalGroup tore it down already
   try {
@@ -165,7 +188,7 @@ NcclRank::~NcclRank() {
   } catch (...) {  // a destructor must not throw; the process is likely exiting
   }
   DeviceGuard guard(device_);
-  free_and_destroy(comm_, workspace_, data_);
+  free_and_destroy(comm_, owns_comm_, workspace_, data_);
 }
 
 void NcclRank::alloc_workspace() {
@@ -355,7 +378,7 @@ NcclLocalGroup::~NcclLocalGroup() {
   }
   for (auto& r : ranks_) {
     DeviceGuard guard(r->device_);
-    free_and_destroy(r->comm_, r->workspace_, r->data_);
+    free_and_destroy(r->comm_, r->owns_comm_, r->workspace_, r->data_);
   }
 }
 

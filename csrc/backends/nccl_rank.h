@@ -38,6 +38,11 @@ class NcclRank {
   static int runtime_version();    // ncclGetVersion of the loaded libnccl (e.g. 22809)
   // One process per rank: collective over the R processes; uses the current CUDA device.
   NcclRank(int rank, int num_ranks, const std::string& unique_id, uint64_t timeout_ns);
+  // One process per rank over a communicator someone else made and keeps (an existing torch NCCL
+  // process group: ProcessGroupNCCL's ncclComm_t, passed as an address). Collective over its ranks;
+  // uses the current CUDA device, which must be the communicator's. The windows and devComm are ours
+  // and go away with this object; the communicator is neither finalized nor destroyed.
+  NcclRank(uintptr_t borrowed_comm, uint64_t timeout_ns);
   ~NcclRank();  // collective: devComm, windows, memory, communicator
   NcclRank(const NcclRank&) = delete;
   NcclRank& operator=(const NcclRank&) = delete;
@@ -86,6 +91,7 @@ class NcclRank {
   void on_device(F&& f) const;
 
   ncclComm_t comm_ = nullptr;
+  bool owns_comm_ = true;  // false: borrowed (a torch process group's), never destroyed here
   int rank_ = 0, num_ranks_ = 0, device_ = 0;
   uint64_t timeout_ns_;
   RankWorkspace* workspace_ = nullptr;

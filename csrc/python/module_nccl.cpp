@@ -35,6 +35,10 @@ PYBIND11_MODULE(_native_nccl, m) {
           return new NcclRank(rank, num_ranks, std::string(uid), timeout_ns);
         }), py::arg("rank"), py::arg("num_ranks"), py::arg("unique_id"), py::arg("timeout_ns"),
         py::call_guard<py::gil_scoped_release>())
+      .def(py::init<uintptr_t, uint64_t>(), py::arg("borrowed_comm"), py::arg("timeout_ns"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Over an existing communicator (address of a ncclComm_t, e.g. a torch NCCL process group's), "
+           "which stays its owner's.")
       .def_property_readonly("device", &NcclRank::device)
       .def("allocate_data", &NcclRank::allocate_data, "Collective: re-allocate and register the data window.");
   omniep_py::bind_rank_ops(c);
