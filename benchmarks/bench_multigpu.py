@@ -4,6 +4,8 @@ DeepEP's normal shape by default (4096 tokens/rank, H=7168, top-8 of 256 experts
 too), static capacity R*T. In ONE run, on every rank (one process per GPU, an NCCL group):
   * ``cuda_nvshmem`` backend called directly (no frontend host syncs): prepare, dispatch (kernel +
     copy of the received rows out of the symmetric buffer), combine (copy of y in + kernel);
+  * ``nccl_ep`` (``--nccl``, needs ``omniep._native_nccl``): the same kernels over the NCCL device API,
+    the same ops called the same way (column "vs nvshmem" = cuda_nvshmem time / nccl_ep time);
   * the same through ``omniep.torch`` (frontend agreement step, validation and prepare included);
   * ``collective`` (NCCL all_to_all_single) through ``omniep.torch``: dispatch and combine;
   * a raw peer copy of this rank's recv_x bytes to the other GPU (``copy_``, copy engines), of half of
@@ -110,6 +112,19 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     t("native dispatch fp8", lambda: nat.dispatch((x8, s8), w, handle))
     t("native cached dispatch", lambda: nat.dispatch(x, None, full))
     t("native combine", lambda: nat.combine(y, full))
+    if args["nccl"]:  # the same ops over the NCCL device API, timed around its own device barrier
+        from omniep.backends.nccl_ep.torch_backend import NcclEpTorch
+
+        nc = NcclEpTorch()
+        nh = nc.prepare(idx, cfg)
+        _, nfull = nc.dispatch(x, w, nh)
+        nst = nc._state(x.device)
+        for name, fn in (("prepare", lambda: nc.prepare(idx, cfg)), ("dispatch", lambda: nc.dispatch(x, w, nh)),
+                         ("dispatch fp8", lambda: nc.dispatch((x8, s8), w, nh)),
+                         ("cached dispatch", lambda: nc.dispatch(x, None, nfull)),
+                         ("combine", lambda: nc.combine(y, nfull))):
+            for mode in ("dev", "e2e"):
+                res[f"nccl_ep {name}|{mode}"] = _timed(torch, dist, cpu, nst, fn, iters, mode, sleep_cycles)
     for blocks in args["sweep_blocks"]:  # kernel blocks of dispatch / combine (default: 24)
         st._impl.set_blocks(blocks)
         t(f"native dispatch @{blocks} blocks", lambda: nat.dispatch(x, w, handle), modes=("dev",))
@@ -152,6 +167,11 @@ ROWS = [  # (name in results, label, bytes factor: 1 bf16 recv_x, 0.5 fp8 rows (
     ("native dispatch fp8", "native dispatch fp8", 0.5),
     ("native cached dispatch", "native cached dispatch bf16", 1.0),
     ("native combine", "native combine bf16", 1.0),
+    ("nccl_ep prepare", "nccl_ep prepare", None),
+    ("nccl_ep dispatch", "nccl_ep dispatch bf16", 1.0),
+    ("nccl_ep dispatch fp8", "nccl_ep dispatch fp8", 0.5),
+    ("nccl_ep cached dispatch", "nccl_ep cached dispatch bf16", 1.0),
+    ("nccl_ep combine", "nccl_ep combine bf16", 1.0),
     ("native frontend dispatch", "native via omniep.torch dispatch", 1.0),
     ("native frontend dispatch fp8", "native via omniep.torch dispatch fp8", 0.5),
     ("native frontend combine", "native via omniep.torch combine", 1.0),
@@ -175,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--sleep-us", type=float, default=3000.0, help="spin before a dev-mode region (covers the host)")
     p.add_argument("--sweep-blocks", type=lambda v: [int(b) for b in v.split(",") if b], default=[24, 48, 132],
                    help="dispatch/combine kernel blocks to time in dev mode (comma list; empty: none)")
+    p.add_argument("--nccl", action="store_true", help="also time nccl_ep (omniep._native_nccl must be built)")
     p.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"], "bench_multigpu.json"),
                    help="write every rank's numbers here")
     a = p.parse_args(argv)
@@ -208,7 +229,8 @@ def main(argv=None) -> int:
     print("\n# per-phase device time (dev mode), per rank and slowest")
     print(f"{'op':<34} {'phase':<22} " + " ".join(f"{'r' + str(i):>8}" for i in range(R)) + f" {'max':>8}")
     for key in ("native prepare", "native dispatch", "native dispatch fp8", "native cached dispatch",
-                "native combine"):
+                "native combine", "nccl_ep prepare", "nccl_ep dispatch", "nccl_ep dispatch fp8",
+                "nccl_ep cached dispatch", "nccl_ep combine"):
         for phase in results[0].get(f"{key}|dev", {}):
             vals = us(key, "dev", phase)
             if vals:
@@ -222,7 +244,7 @@ def main(argv=None) -> int:
 
     raw = {m: max(us("raw peer copy", m)) for m in ("dev", "e2e")}
     print(f"\n{'op':<40} {'mode':<4} " + " ".join(f"{'r' + str(i):>8}" for i in range(R)) +
-          f" {'max_us':>8} {'GB/s':>8} {'x raw':>6} {'vs NCCL':>8}")
+          f" {'max_us':>8} {'GB/s':>8} {'x raw':>6} {'vs NCCL':>8} {'vs nvshmem':>10}")
     for key, label, factor in ROWS:
         for mode in ("dev", "e2e"):
             vals = us(key, mode)
@@ -230,12 +252,16 @@ def main(argv=None) -> int:
                 continue
             t = max(vals)
             gbps = f"{nbytes * factor / (t * 1e-6) / 1e9:8.1f}" if factor else f"{'-':>8}"
-            ref_key = key.replace("native", "collective") if key.startswith("native") else None
+            kind = key.split(" ")[0]
+            ref_key = key.replace(kind, "collective", 1) if kind in ("native", "nccl_ep") else None
             ref = us(ref_key, mode) if ref_key else None
             vs = f"{max(ref) / t:8.2f}" if ref else f"{'-':>8}"
+            nv = us(key.replace("nccl_ep", "native", 1), mode) if kind == "nccl_ep" else None
+            vs_nv = f"{max(nv) / t:10.2f}" if nv else f"{'-':>10}"
             print(f"{label:<40} {mode:<4} " + " ".join(f"{v:8.1f}" for v in vals) +
-                  f" {t:8.1f} {gbps} {t / raw[mode]:6.2f} {vs}")
-    print("# 'x raw' = time / raw peer copy time (same mode); 'vs NCCL' = NCCL time / native time (>1: native faster)")
+                  f" {t:8.1f} {gbps} {t / raw[mode]:6.2f} {vs} {vs_nv}")
+    print("# 'x raw' = time / raw peer copy time (same mode); 'vs NCCL' = NCCL time / native time (>1: native faster);"
+          " 'vs nvshmem' = cuda_nvshmem time / nccl_ep time (>1: nccl_ep faster)")
     return 0
 
 
