@@ -1,11 +1,13 @@
 // Expert-major prepare: the per-(source, expert) count exchange and each copy's slot, one block
 // per rank, after layout_kernel on the same stream (see em_args.h for the layout itself).
 //
-//   1. every source writes its per-expert counts into each receiver's [R, L] matrix
-//      (RankWorkspace::expert_counts, row = source rank), then a barrier;
-//   2. the source reads, for every expert e, the copies of e from LOWER source ranks out of the
-//      receiver's matrix (peer loads): that is where its own copies of e start;
-//      the receiver sums its matrix's columns: kept copies per local expert, num_recv, dropped;
+//   1. every source writes its per-expert counts (its row of the [R, E] matrix) into EVERY rank's
+//      workspace (RankWorkspace::expert_counts; stores, or puts for a remote peer), then a barrier:
+//      afterwards each rank holds the whole matrix and reads only its own memory;
+//   2. the source sums, for every expert e, the copies of e from LOWER source ranks: that is where its
+//      own copies of e start; the receiver sums its experts' columns: kept copies per local expert,
+//      num_recv, dropped; the matrix is copied out (expert_count_matrix, if asked for: every rank's
+//      receive sizes, so the host can check every rank's capacity without another exchange);
 //   3. an ordered scan of the source's (t, k) pairs in row-major order gives each copy its slot.
 //      The scan must follow (t, k) order exactly, so it is done without atomics racing across
 //      warps: expert e belongs to warp e % warps, and every warp walks all pairs 32 at a time,
@@ -13,8 +15,9 @@
 //      group at a time, lowest lane first) and keeping the running count in shared memory that
 //      only it touches;
 //   4. a last barrier keeps a fast peer's NEXT prepare from overwriting the matrix while it is read.
-// Cost: every warp reads all T*K ids (L1 hits after the first warp); fine for the low-latency
-// shapes (128 tokens/rank), linear in T*K otherwise.
+// Cost: R * E stores per source (a few thousand for DeepEP's shapes); every warp reads all T*K ids
+// (L1 hits after the first warp): fine for the low-latency shapes (128 tokens/rank), linear in T*K
+// otherwise.
 #pragma once
 
 #include "kernels/em_args.h"
@@ -32,9 +35,16 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
   const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
   const int32_t* per_expert = tr.local(a.num_tokens_per_expert);
 
-  // 1. my row of every receiver's count matrix
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    tr.workspace(e / L)->expert_counts[me * L + e % L] = per_expert[e];
+  // 1. my row of every rank's count matrix
+  for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) {
+    const int r = static_cast<int>(j / E), e = static_cast<int>(j % E);
+    bool remote = false;
+    if constexpr (Tr::kHasRemote) remote = tr.is_remote(r);
+    if (!remote) {
+      tr.workspace(r)->expert_counts[me * E + e] = per_expert[e];
+    } else if constexpr (Tr::kHasRemote) {  // same offset in r's workspace; the barrier quiets the puts
+      tr.put_i32(&tr.workspace(me)->expert_counts[me * E + e], per_expert[e], r);
+    }
   }
   if (threadIdx.x == 0) {
     s_kept = 0;
@@ -42,21 +52,20 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
     s_max = 0;
   }
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true)) return;
+  const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E], every source's row
 
   // 2a. source: first slot of my copies of every expert (copies from lower source ranks)
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const RankWorkspace* ws = tr.workspace(e / L);
     int base = 0;
-    for (int s = 0; s < me; ++s) base += ws->expert_counts[s * L + e % L];
+    for (int s = 0; s < me; ++s) base += counts[s * E + e];
     s_next[e] = base;
   }
   // 2b. receiver: copies per local expert, kept under the capacity
   {
-    const RankWorkspace* ws = tr.workspace(me);
     const int align = a.expert_alignment;
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
       int n = 0;
-      for (int s = 0; s < R; ++s) n += ws->expert_counts[s * L + l];
+      for (int s = 0; s < R; ++s) n += counts[s * E + me * L + l];
       const int kept = n < C ? n : C;
       tr.local(a.recv_expert_count)[l] = kept;
       tr.local(a.num_recv_tokens_per_expert)[l] = (kept + align - 1) / align * align;
@@ -64,6 +73,9 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
       atomicAdd(&s_total, n);
       atomicMax(&s_max, n);
     }
+  }
+  if (int32_t* matrix = tr.local(a.expert_count_matrix)) {
+    for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) matrix[j] = counts[j];
   }
   __syncthreads();
   if (threadIdx.x == 0) {

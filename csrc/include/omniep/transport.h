@@ -35,6 +35,8 @@ namespace omniep {
 inline constexpr int kMaxRanks = 16;
 // Largest number of experts on one rank (sizes the per-expert receive counters).
 inline constexpr int kMaxLocalExperts = 1024;
+// Largest number of experts of a group.
+inline constexpr int kMaxExperts = kMaxRanks * kMaxLocalExperts;
 
 // Per-rank pointers to one logical buffer. Entry r is where THIS process reaches rank r's copy
 // (nullptr where it cannot). Local-only buffers fill just the entries of ranks run here.
@@ -80,9 +82,10 @@ struct alignas(128) RankWorkspace {
   ErrorRecord error;
   int32_t counts[kMaxRanks * kMaxRanks];         // counts[s*kMaxRanks + r]: tokens s sends to r
   int32_t expert_counter[kMaxLocalExperts];      // kept (token, k) pairs per local expert
-  // Expert-major prepare (kernels/em_layout.cuh): expert_counts[s * L + l] = copies source s sends to
-  // my local expert l. Sources write their row, then read the column prefix over lower sources.
-  int32_t expert_counts[kMaxRanks * kMaxLocalExperts];
+  // Expert-major prepare (kernels/em_layout.cuh): expert_counts[s * E + e] = copies source s sends to
+  // expert e (E = num_experts), the whole [R, E] matrix: every source writes its row into every
+  // rank's workspace, so each rank reads what it needs locally (1 MiB at the largest R and E).
+  int32_t expert_counts[kMaxRanks * kMaxExperts];
 };
 
 }  // namespace omniep
