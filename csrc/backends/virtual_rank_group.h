@@ -25,6 +25,8 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace omniep {
 
+struct P2PTransport;
+
 class VirtualRankGroup {
  public:
   // Allocates R workspaces on the current device. `timeout_ns` bounds every wait on a peer.
@@ -63,8 +65,13 @@ class VirtualRankGroup {
 
  private:
   int blocks_for(const void* kernel, int threads, size_t smem, int count) const;
-  void check_range(int first_rank, int count) const;
-  void check_group_shape(int num_experts, int capacity) const;
+  P2PTransport transport(int first_rank) const;
+  // Checks the rank range and the group shape, then launches `kernel` for ranks [first_rank,
+  // first_rank + count) with `blocks` per rank (0: as many as blocks_for allows). Defined in
+  // virtual_rank_launch.cuh, which both launcher files include.
+  template <typename Kernel, typename Args>
+  void launch(Kernel kernel, int blocks, int threads, size_t smem, const Args& args, int first_rank, int count,
+              cudaStream_t stream, const char* what) const;
 
   int num_ranks_;
   int device_ = 0;

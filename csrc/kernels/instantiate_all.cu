@@ -2,12 +2,7 @@
 // compile check of the ONE kernel source for both vendors. scripts/check_cuda_compile.sh compiles it
 // with nvcc (sm_90), scripts/check_hip_compile.sh with hipcc (gfx90a, gfx940). It is not part of the
 // built library (CMakeLists.txt lists its sources); the instances are the ones the launchers use.
-#include "kernels/combine.cuh"
-#include "kernels/dispatch.cuh"
-#include "kernels/em_combine.cuh"
-#include "kernels/em_dispatch.cuh"
-#include "kernels/em_layout.cuh"
-#include "kernels/layout.cuh"
+#include "backends/launch_common.cuh"  // every kernel header, and the kernel-template wrappers
 #include "omniep/runtime.h"
 #include "transports/p2p.cuh"
 
@@ -29,19 +24,6 @@ void typed(int threads, const Args& a, const Tr& tr, gpu::Stream s, const char* 
   go(K<Tr, gpu::float16, 8>::fn, threads, a, tr, s, what);
   go(K<Tr, gpu::float16, 1>::fn, threads, a, tr, s, what);
 }
-
-template <typename T, typename S, int V>
-struct CombineK {
-  static constexpr auto fn = combine_kernel<T, S, V>;
-};
-template <typename T, typename S, int V>
-struct EMCombineK {
-  static constexpr auto fn = em_combine_kernel<T, S, V>;
-};
-template <typename T, typename S, int V>
-struct EMCombineBwdK {
-  static constexpr auto fn = em_combine_bwd_kernel<T, S, V>;
-};
 
 void launch_all(const Tr& tr, gpu::Stream s) {
   go(layout_kernel<Tr, int32_t>, kLayoutThreads, LayoutArgs{}, tr, s, "layout");

@@ -1,0 +1,149 @@
+// Host-side launch helpers shared by both launchers: VirtualRankGroup (several virtual ranks in one
+// launch) and OneRankLauncher (one rank per process). Argument checks, the choice of a kernel
+// instance (index type; element type and 16-byte vectors), and the alignment tests behind that
+// choice, written once. No runtime calls: builds with nvcc and with hipcc.
+#pragma once
+
+#include <stdint.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/combine.cuh"
+#include "kernels/dispatch.cuh"
+#include "kernels/em_combine.cuh"
+#include "kernels/em_dispatch.cuh"
+#include "kernels/em_layout.cuh"
+#include "kernels/layout.cuh"
+
+namespace omniep {
+
+inline constexpr size_t kMaxDynamicSmem = 48 * 1024;
+
+// num_experts: a positive multiple of the group size, at most kMaxLocalExperts per rank; capacity >= 0.
+inline void check_group_shape(int num_experts, int capacity, int num_ranks) {
+  if (num_experts < num_ranks || num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxLocalExperts) {
+    throw std::invalid_argument("omniep: num_experts=" + std::to_string(num_experts) + " must be a positive multiple of " +
+                                std::to_string(num_ranks) + " ranks with at most " +
+                                std::to_string(kMaxLocalExperts) + " experts per rank");
+  }
+  if (capacity < 0) throw std::invalid_argument("omniep: capacity must be >= 0");
+}
+
+// ---- argument checks: throw on what no kernel instance can run; return the dynamic shared memory ----
+inline size_t per_expert_smem(int num_experts, const char* what) {
+  const size_t smem = sizeof(int) * static_cast<size_t>(num_experts);
+  if (smem > kMaxDynamicSmem) {
+    throw std::invalid_argument(std::string("omniep: ") + what + ": at most " +
+                                std::to_string(kMaxDynamicSmem / sizeof(int)) + " experts");
+  }
+  return smem;
+}
+
+inline size_t checked_smem(const LayoutArgs& a) { return per_expert_smem(a.num_experts, "layout"); }
+
+inline size_t checked_smem(const DispatchArgs& a) {
+  if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
+  return a.with_routing ? per_expert_smem(a.num_experts, "dispatch") : 0;
+}
+
+inline size_t no_smem_if_rows_ok(int hidden, int num_bias) {  // combine-like kernels use static smem only
+  if (hidden < 0) throw std::invalid_argument("omniep: negative hidden size");
+  if (num_bias < 0 || num_bias > 2) throw std::invalid_argument("omniep: num_bias must be 0, 1 or 2");
+  return 0;
+}
+
+inline size_t checked_smem(const CombineArgs& a) { return no_smem_if_rows_ok(a.hidden, a.num_bias); }
+
+inline size_t checked_smem(const EMLayoutArgs& a) {
+  if (a.expert_alignment < 1) throw std::invalid_argument("omniep: expert_alignment must be >= 1");
+  return per_expert_smem(a.num_experts, "expert-major layout");
+}
+
+inline size_t checked_smem(const EMDispatchArgs& a) {
+  if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
+  return 0;
+}
+
+inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a.hidden, a.num_bias); }
+
+inline size_t checked_smem(const EMCombineBwdArgs& a) { return no_smem_if_rows_ok(a.hidden, 0); }
+
+// ---- kernel instances ----
+// The layout kernel for the routing's index type (LayoutArgs::index_bytes).
+template <typename Tr>
+auto layout_kernel_for(int index_bytes) {
+  if (index_bytes == 4) return layout_kernel<Tr, int32_t>;
+  if (index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
+  return layout_kernel<Tr, int64_t>;
+}
+
+// Kernel templates over (Transport, element type, elements per pack) as class templates, so that
+// typed_kernel (and kernels/instantiate_all.cu) can take them as template template arguments.
+template <typename Tr, typename S, int V>
+struct CombineK {
+  static constexpr auto fn = combine_kernel<Tr, S, V>;
+};
+template <typename Tr, typename S, int V>
+struct EMCombineK {
+  static constexpr auto fn = em_combine_kernel<Tr, S, V>;
+};
+template <typename Tr, typename S, int V>
+struct EMCombineBwdK {
+  static constexpr auto fn = em_combine_bwd_kernel<Tr, S, V>;
+};
+
+// The instance of K for `dtype` (args.h DType): 16-byte packs if `vec`, one element per lane otherwise.
+template <template <typename, typename, int> class K, typename Tr>
+auto typed_kernel(int dtype, bool vec, const char* what) {
+  if (dtype == kBFloat16) return vec ? K<Tr, gpu::bfloat16, 8>::fn : K<Tr, gpu::bfloat16, 1>::fn;
+  if (dtype == kFloat16) return vec ? K<Tr, gpu::float16, 8>::fn : K<Tr, gpu::float16, 1>::fn;
+  if (dtype != kFloat32) {
+    throw std::invalid_argument(std::string("omniep: ") + what + " dtype must be float32, bfloat16 or float16");
+  }
+  return vec ? K<Tr, float, 4>::fn : K<Tr, float, 1>::fn;
+}
+
+// ---- 16-byte packs and copy units ----
+// Launches cover ranks [first, first + count) of a group of num_ranks: their own buffers are
+// entries [first, first + count) of a table, the symmetric ones every entry (one-rank transports
+// that fill only their own entry leave the others null, which passes every test).
+inline bool rows16(int hidden, int dtype) { return (static_cast<int64_t>(hidden) * dtype_size(dtype)) % 16 == 0; }
+
+// (Entries outside the table are skipped: the launchers reject such a rank range before launching.)
+template <typename T>
+bool all_aligned16(const PerRank<T>& table, int first, int count) {
+  for (int r = first < 0 ? 0 : first; r < first + count && r < kMaxRanks; ++r) {
+    if (reinterpret_cast<uintptr_t>(table.p[r]) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// combine / em_combine: 16-byte packs when every rank's y rows and the launched ranks' out rows start
+// 16-byte aligned.
+template <typename CombineLike>
+bool vec16(const CombineLike& a, int first, int count, int num_ranks) {
+  return rows16(a.hidden, a.dtype) && all_aligned16(a.y, 0, num_ranks) && all_aligned16(a.out, first, count);
+}
+
+inline bool vec16(const EMCombineBwdArgs& a, int first, int count, int num_ranks) {
+  return rows16(a.hidden, a.dtype) && all_aligned16(a.g_y, 0, num_ranks) && all_aligned16(a.y, 0, num_ranks) &&
+         all_aligned16(a.g_out, first, count);
+}
+
+// dispatch / em_dispatch: the widest copy unit suiting the launched ranks' source rows and every
+// rank's receive rows (args.h row_copy_unit), for the rows and for the second payload.
+template <typename DispatchLike>
+void set_copy_units(DispatchLike& a, int first, int count, int num_ranks) {
+  auto unit = [&](int64_t bytes, const auto& src, const auto& dst) {
+    uintptr_t addrs[2 * kMaxRanks];
+    int n = 0;
+    for (int r = first; r < first + count; ++r) addrs[n++] = reinterpret_cast<uintptr_t>(src.p[r]);
+    for (int r = 0; r < num_ranks; ++r) addrs[n++] = reinterpret_cast<uintptr_t>(dst.p[r]);
+    return row_copy_unit(bytes, addrs, n);
+  };
+  a.unit = unit(a.row_bytes, a.x, a.recv_x);
+  a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2);
+}
+
+}  // namespace omniep
