@@ -36,7 +36,7 @@ IpcRank::IpcRank(int rank, int num_ranks, uint64_t timeout_ns)
                                 ": need 0 <= rank < num_ranks <= " + std::to_string(kMaxRanks));
   }
   check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
-  launcher_ = std::make_unique<OneRankLauncher>(device_);
+  launcher_ = std::make_unique<OneRankLauncher>(device_, rank_, num_ranks_);
   RankWorkspace* ws = nullptr;
   check_cuda(cudaMalloc(&ws, sizeof(RankWorkspace)), "allocating the rank workspace");
   workspaces_[rank_] = ws;
@@ -125,86 +125,18 @@ void IpcRank::open_data(const std::vector<std::string>& handles) {
   }
 }
 
-void IpcRank::check_shape(int num_experts, int capacity) const {
-  if (num_experts < num_ranks_ || num_experts % num_ranks_ != 0 || num_experts / num_ranks_ > kMaxLocalExperts) {
-    throw std::invalid_argument("omniep: num_experts=" + std::to_string(num_experts) + " must be a positive multiple of " +
-                                std::to_string(num_ranks_) + " ranks with at most " +
-                                std::to_string(kMaxLocalExperts) + " experts per rank");
-  }
-  if (capacity < 0) throw std::invalid_argument("omniep: capacity must be >= 0");
+P2PTransport IpcRank::transport() const {
+  P2PTransport tr = {};
+  tr.first_rank = rank_;  // gridDim.y == 1: every block is rank `rank_`
+  tr.group_size = num_ranks_;
+  tr.wait_timeout_ns = timeout_ns_;
   for (int r = 0; r < num_ranks_; ++r) {
     if (!workspaces_[r]) throw std::runtime_error("omniep: workspace of rank " + std::to_string(r) + " not opened");
+    tr.workspaces.p[r] = workspaces_[r];
   }
-}
-
-static P2PTransport make_transport(const std::vector<RankWorkspace*>& ws, int me, uint64_t timeout) {
-  P2PTransport tr = {};
-  tr.first_rank = me;  // gridDim.y == 1: every block is rank `me`
-  tr.group_size = static_cast<int>(ws.size());
-  tr.wait_timeout_ns = timeout;
-  for (size_t r = 0; r < ws.size(); ++r) tr.workspaces.p[r] = ws[r];
   return tr;
 }
 
-void IpcRank::layout(const LayoutArgs& args, cudaStream_t stream) {
-  check_shape(args.num_experts, args.capacity);
-  launcher_->layout(args, make_transport(workspaces_, rank_, timeout_ns_), stream);
-}
-
-void IpcRank::dispatch(DispatchArgs args, cudaStream_t stream) {
-  check_shape(args.num_experts, args.capacity);
-  // The copy unit must suit my source rows and every rank's receive rows.
-  uintptr_t addrs[1 + kMaxRanks];
-  addrs[0] = reinterpret_cast<uintptr_t>(args.x.p[rank_]);
-  for (int r = 0; r < num_ranks_; ++r) addrs[1 + r] = reinterpret_cast<uintptr_t>(args.recv_x.p[r]);
-  args.unit = row_copy_unit(args.row_bytes, addrs, 1 + num_ranks_);
-  addrs[0] = reinterpret_cast<uintptr_t>(args.x2.p[rank_]);
-  for (int r = 0; r < num_ranks_; ++r) addrs[1 + r] = reinterpret_cast<uintptr_t>(args.recv_x2.p[r]);
-  args.unit2 = row_copy_unit(args.row2_bytes, addrs, 1 + num_ranks_);
-  launcher_->dispatch(args, make_transport(workspaces_, rank_, timeout_ns_), stream);
-}
-
-void IpcRank::combine(const CombineArgs& args, cudaStream_t stream) {
-  check_shape(args.num_experts, args.capacity);
-  // 16-byte packs when my out rows and every rank's y rows start 16-byte aligned; 1 element otherwise.
-  bool vec = (static_cast<int64_t>(args.hidden) * dtype_size(args.dtype)) % 16 == 0 &&
-             reinterpret_cast<uintptr_t>(args.out.p[rank_]) % 16 == 0;
-  for (int r = 0; vec && r < num_ranks_; ++r) vec = reinterpret_cast<uintptr_t>(args.y.p[r]) % 16 == 0;
-  launcher_->combine(args, make_transport(workspaces_, rank_, timeout_ns_), vec, stream);
-}
-
-void IpcRank::barrier(cudaStream_t stream) {
-  for (int r = 0; r < num_ranks_; ++r) {
-    if (!workspaces_[r]) throw std::runtime_error("omniep: workspace of rank " + std::to_string(r) + " not opened");
-  }
-  launcher_->barrier(make_transport(workspaces_, rank_, timeout_ns_), stream);
-}
-
-void IpcRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
-  const RankWorkspace* ws = workspaces_[rank_];
-  check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, ws->counts, sizeof(int32_t) * kMaxRanks,
-                               sizeof(int32_t) * num_ranks_, num_ranks_, cudaMemcpyDeviceToDevice, stream),
-             "copying the count matrix");
-}
-
-void IpcRank::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
-  check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
-                             cudaMemcpyDeviceToDevice, stream),
-             "copying rows to / from the data buffer");
-}
-
-ErrorRecord IpcRank::read_error() const {
-  check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
-  ErrorRecord out;
-  check_cuda(cudaMemcpy(&out, &workspaces_[rank_]->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost),
-             "reading the error record");
-  return out;
-}
-
-void IpcRank::reset() {
-  check_cuda(cudaDeviceSynchronize(), "synchronising before reset");
-  check_cuda(cudaMemset(workspaces_[rank_], 0, sizeof(RankWorkspace)), "reset");
-  check_cuda(cudaDeviceSynchronize(), "reset");
-}
+template class OneRankOps<IpcRank>;
 
 }  // namespace omniep

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/one_rank_ops.h"
 #include "kernels/args.h"
 
 #include "omniep/stream.h"  // cudaStream_t (hipStream_t in a HIP build)
@@ -33,8 +34,11 @@
 namespace omniep {
 
 class OneRankLauncher;
+struct P2PTransport;
 
-class IpcRank {
+// The ops (layout, dispatch, combine, the expert-major ones, barrier, copies, errors) are
+// OneRankOps' (backends/one_rank_ops.h), shared with NvshmemRank and NcclRank.
+class IpcRank : public OneRankOps<IpcRank> {
  public:
   // Allocates and zeroes this rank's workspace on the CURRENT device. No data buffer yet.
   IpcRank(int rank, int num_ranks, uint64_t timeout_ns);
@@ -75,27 +79,13 @@ class IpcRank {
     return out;
   }
 
-  // ---- ops: launch this rank's slice on `stream`; no host synchronisation ----
-  void layout(const LayoutArgs& args, cudaStream_t stream);
-  void dispatch(DispatchArgs args, cudaStream_t stream);  // fills args.unit / unit2
-  void combine(const CombineArgs& args, cudaStream_t stream);
-  // A bare barrier over the group on `stream` (every rank must call it, in the same order as the ops).
-  void barrier(cudaStream_t stream);
-  // dst[R, R] int32 <- the count matrix of my workspace (tokens s -> r at [s, r]), async on stream.
-  // Valid right after layout() and before this rank's next dispatch (whose start barrier keeps the
-  // peers' next count writes behind it).
-  void copy_counts(int32_t* dst, cudaStream_t stream) const;
-
-  // Async device-to-device copy of `bytes` on `stream` (copies into / out of the data buffer).
-  void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
-
-  // Synchronises the device; my ErrorRecord (code 0 = fine).
-  ErrorRecord read_error() const;
-  // Synchronises the device and zeroes my workspace. Only meaningful if every rank resets.
-  void reset();
-
  private:
-  void check_shape(int num_experts, int capacity) const;
+  friend class OneRankOps<IpcRank>;
+  OneRankLauncher& launcher() { return *launcher_; }
+  P2PTransport transport() const;  // throws until every peer's workspace is open
+  RankWorkspace* my_workspace() const { return workspaces_[rank_]; }
+  template <typename F>
+  void on_device(F&& f) const { f(); }  // the current device (the one the rank was made on)
 
   int rank_, num_ranks_;
   int device_ = 0;
@@ -105,5 +95,7 @@ class IpcRank {
   std::vector<void*> data_;                 // [R]: same
   size_t data_bytes_ = 0;
 };
+
+extern template class OneRankOps<IpcRank>;  // instantiated in ipc_rank.cu
 
 }  // namespace omniep

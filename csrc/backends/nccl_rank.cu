@@ -130,7 +130,7 @@ void NcclRank::adopt() {
         "; the GIN put + signal path needs put-based kernels, not implemented yet");
   }
   DeviceGuard guard(device_);
-  launcher_ = std::make_unique<OneRankLauncher>(device_);
+  launcher_ = std::make_unique<OneRankLauncher>(device_, rank_, num_ranks_);
 }
 
 NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns) : timeout_ns_(timeout_ns) {
@@ -267,81 +267,22 @@ void NcclRank::teardown() {
 
 void NcclRank::set_blocks(int n) { launcher_->set_blocks(n); }
 
-static NcclDevTransport make_transport(const NcclRank& g, RankWorkspace* ws, ncclWindow_t ws_window,
-                                       ncclWindow_t data_window, const void* data, const ncclDevComm& dev_comm) {
+NcclDevTransport NcclRank::transport() const {
   NcclDevTransport tr;
   std::memset(&tr, 0, sizeof(tr));
-  tr.me = g.rank();
-  tr.group_size = g.num_ranks();
-  tr.wait_timeout_ns = g.timeout_ns();
-  tr.workspaces.p[g.rank()] = ws;
-  tr.ws_window = ws_window;
-  tr.data_window = data_window;
-  tr.data_base = static_cast<const char*>(data);
+  tr.me = rank_;
+  tr.group_size = num_ranks_;
+  tr.wait_timeout_ns = timeout_ns_;
+  tr.workspaces.p[rank_] = workspace_;
+  tr.ws_window = ws_window_;
+  tr.data_window = data_window_;
+  tr.data_base = static_cast<const char*>(data_);
   tr.gin = 0;  // the constructor refused non-LSA peers
-  tr.dev_comm = dev_comm;
+  tr.dev_comm = dev_comm_->comm;
   return tr;
 }
 
-#define OMNIEP_NCCL_TRANSPORT make_transport(*this, workspace_, ws_window_, data_window_, data_, dev_comm_->comm)
-
-void NcclRank::layout(const LayoutArgs& args, cudaStream_t stream) {
-  on_device([&] { launcher_->layout(args, OMNIEP_NCCL_TRANSPORT, stream); });
-}
-
-void NcclRank::dispatch(DispatchArgs args, cudaStream_t stream) {
-  uintptr_t addrs[2] = {reinterpret_cast<uintptr_t>(args.x.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x.p[rank_])};
-  args.unit = row_copy_unit(args.row_bytes, addrs, 2);
-  uintptr_t addrs2[2] = {reinterpret_cast<uintptr_t>(args.x2.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x2.p[rank_])};
-  args.unit2 = row_copy_unit(args.row2_bytes, addrs2, 2);
-  on_device([&] { launcher_->dispatch(args, OMNIEP_NCCL_TRANSPORT, stream); });
-}
-
-void NcclRank::combine(const CombineArgs& args, cudaStream_t stream) {
-  const bool vec = (static_cast<int64_t>(args.hidden) * dtype_size(args.dtype)) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(args.out.p[rank_]) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(args.y.p[rank_]) % 16 == 0;
-  on_device([&] { launcher_->combine(args, OMNIEP_NCCL_TRANSPORT, vec, stream); });
-}
-
-void NcclRank::barrier(cudaStream_t stream) {
-  on_device([&] { launcher_->barrier(OMNIEP_NCCL_TRANSPORT, stream); });
-}
-
-#undef OMNIEP_NCCL_TRANSPORT
-
-void NcclRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
-  on_device([&] {
-    check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, workspace_->counts, sizeof(int32_t) * kMaxRanks,
-                                 sizeof(int32_t) * num_ranks_, num_ranks_, cudaMemcpyDeviceToDevice, stream),
-               "copying the count matrix");
-  });
-}
-
-void NcclRank::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
-  on_device([&] {
-    check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
-                               cudaMemcpyDeviceToDevice, stream), "copying rows to / from the data buffer");
-  });
-}
-
-ErrorRecord NcclRank::read_error() const {
-  ErrorRecord out;
-  on_device([&] {
-    check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
-    check_cuda(cudaMemcpy(&out, &workspace_->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost),
-               "reading the error record");
-  });
-  return out;
-}
-
-void NcclRank::reset() {
-  on_device([&] {
-    check_cuda(cudaDeviceSynchronize(), "synchronising before reset");
-    check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "reset");
-    check_cuda(cudaDeviceSynchronize(), "reset");
-  });
-}
+template class OneRankOps<NcclRank>;
 
 // ---- one process, several GPUs ----
 

@@ -12,7 +12,7 @@
 // the kernels reach LSA peers through window pointers. Every peer must be in the LSA team
 // (NVLink, the same node); a group with other peers (or OMNIEP_FORCE_REMOTE=1) is refused: the GIN
 // hooks of the transport exist, but no kernel calls them yet.
-// Same op interface as IpcRank / NvshmemRank (python/rank_args.h binds all three). Host-only header.
+// The ops are IpcRank's and NvshmemRank's (OneRankOps; python/rank_args.h binds all three). Host-only header.
 #pragma once
 
 #include <stdint.h>
@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "backends/one_rank_ops.h"
 #include "kernels/args.h"
 
-typedef struct CUstream_st* cudaStream_t;
 typedef struct ncclComm* ncclComm_t;
 typedef struct ncclWindow_vidmem* ncclWindow_t;
 
@@ -31,8 +31,9 @@ namespace omniep {
 
 class OneRankLauncher;
 struct NcclDevCommBox;  // holds the ncclDevComm (nccl_device.h stays out of this header)
+struct NcclDevTransport;
 
-class NcclRank {
+class NcclRank : public OneRankOps<NcclRank> {
  public:
   static std::string unique_id();  // ncclGetUniqueId, as bytes
   static int runtime_version();    // ncclGetVersion of the loaded libnccl (e.g. 22809)
@@ -66,17 +67,12 @@ class NcclRank {
     return out;
   }
 
-  void layout(const LayoutArgs& args, cudaStream_t stream);
-  void dispatch(DispatchArgs args, cudaStream_t stream);
-  void combine(const CombineArgs& args, cudaStream_t stream);
-  void barrier(cudaStream_t stream);
-  void copy_counts(int32_t* dst, cudaStream_t stream) const;
-  void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
-  ErrorRecord read_error() const;
-  void reset();
-
  private:
   friend class NcclLocalGroup;
+  friend class OneRankOps<NcclRank>;
+  OneRankLauncher& launcher() { return *launcher_; }
+  NcclDevTransport transport() const;  // the kernels' view of this rank (transports/nccl_dev.cuh)
+  RankWorkspace* my_workspace() const { return workspace_; }
   NcclRank(ncclComm_t comm, int device, uint64_t timeout_ns);  // comm made by the caller
   void adopt();                // rank, size, the LSA check, the launcher
   // The collective steps, split so that NcclLocalGroup can run each for all its ranks in one group.
@@ -88,7 +84,7 @@ class NcclRank {
   void register_data();        // collective
   void teardown();             // collective; the rank is unusable afterwards
   template <typename F>
-  void on_device(F&& f) const;
+  void on_device(F&& f) const;  // f() with device_ current (one process may drive several ranks)
 
   ncclComm_t comm_ = nullptr;
   bool owns_comm_ = true;  // false: borrowed (a torch process group's), never destroyed here
@@ -102,6 +98,8 @@ class NcclRank {
   std::unique_ptr<NcclDevCommBox> dev_comm_;
   std::unique_ptr<OneRankLauncher> launcher_;
 };
+
+extern template class OneRankOps<NcclRank>;  // instantiated in nccl_rank.cu
 
 // One process, several local GPUs: rank i runs on devices[i]. Owns its ranks; destroying it tears
 // all of them down together.

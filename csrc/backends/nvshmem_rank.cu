@@ -44,7 +44,7 @@ NvshmemRank::NvshmemRank(int rank, int num_ranks, const std::string& uid, uint64
   }
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  launcher_ = std::make_unique<OneRankLauncher>(device);
+  launcher_ = std::make_unique<OneRankLauncher>(device, rank_, num_ranks_);
   workspace_ = static_cast<RankWorkspace*>(nvshmem_malloc(sizeof(RankWorkspace)));
   if (!workspace_) throw std::runtime_error("omniep: nvshmem_malloc of the workspace failed");
   check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "zeroing the workspace");
@@ -110,52 +110,6 @@ NvshmemTransport NvshmemRank::transport() const {
   return tr;
 }
 
-void NvshmemRank::layout(const LayoutArgs& args, cudaStream_t stream) {
-  launcher_->layout(args, transport(), stream);
-}
-
-void NvshmemRank::dispatch(DispatchArgs args, cudaStream_t stream) {
-  // Symmetric buffers sit at the same offset on every PE: my addresses decide the copy unit.
-  uintptr_t addrs[2] = {reinterpret_cast<uintptr_t>(args.x.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x.p[rank_])};
-  args.unit = row_copy_unit(args.row_bytes, addrs, 2);
-  uintptr_t addrs2[2] = {reinterpret_cast<uintptr_t>(args.x2.p[rank_]), reinterpret_cast<uintptr_t>(args.recv_x2.p[rank_])};
-  args.unit2 = row_copy_unit(args.row2_bytes, addrs2, 2);
-  launcher_->dispatch(args, transport(), stream);
-}
-
-void NvshmemRank::combine(const CombineArgs& args, cudaStream_t stream) {
-  const bool vec = (static_cast<int64_t>(args.hidden) * dtype_size(args.dtype)) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(args.out.p[rank_]) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(args.y.p[rank_]) % 16 == 0;
-  launcher_->combine(args, transport(), vec, stream);
-}
-
-void NvshmemRank::barrier(cudaStream_t stream) {
-  launcher_->barrier(transport(), stream);
-}
-
-void NvshmemRank::copy_counts(int32_t* dst, cudaStream_t stream) const {
-  check_cuda(cudaMemcpy2DAsync(dst, sizeof(int32_t) * num_ranks_, workspace_->counts, sizeof(int32_t) * kMaxRanks,
-                               sizeof(int32_t) * num_ranks_, num_ranks_, cudaMemcpyDeviceToDevice, stream),
-             "copying the count matrix");
-}
-
-void NvshmemRank::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
-  check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
-                             cudaMemcpyDeviceToDevice, stream), "copying rows to / from the data buffer");
-}
-
-ErrorRecord NvshmemRank::read_error() const {
-  check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
-  ErrorRecord out;
-  check_cuda(cudaMemcpy(&out, &workspace_->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost), "reading the error record");
-  return out;
-}
-
-void NvshmemRank::reset() {
-  check_cuda(cudaDeviceSynchronize(), "synchronising before reset");
-  check_cuda(cudaMemset(workspace_, 0, sizeof(RankWorkspace)), "reset");
-  check_cuda(cudaDeviceSynchronize(), "reset");
-}
+template class OneRankOps<NvshmemRank>;
 
 }  // namespace omniep

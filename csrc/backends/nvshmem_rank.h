@@ -7,7 +7,7 @@
 // pointer or OMNIEP_FORCE_REMOTE=1 (set on EVERY rank) says to, through puts, gets and signals (the
 // remote path of transports/nvshmem.cuh; remote_mask() says which). With some remote peer a
 // symmetric scratch area (combine's staging) is allocated as well, collectively.
-// Same op interface as IpcRank (python/rank_args.h binds both). Host-only header.
+// The ops are IpcRank's and NcclRank's (OneRankOps; python/rank_args.h binds all three). Host-only header.
 #pragma once
 
 #include <stdint.h>
@@ -15,16 +15,16 @@
 #include <memory>
 #include <string>
 
+#include "backends/one_rank_ops.h"
 #include "kernels/args.h"
-
-typedef struct CUstream_st* cudaStream_t;
 
 namespace omniep {
 
 class OneRankLauncher;
 struct NvshmemTransport;
 
-class NvshmemRank {
+// The ops are OneRankOps' (backends/one_rank_ops.h), shared with IpcRank and NcclRank.
+class NvshmemRank : public OneRankOps<NvshmemRank> {
  public:
   static std::string unique_id();  // nvshmemx_get_uniqueid, as bytes
   NvshmemRank(int rank, int num_ranks, const std::string& unique_id, uint64_t timeout_ns);
@@ -51,17 +51,13 @@ class NvshmemRank {
     return out;
   }
 
-  void layout(const LayoutArgs& args, cudaStream_t stream);
-  void dispatch(DispatchArgs args, cudaStream_t stream);
-  void combine(const CombineArgs& args, cudaStream_t stream);
-  void barrier(cudaStream_t stream);  // a bare barrier over the group (see IpcRank::barrier)
-  void copy_counts(int32_t* dst, cudaStream_t stream) const;
-  void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;
-  ErrorRecord read_error() const;
-  void reset();
-
  private:
+  friend class OneRankOps<NvshmemRank>;
+  OneRankLauncher& launcher() { return *launcher_; }
   NvshmemTransport transport() const;  // the kernels' view of this rank (transports/nvshmem.cuh)
+  RankWorkspace* my_workspace() const { return workspace_; }
+  template <typename F>
+  void on_device(F&& f) const { f(); }  // the current device (the one the PE was made on)
 
   int rank_, num_ranks_;
   uint64_t timeout_ns_;
@@ -73,5 +69,7 @@ class NvshmemRank {
   int64_t scratch_bytes_ = 0;
   std::unique_ptr<OneRankLauncher> launcher_;
 };
+
+extern template class OneRankOps<NvshmemRank>;  // instantiated in nvshmem_rank.cu
 
 }  // namespace omniep

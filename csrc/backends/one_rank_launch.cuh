@@ -1,6 +1,8 @@
-// Launchers of the kernels for ONE rank per process (gridDim.y == 1), for any Transport whose
-// rank() is a constant: shared by IpcRank (p2p over CUDA IPC) and NvshmemRank (nvshmem). Builds with
-// nvcc and with hipcc: the runtime calls go through omniep/runtime.h (CUDA names, mapped to HIP there).
+// Launchers of the kernels for ONE rank per process (gridDim.y == 1), for any Transport whose rank() is
+// a constant, and the definitions of OneRankOps (backends/one_rank_ops.h) over them: shared by IpcRank
+// (p2p over CUDA IPC), NvshmemRank (nvshmem) and NcclRank (nccl_dev). Argument checks and the choice of
+// kernel instances are backends/launch_common.cuh's, shared with the virtual-rank launchers. Builds
+// with nvcc and with hipcc: the runtime calls go through omniep/runtime.h (CUDA names, mapped to HIP).
 #pragma once
 
 #include "omniep/runtime.h"
@@ -10,9 +12,8 @@
 #include <string>
 #include <tuple>
 
-#include "kernels/combine.cuh"
-#include "kernels/dispatch.cuh"
-#include "kernels/layout.cuh"
+#include "backends/launch_common.cuh"
+#include "backends/one_rank_ops.h"
 
 namespace omniep {
 
@@ -26,9 +27,9 @@ inline void check_cuda(cudaError_t err, const char* what) {
 class OneRankLauncher {
  public:
   static constexpr int kMaxBlocks = 24;  // the SM budget for communication (issue 4)
-  static constexpr size_t kMaxDynamicSmem = 48 * 1024;
 
-  explicit OneRankLauncher(int device) {
+  // Rank `rank` of `num_ranks`, launching on `device`.
+  OneRankLauncher(int device, int rank, int num_ranks) : rank_(rank), num_ranks_(num_ranks) {
     check_cuda(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device), "SM count");
     int coop = 0;
     check_cuda(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device), "cooperative attr");
@@ -38,15 +39,8 @@ class OneRankLauncher {
 
   template <typename Tr>
   void layout(const LayoutArgs& a, const Tr& tr, cudaStream_t stream) {
-    const size_t smem = sizeof(int) * static_cast<size_t>(a.num_experts);
-    if (smem > kMaxDynamicSmem) throw std::invalid_argument("omniep: at most 12288 experts");
-    if (a.index_bytes == 8) {
-      launch(layout_kernel<Tr, int64_t>, 1, kLayoutThreads, smem, stream, a, tr, "layout");
-    } else if (a.index_bytes == 4) {
-      launch(layout_kernel<Tr, int32_t>, 1, kLayoutThreads, smem, stream, a, tr, "layout");
-    } else {
-      throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
-    }
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    launch(layout_kernel_for<Tr>(a.index_bytes), 1, kLayoutThreads, checked_smem(a), stream, a, tr, "layout");
   }
 
   template <typename Tr>
@@ -55,35 +49,51 @@ class OneRankLauncher {
   }
 
   template <typename Tr>
-  void dispatch(const DispatchArgs& a, const Tr& tr, cudaStream_t stream) {
-    if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
-    const size_t smem = a.with_routing ? sizeof(int) * static_cast<size_t>(a.num_experts) : 0;
-    if (smem > kMaxDynamicSmem) throw std::invalid_argument("omniep: too many experts for dispatch");
-    auto kernel = dispatch_kernel<Tr>;
-    launch(kernel, blocks_for(reinterpret_cast<const void*>(kernel), kDispatchThreads, smem), kDispatchThreads, smem,
-           stream, a, tr, "dispatch");
+  void dispatch(DispatchArgs a, const Tr& tr, cudaStream_t stream) {
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    const size_t smem = checked_smem(a);
+    set_copy_units(a, rank_, 1, num_ranks_);
+    launch_wide(dispatch_kernel<Tr>, kDispatchThreads, smem, stream, a, tr, "dispatch");
   }
 
-  // `vec`: every row of y (all ranks) and of out starts 16-byte aligned and H * elem % 16 == 0.
   template <typename Tr>
-  void combine(const CombineArgs& a, const Tr& tr, bool vec, cudaStream_t stream) {
-    if (a.hidden < 0) throw std::invalid_argument("omniep: negative hidden size");
-    if (a.num_bias < 0 || a.num_bias > 2) throw std::invalid_argument("omniep: num_bias must be 0, 1 or 2");
-    auto pick = [&](auto k16, auto k1) {
-      if (vec) {
-        launch(k16, blocks_for(reinterpret_cast<const void*>(k16), kCombineThreads, 0), kCombineThreads, 0, stream,
-               a, tr, "combine");
-      } else {
-        launch(k1, blocks_for(reinterpret_cast<const void*>(k1), kCombineThreads, 0), kCombineThreads, 0, stream,
-               a, tr, "combine");
-      }
-    };
-    switch (a.dtype) {
-      case kFloat32: pick(combine_kernel<Tr, float, 4>, combine_kernel<Tr, float, 1>); break;
-      case kBFloat16: pick(combine_kernel<Tr, gpu::bfloat16, 8>, combine_kernel<Tr, gpu::bfloat16, 1>); break;
-      case kFloat16: pick(combine_kernel<Tr, gpu::float16, 8>, combine_kernel<Tr, gpu::float16, 1>); break;
-      default: throw std::invalid_argument("omniep: combine dtype must be float32, bfloat16 or float16");
-    }
+  void combine(const CombineArgs& a, const Tr& tr, cudaStream_t stream) {
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    const size_t smem = checked_smem(a);
+    launch_wide(typed_kernel<CombineK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), "combine"), kCombineThreads,
+                smem, stream, a, tr, "combine");
+  }
+
+  template <typename Tr>
+  void em_layout(const EMLayoutArgs& a, const Tr& tr, cudaStream_t stream) {
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    launch(em_layout_kernel<Tr>, 1, kLayoutThreads, checked_smem(a), stream, a, tr, "expert-major layout");
+  }
+
+  template <typename Tr>
+  void em_dispatch(EMDispatchArgs a, const Tr& tr, cudaStream_t stream) {
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    const size_t smem = checked_smem(a);
+    set_copy_units(a, rank_, 1, num_ranks_);
+    launch_wide(em_dispatch_kernel<Tr>, kEMDispatchThreads, smem, stream, a, tr, "expert-major dispatch");
+  }
+
+  template <typename Tr>
+  void em_combine(const EMCombineArgs& a, const Tr& tr, cudaStream_t stream) {
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    const size_t smem = checked_smem(a);
+    const char* what = "expert-major combine";
+    launch_wide(typed_kernel<EMCombineK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), what), kEMCombineThreads,
+                smem, stream, a, tr, what);
+  }
+
+  template <typename Tr>
+  void em_combine_bwd(const EMCombineBwdArgs& a, const Tr& tr, cudaStream_t stream) {
+    check_group_shape(a.num_experts, a.capacity, num_ranks_);
+    const size_t smem = checked_smem(a);
+    const char* what = "expert-major combine_bwd";
+    launch_wide(typed_kernel<EMCombineBwdK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), what), kEMDispatchThreads,
+                smem, stream, a, tr, what);
   }
 
  private:
@@ -94,6 +104,14 @@ class OneRankLauncher {
                      const Tr& tr, const char* what) {
     // CUDA: cudaLaunchKernelEx with the cooperative attribute; HIP: hipLaunchCooperativeKernel.
     check_cuda(gpu::launch_cooperative(kernel, dim3(blocks, 1), dim3(threads), smem, stream, args, tr), what);
+  }
+
+  // As many blocks as the budget allows (set_blocks, else kMaxBlocks) and the GPU keeps resident.
+  template <typename Kernel, typename Args, typename Tr>
+  void launch_wide(Kernel kernel, int threads, size_t smem, cudaStream_t stream, const Args& args, const Tr& tr,
+                   const char* what) {
+    launch(kernel, blocks_for(reinterpret_cast<const void*>(kernel), threads, smem), threads, smem, stream, args,
+           tr, what);
   }
 
   int blocks_for(const void* kernel, int threads, size_t smem) {
@@ -107,9 +125,111 @@ class OneRankLauncher {
     return cache_[key] = want < resident ? want : resident;
   }
 
+  int rank_, num_ranks_;
   int num_sms_ = 0;
   int blocks_ = 0;
   std::map<std::tuple<const void*, size_t>, int> cache_;
 };
+
+// ---- OneRankOps (backends/one_rank_ops.h) ----
+
+template <typename Rank>
+template <typename F>
+void OneRankOps<Rank>::run(F&& launch) {
+  Rank& r = self();
+  r.on_device([&] { launch(r.launcher(), r.transport()); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::layout(const LayoutArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.layout(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.dispatch(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::combine(const CombineArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.combine(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::em_layout(const EMLayoutArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.em_layout(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::em_dispatch(const EMDispatchArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.em_dispatch(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::em_combine(const EMCombineArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.em_combine(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.em_combine_bwd(args, tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::barrier(cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.barrier(tr, stream); });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::copy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width,
+                              size_t height, cudaStream_t stream, const char* what) const {
+  self().on_device([&] {
+    check_cuda(cudaMemcpy2DAsync(reinterpret_cast<void*>(dst), dst_pitch, reinterpret_cast<const void*>(src),
+                                 src_pitch, width, height, cudaMemcpyDeviceToDevice, stream),
+               what);
+  });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::copy_counts(int32_t* dst, cudaStream_t stream) const {
+  const int R = self().num_ranks();
+  copy2d(reinterpret_cast<uintptr_t>(dst), sizeof(int32_t) * R, reinterpret_cast<uintptr_t>(self().my_workspace()->counts),
+         sizeof(int32_t) * kMaxRanks, sizeof(int32_t) * R, R, stream, "copying the count matrix");
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
+  self().on_device([&] {
+    check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,
+                               cudaMemcpyDeviceToDevice, stream),
+               "copying rows to / from the data buffer");
+  });
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::memcpy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width,
+                                size_t height, cudaStream_t stream) const {
+  copy2d(dst, dst_pitch, src, src_pitch, width, height, stream, "copying rows to / from the data buffer");
+}
+
+template <typename Rank>
+ErrorRecord OneRankOps<Rank>::read_error() const {
+  ErrorRecord out;
+  self().on_device([&] {
+    check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
+    check_cuda(cudaMemcpy(&out, &self().my_workspace()->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost),
+               "reading the error record");
+  });
+  return out;
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::reset() {
+  self().on_device([&] {
+    check_cuda(cudaDeviceSynchronize(), "synchronising before reset");
+    check_cuda(cudaMemset(self().my_workspace(), 0, sizeof(RankWorkspace)), "reset");
+    check_cuda(cudaDeviceSynchronize(), "reset");
+  });
+}
 
 }  // namespace omniep
