@@ -26,6 +26,7 @@ import importlib
 from typing import Optional
 
 from ..ep_core.errors import DestroyedError, InputError
+from .ipc_rank_em import ExpertMajorOps
 
 INT32_MAX = 2**31 - 1
 _ALIGN = 256
@@ -67,8 +68,9 @@ def dtype_code(dtype) -> int:
     return DTYPE_CODES[name]
 
 
-class IpcRankState:
-    """This process's rank of ``group`` on the current CUDA device. Collective construction."""
+class IpcRankState(ExpertMajorOps):
+    """This process's rank of ``group`` on the current CUDA device. Collective construction.
+    The rank-major ops are here, the expert-major ones (``em_*``) in :mod:`omniep.native.ipc_rank_em`."""
 
     def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0, module: str = "omniep._native_mp"):
         """``module``: the native module holding ``IpcRank``: ``omniep._native_mp`` (CUDA IPC) or
@@ -166,6 +168,17 @@ class IpcRankState:
             self._g().memcpy(self._g().data_ptr + offset, int(t.data_ptr()), t.numel() * t.element_size(),
                              self._stream())
 
+    def _bias_args(self, bias: tuple) -> tuple[dict, tuple]:
+        """Combine's bias arguments for up to two ``[T, H]`` terms (bf16 / fp16 / fp32 as given, else fp32),
+        and the tensors they point to: the caller keeps those alive until the kernel is launched (a
+        converted copy freed earlier could be handed to an output of the same launch)."""
+        kept = tuple(b.contiguous() if str(b.dtype).removeprefix("torch.") in DTYPE_CODES
+                     else b.to(self._torch.float32).contiguous() for b in bias)
+        args = dict(num_bias=len(kept))
+        for i, b in enumerate(kept):
+            args.update({f"bias{i}": b.data_ptr(), f"bias_dtype{i}": dtype_code(b.dtype)})
+        return args, kept
+
     # ---- ops ----
     def layout(self, topk_idx, num_experts: int, capacity: Optional[int]) -> Layout:
         """Local layout + count exchange. ``capacity=None``: no drops (num_recv = all arriving rows)."""
@@ -246,14 +259,10 @@ class IpcRankState:
         self.reserve(total)
         self._copy_in(offsets[0], y)
         out = self._empty((num_tokens, H), y.dtype)
+        bias_args, bias = self._bias_args(bias)
         args = dict(y=offsets[0], out=out.data_ptr(), topk_idx32=topk_idx.data_ptr(), send_pos=send_pos.data_ptr(),
                     send_offset=send_offset.data_ptr(), num_tokens=num_tokens, hidden=H, num_topk=K,
-                    num_experts=num_experts, capacity=capacity, dtype=code, num_bias=len(bias))
-        bias = tuple(b.contiguous() if str(b.dtype).removeprefix("torch.") in DTYPE_CODES
-                     else b.to(torch.float32).contiguous() for b in bias)
-        for i, b in enumerate(bias):
-            args[f"bias{i}"] = b.data_ptr()
-            args[f"bias_dtype{i}"] = dtype_code(b.dtype)
+                    num_experts=num_experts, capacity=capacity, dtype=code, **bias_args)
         g_w = None
         if grad:
             gw_in = g_recv_topk_weights.contiguous().to(torch.float32)
