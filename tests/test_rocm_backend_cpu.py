@@ -26,7 +26,7 @@ def test_registered_for_torch_only():
 def test_capabilities():
     caps = tb.RocmRocshmemTorch.capabilities()
     assert set(caps.dtypes) == {"bfloat16", "float16", "float32"} and caps.fp8
-    assert caps.layouts == (Layout.RANK_MAJOR,) and caps.devices == ("gpu",)
+    assert caps.layouts == (Layout.RANK_MAJOR, Layout.EXPERT_MAJOR) and caps.devices == ("gpu",)
     assert caps.process_models == (ProcessModel.ONE_PROCESS_PER_DEVICE,) and caps.frameworks == ("torch",)
 
 

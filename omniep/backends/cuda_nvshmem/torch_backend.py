@@ -3,7 +3,9 @@
 Per ``torch.distributed`` group and device, one :class:`~omniep.native.ipc_rank.IpcRankState` lives for
 the life of the process (created collectively at the group's first call; the frontend builds a
 backend object per op, so the state cannot live on the object). Results are bit for bit those of
-:mod:`omniep.ep_core.reference` (the kernels' contract). Rank-major layout only, for now.
+:mod:`omniep.ep_core.reference` (the kernels' contract). Both layouts: rank-major here, expert-major
+in :mod:`omniep.backends.cuda_nvshmem.torch_expert_major` (handles filled as the ``collective``
+backend fills them).
 
 Transports: CUDA IPC peer pointers (p2p, the default) or NVSHMEM (``OMNIEP_TRANSPORT=nvshmem``): its
 peers are reached by ``nvshmem_ptr`` loads/stores, or by puts, gets and signals where there is no
@@ -28,29 +30,33 @@ import torch
 
 from ...backends.collective.torch_layout import TorchHandle, exclusive_cumsum
 from ..torch_group import TorchGroupBackend
+from .torch_expert_major import ExpertMajorTorch
 from ...ep_core.capacity import align_up
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
 
 _STATES: dict = {}  # (group_name, device index) -> IpcRankState
-# Per-handle values the layout kernel already computed (send_offset [R], dropped []), keyed by the
+# Per-handle values the prepare kernels already computed (rank-major: send_offset [R], dropped [];
+# expert-major: recv_expert_count [L], num_recv_tokens_per_expert [L], dropped []), keyed by the
 # handle's all_counts tensor (shared by a handle and its replace()d copies): saves a few small
 # kernels per dispatch / combine. A handle rebuilt from data misses the cache and recomputes them.
-# id(all_counts) -> (weakref to all_counts, send_offset, dropped); the entry leaves with the tensor.
+# id(all_counts) -> (weakref to all_counts, {name: tensor}); the entry leaves with the tensor.
 _DERIVED: dict = {}
 
 
-def _remember(all_counts, send_offset, dropped) -> None:
+def _remember(all_counts, **values) -> None:
     key = id(all_counts)
     ref = weakref.ref(all_counts, lambda _r, k=key: _DERIVED.pop(k, None))
-    _DERIVED[key] = (ref, send_offset, dropped)
+    _DERIVED[key] = (ref, values)
 
 
-def _derived(all_counts):
+def _derived(all_counts) -> Optional[dict]:
     entry = _DERIVED.get(id(all_counts))
     if entry is None or entry[0]() is not all_counts:
         return None
-    return entry[1], entry[2]
+    return entry[1]
+
+
 MIN_CC = (9, 0)
 
 
@@ -79,10 +85,18 @@ def destroy_states() -> None:
         _STATES.pop(key).destroy()
 
 
-class CudaNvshmemTorch(TorchGroupBackend):
-    """prepare / dispatch / combine / backward passes for ONE rank of a group, one process per rank."""
+class CudaNvshmemTorch(ExpertMajorTorch, TorchGroupBackend):
+    """prepare / dispatch / combine / backward passes for ONE rank of a group, one process per rank.
+
+    Subclasses (``nccl_ep``, ``rocm_rocshmem``) run the same ops over another native rank state: they
+    set ``_states`` (their own cache of states) and ``_new_state``, and ``serves`` if their device
+    check should name other tensors."""
 
     name = "cuda_nvshmem"
+    serves = "CUDA tensors"  # what _state's device check names
+    _states = _STATES  # (group name, device index) -> native rank state, one per backend module
+    _remember = staticmethod(_remember)
+    _derived = staticmethod(_derived)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -115,33 +129,37 @@ class CudaNvshmemTorch(TorchGroupBackend):
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
-            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
+            max_ranks=16, intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
             frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1, devices=("gpu",),
         )
 
 
     # ---- plumbing ----
     def _state(self, device: torch.device):
-        from ...native.ipc_rank import IpcRankState
-
+        """This process's native rank state for ``group`` on ``device`` (the current CUDA device), made
+        collectively at the group's first call (``_new_state``) and kept for the life of the process."""
         if device.type != "cuda":
-            raise UnsupportedError(self.name, f"tensors on {device} (it serves CUDA tensors; use "
+            raise UnsupportedError(self.name, f"tensors on {device} (it serves {self.serves}; use "
                                               f"OMNIEP_BACKEND=collective for CPU tensors)", ["collective"])
         if device.index is not None and device.index != torch.cuda.current_device():
             raise InputError(f"tensors are on {device} but this process's current device is "
                              f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device first")
         key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
-        if key not in _STATES:
-            timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
-            if transport()[0] == "nvshmem":
-                _STATES[key] = self._nvshmem_state(timeout)
-            else:
-                if force_remote():
-                    raise UnsupportedError(self.name, "OMNIEP_FORCE_REMOTE=1 over the CUDA IPC p2p transport (no put "
-                                                      "path): set OMNIEP_TRANSPORT=nvshmem", ["collective"])
-                _STATES[key] = IpcRankState(self.group, timeout_s=timeout)
-        return _STATES[key]
+        if key not in self._states:
+            self._states[key] = self._new_state(float(os.environ.get("OMNIEP_TIMEOUT_S", "30")))
+        return self._states[key]
+
+    def _new_state(self, timeout: float):
+        """The NVSHMEM rank state (``OMNIEP_TRANSPORT=nvshmem``) or the CUDA IPC one."""
+        from ...native.ipc_rank import IpcRankState
+
+        if transport()[0] == "nvshmem":
+            return self._nvshmem_state(timeout)
+        if force_remote():
+            raise UnsupportedError(self.name, "OMNIEP_FORCE_REMOTE=1 over the CUDA IPC p2p transport (no put "
+                                              "path): set OMNIEP_TRANSPORT=nvshmem", ["collective"])
+        return IpcRankState(self.group, timeout_s=timeout)
 
     def _nvshmem_state(self, timeout: float):
         """The NVSHMEM rank state. Every rank must agree on OMNIEP_FORCE_REMOTE (the remote path's
@@ -186,22 +204,22 @@ class CudaNvshmemTorch(TorchGroupBackend):
         """First row of my tokens in every receiver's order: sum over lower source ranks."""
         derived = _derived(handle.all_counts)
         if derived is not None:
-            return derived[0]
+            return derived["send_offset"]
         counts = handle.all_counts[:, : self.world].to(torch.int64)
         return exclusive_cumsum(counts, 0)[self.rank].to(torch.int32).contiguous()
 
     def _dropped(self, handle: TorchHandle) -> torch.Tensor:
         derived = _derived(handle.all_counts)
         if derived is not None:
-            return derived[1].clone()
+            return derived["dropped"].clone()
         total = handle.all_counts[:, self.rank].to(torch.int64).sum()
         return (total - handle.num_recv.to(torch.int64)).to(torch.int32)
 
     # ---- prepare / dispatch ----
     def prepare(self, topk_idx, config: DispatchConfig) -> TorchHandle:
         """Layout kernel + count exchange through the peers' workspaces. ``topk_idx`` validated."""
-        if config.layout != Layout.RANK_MAJOR:
-            raise UnsupportedError(self.name, f"layout {config.layout.value}", ["collective"])
+        if config.layout == Layout.EXPERT_MAJOR:
+            return self._em_prepare(topk_idx, config)
         st = self._state(topk_idx.device)
         R, E, me = self.world, config.num_experts, self.rank
         lay = st.layout(topk_idx, E, config.capacity)
@@ -213,7 +231,7 @@ class CudaNvshmemTorch(TorchGroupBackend):
         if config.capacity is not None:
             keep &= slot < config.capacity
         send_slot = torch.where(keep, slot, -1).to(torch.int32)
-        _remember(all_counts, lay.send_offset, lay.dropped)
+        _remember(all_counts, send_offset=lay.send_offset, dropped=lay.dropped)
         return TorchHandle(
             config=config, backend=self.name, topk_idx=lay.topk_idx, topk_weights=None, send_pos=lay.send_pos,
             num_tokens_per_rank=lay.num_tokens_per_rank, recv_counts=lay.recv_counts, recv_topk_idx=None,
@@ -232,6 +250,8 @@ class CudaNvshmemTorch(TorchGroupBackend):
     def dispatch(self, x, topk_weights, handle: TorchHandle):
         """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8) and the routing; a completed handle gives a
         cached dispatch (rows only). Returns the fields of :class:`Dispatched` and the handle."""
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_dispatch(x, topk_weights, handle)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         cached = handle.recv_topk_idx is not None
         L = handle.config.num_local_experts
@@ -258,17 +278,25 @@ class CudaNvshmemTorch(TorchGroupBackend):
                           bias=tuple(bias), g_recv_topk_weights=g_recv_topk_weights)
 
     def combine(self, y, handle: TorchHandle, bias: tuple = ()):
-        """``out[T, H]`` in ``y``'s dtype: fp32 sum over ranks ascending, bias last, rounded once."""
+        """``out[T, H]`` in ``y``'s dtype: fp32 sum over ranks ascending (expert-major: of the weighted
+        copies, k ascending), bias last, rounded once."""
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_combine(y, handle, bias)
         return self._pull(y, handle, bias)
 
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: TorchHandle):
         """``(g_x, g_topk_weights)``: a combine of ``g_recv_x`` that also reads back the weight grads."""
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_dispatch_bwd(g_recv_x, g_recv_topk_weights, handle)
         if g_recv_topk_weights is None:
             g_recv_topk_weights = torch.zeros((g_recv_x.shape[0], handle.topk_idx.shape[1]), dtype=torch.float32,
                                               device=g_recv_x.device)
         return self._pull(g_recv_x, handle, (), g_recv_topk_weights)
 
     def combine_bwd(self, g_out, handle: TorchHandle, y: Optional[torch.Tensor] = None):
-        """``(g_y, None)``: a cached dispatch of ``g_out`` (rows only, padding rows 0)."""
+        """Rank-major ``(g_y, None)``: a cached dispatch of ``g_out`` (rows only, padding rows 0).
+        Expert-major ``(g_y [L, C, H], g_topk_weights [T, K] or None without y)``."""
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_combine_bwd(g_out, handle, y)
         g_y, *_ = self._move(g_out, None, None, handle, routing=False)
         return g_y, None

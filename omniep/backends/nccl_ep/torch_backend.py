@@ -5,16 +5,13 @@ handles, same buffer layout, same kernels; results bit for bit :mod:`omniep.ep_c
 the per-group native state differs: an :class:`~omniep.native.nccl_rank.NcclRankState`, whose NCCL
 communicator is made from a unique id all-gathered through ``torch.distributed``. One state per
 ``(group, device)`` lives for the life of the process (created collectively at the group's first call).
-Rank-major layout only, for now. Peers must be on NVLink (the LSA team); the GIN path has not run.
+Both layouts (rank-major and expert-major). Peers must be on NVLink (the LSA team); the GIN path has not run.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
 from ..cuda_nvshmem.torch_backend import MIN_CC, CudaNvshmemTorch
 from . import native_reason, version_string
@@ -33,6 +30,7 @@ class NcclEpTorch(CudaNvshmemTorch):
     """prepare / dispatch / combine / backward passes for ONE rank of a group, over NCCL windows."""
 
     name = "nccl_ep"
+    _states = _STATES
 
     @classmethod
     def availability(cls) -> Availability:
@@ -57,22 +55,12 @@ class NcclEpTorch(CudaNvshmemTorch):
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
-            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
+            max_ranks=16, intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
             frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1, devices=("gpu",),
         )
 
-    def _state(self, device: torch.device):
+    def _new_state(self, timeout: float):
         from ...native.nccl_rank import NcclRankState
 
-        if device.type != "cuda":
-            raise UnsupportedError(self.name, f"tensors on {device} (it serves CUDA tensors; use "
-                                              f"OMNIEP_BACKEND=collective for CPU tensors)", ["collective"])
-        if device.index is not None and device.index != torch.cuda.current_device():
-            raise InputError(f"tensors are on {device} but this process's current device is "
-                             f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device first")
-        key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
-        if key not in _STATES:
-            timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
-            _STATES[key] = NcclRankState(self.group, timeout_s=timeout)
-        return _STATES[key]
+        return NcclRankState(self.group, timeout_s=timeout)

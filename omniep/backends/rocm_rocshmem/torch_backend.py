@@ -16,7 +16,6 @@ import ctypes
 import importlib
 import os
 
-from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
 from ..cuda_nvshmem.torch_backend import CudaNvshmemTorch
 
@@ -78,6 +77,8 @@ class RocmRocshmemTorch(CudaNvshmemTorch):
     """prepare / dispatch / combine / backward passes for ONE rank of a group, one process per AMD GPU."""
 
     name = "rocm_rocshmem"
+    serves = "AMD GPU tensors"  # torch's ROCm build calls AMD GPUs "cuda"
+    _states = _STATES
 
     @classmethod
     def missing(cls) -> list[str]:
@@ -121,24 +122,12 @@ class RocmRocshmemTorch(CudaNvshmemTorch):
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
-            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
+            max_ranks=16, intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
             frameworks=("torch",), cuda_graph_safe=False, hidden_multiple=1, devices=("gpu",),
         )
 
-    def _state(self, device):
-        import torch
-
+    def _new_state(self, timeout: float):
         from ...native.ipc_rank import IpcRankState
 
-        if device.type != "cuda":  # torch's ROCm build calls AMD GPUs "cuda"
-            raise UnsupportedError(self.name, f"tensors on {device} (it serves AMD GPU tensors; use "
-                                              f"OMNIEP_BACKEND=collective for CPU tensors)", ["collective"])
-        if device.index is not None and device.index != torch.cuda.current_device():
-            raise InputError(f"tensors are on {device} but this process's current device is "
-                             f"cuda:{torch.cuda.current_device()}: call torch.cuda.set_device first")
-        key = (getattr(self.group, "group_name", str(id(self.group))), torch.cuda.current_device())
-        if key not in _STATES:
-            timeout = float(os.environ.get("OMNIEP_TIMEOUT_S", "30"))
-            _STATES[key] = IpcRankState(self.group, timeout_s=timeout, module=NATIVE_MODULE)
-        return _STATES[key]
+        return IpcRankState(self.group, timeout_s=timeout, module=NATIVE_MODULE)
