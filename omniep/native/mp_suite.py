@@ -4,10 +4,12 @@
 ``rocm_rocshmem`` (tests/rocm/test_rocm_backend.py) differ only in the backend and transport they name
 in the environment; the cases, the expectations and the checks are these. :func:`run_session` runs
 one session of ``world`` processes (the workers are :mod:`omniep.native.mp_workers`', which take the
-backend from ``OMNIEP_BACKEND``): hypothesis-drawn rank-major cases and edge cases through
-``omniep.torch`` (autograd included), static-capacity cases through the backend, the rank-major golden
-vectors, and a peer that never arrives. The ``check_*`` functions assert on its result, bit for bit
-against :mod:`omniep.ep_core.reference`.
+backend from ``OMNIEP_BACKEND``), for both layouts (rank-major and expert-major): hypothesis-drawn
+cases and edge cases through ``omniep.torch`` (autograd included), static-capacity cases through the
+backend (rows / copies dropped and counted, fp8 rows and scales moved unchanged), the golden vectors,
+and a peer that never arrives. The ``check_*`` functions assert on its result, bit for bit against
+:mod:`omniep.ep_core.reference` (the expert-major combine's weight gradient, a dot product over H, to
+a rounding bound: :mod:`omniep.testing.bounds`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ import numpy as np
 from ..ep_core import reference as ref
 from ..ep_core.types import Layout
 from ..testing import golden
+from ..testing.bounds import assert_dots_close
 from ..testing.cases import case_strategy, draw, make_case
 from ..testing.jobs import make_job
 from ..testing.procs import run_ranks
 
-RM = Layout.RANK_MAJOR
+RM, EM = Layout.RANK_MAJOR, Layout.EXPERT_MAJOR
+LAYOUTS = (RM, EM)
 
 
 def draw_cases(world: int, n: int) -> list:
-    return draw(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12, layouts=(RM,),
-                              dtypes=("bfloat16", "float16", "float32")), n)
+    """``n`` hypothesis-drawn cases of each layout."""
+    return [case for layout in LAYOUTS
+            for case in draw(case_strategy(fixed_ranks=world, max_tokens=10, max_hidden=12, layouts=(layout,),
+                                           dtypes=("bfloat16", "float16", "float32")), n)]
 
 
 def edge_cases(world: int) -> list:
@@ -42,6 +48,22 @@ def edge_cases(world: int) -> list:
         make_case(13, num_experts=2 * R, num_tokens=6, hidden=3, dtype="bfloat16", **common),  # odd row bytes
         make_case(10, num_experts=2 * R, num_tokens=[2] * R, hidden=256, dtype="float8_e4m3fn", capacity=2 * R,
                   **common),
+        # expert-major: the same kinds of edges, per (token, local expert) copy
+        make_case(2, num_experts=2 * R, num_tokens=0, hidden=8, layout=EM, capacity=3, **common),
+        make_case(4, num_experts=2 * R, num_tokens=uneven, hidden=8, dtype="float16", index_dtype="int64", layout=EM,
+                  expert_alignment=4, **common),
+        make_case(6, num_experts=2 * R, num_tokens=5, hidden=8, skew="one_expert", capacity=2, layout=EM,
+                  **common),  # overflows: CapacityError in the frontend
+        make_case(8, num_experts=2 * R, num_tokens=uneven, hidden=8, skew="empty_rank", layout=EM, capacity=R * 8,
+                  dtype="bfloat16", **common),
+        make_case(9, num_experts=2 * R, num_tokens=4, hidden=8, p_none=0.6, layout=EM, **common),
+        make_case(14, num_experts=4 * R, num_tokens=[40 + r for r in range(R)], hidden=1024, dtype="bfloat16",
+                  layout=EM, expert_alignment=4, **common),  # 16-byte packs, several blocks and H chunks
+        make_case(15, num_experts=2 * R, num_tokens=6, hidden=3, dtype="bfloat16", layout=EM, **common),
+        make_case(16, num_ranks=R, num_experts=64, num_topk=40, num_tokens=3, hidden=16, layout=EM,
+                  capacity=3 * R),  # K > warp size
+        make_case(11, num_experts=2 * R, num_tokens=uneven, hidden=128, dtype="float8_e4m3fn", layout=EM,
+                  capacity=2 * R * 8, **common),
     ]
 
 
@@ -49,7 +71,7 @@ def golden_jobs(world: int) -> list:
     jobs = []
     for path in golden.golden_files():
         g = golden.load(path)
-        if g.case.num_ranks != world or g.case.layout != RM:
+        if g.case.num_ranks != world:
             continue
         case = g.case
         case.capacity = golden.static_capacity(case)
@@ -61,15 +83,17 @@ def golden_jobs(world: int) -> list:
 def expected(job: dict) -> dict:
     case = job["case"]
     plan = ref.make_plan(case.topk_idx, case.config())
-    exp = dict(disp=ref.dispatch(case.x, case.topk_weights, plan), overflow=[])
+    exp = dict(plan=plan, disp=ref.dispatch(case.x, case.topk_weights, plan), overflow=[])
     if case.capacity is not None:
-        exp["overflow"] = [r for r, n in enumerate(plan.total) if n > case.capacity]
+        needed = plan.total if case.layout == RM else [int(c.max(initial=0)) for c in plan.expert_counts]
+        exp["overflow"] = [r for r, n in enumerate(needed) if n > case.capacity]
     if "x_scales" in job:
         exp["scales"] = ref.dispatch(job["x_scales"], case.topk_weights, plan)
         return exp
-    exp["out"] = ref.combine(job["y"], plan, bias=[tuple(b) for b in job["bias"]])
+    w = case.topk_weights
+    exp["out"] = ref.combine(job["y"], plan, topk_weights=w, bias=[tuple(b) for b in job["bias"]])
     exp["g_x"], exp["g_w"] = ref.dispatch_bwd(job["g_recv_x"], job["g_recv_w"], plan)
-    exp["g_y"], _ = ref.combine_bwd(job["g_out"], plan)
+    exp["g_y"], exp["g_w_combine"] = ref.combine_bwd(job["g_out"], plan, ys=job["y"], topk_weights=w)
     return exp
 
 
@@ -91,14 +115,19 @@ def assert_results(res: dict, exp: dict, job: dict, r: int, what: str, autograd:
         return
     for key in ("out", "g_x", "g_w", "g_y"):
         assert_bits(res[key], exp[key][r], f"{what} {key}")
+    if exp["g_w_combine"] is not None:  # expert-major: combine's weight gradient, to rounding
+        assert_dots_close(res["g_topk_weights_combine"], exp["g_w_combine"][r], job["g_out"], job["y"], exp["plan"],
+                          r, f"{what} combine_bwd g_topk_weights")
     if autograd:
         for b, g in enumerate(res["g_bias"]):
             assert_bits(g, job["g_out"][r], f"{what} g_bias{b}")
 
 
-def run_session(world: int, per_gpu: bool, env: dict) -> tuple:
+def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False) -> tuple:
     """Run every job on ``world`` processes (one per GPU if ``per_gpu``, else all on GPU 0) with
-    ``env`` (``OMNIEP_BACKEND`` and transport variables). Returns ``(world, jobs, results)``."""
+    ``env`` (``OMNIEP_BACKEND`` and transport variables). Returns ``(world, jobs, results)``.
+    ``on_cpu``: CPU tensors and no missing-peer job (the suite itself checked against a backend that
+    serves CPU tensors: ``collective``)."""
     from .mp_workers import native_session
 
     n = 12 if world == 2 else 4
@@ -107,13 +136,16 @@ def run_session(world: int, per_gpu: bool, env: dict) -> tuple:
     statics = [c for c in cases if c.capacity is not None]
     statics.append(make_case(40, num_ranks=world, num_experts=world, num_topk=2, hidden=16, num_tokens=6,
                              skew="one_rank", capacity=5, dtype="float16"))  # overflows: rows dropped
+    statics.append(make_case(41, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=16, num_tokens=6,
+                             skew="one_expert", capacity=3, dtype="bfloat16", layout=EM))  # copies dropped
     jobs["backend"] = [make_job(c, 100 + i, 1) for i, c in enumerate(statics)]
     jobs["golden"] = golden_jobs(world)
-    jobs["timeout"] = [dict(case=make_case(50, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=8,
-                                           num_tokens=4, capacity=4 * world), silent=world - 1)]
+    jobs["timeout"] = [] if on_cpu else [dict(case=make_case(50, num_ranks=world, num_experts=2 * world, num_topk=2,
+                                                             hidden=8, num_tokens=4, capacity=4 * world),
+                                              silent=world - 1)]
     run = dict(frontend=jobs["frontend"] + jobs["golden"], backend=jobs["backend"] + jobs["golden"],
                timeout=jobs["timeout"])
-    results = run_ranks(native_session, world, args=(run, per_gpu), timeout=400,
+    results = run_ranks(native_session, world, args=(run, per_gpu, on_cpu), timeout=400,
                         env={"OMNIEP_TIMEOUT_S": "20", **env})
     return world, jobs, results
 
@@ -135,22 +167,28 @@ def check_frontend_cases(session) -> None:
 
 
 def check_backend_static_capacity(session) -> None:
-    """Static-capacity cases through the backend: bitwise, with rows dropped and counted."""
+    """Static-capacity cases through the backend: bitwise, with rows (rank-major) and copies
+    (expert-major) dropped and counted; fp8 dispatched again with the completed handle moves the same
+    bytes."""
     world, jobs, results = session
-    dropped = 0
+    dropped = {layout: 0 for layout in LAYOUTS}
     for i, job in enumerate(jobs["backend"]):
         exp = expected(job)
         for r in range(world):
             res = results[r]["backend"][i]
-            assert_results(res, exp, job, r, f"backend case {i} rank {r}", autograd=False)
-            dropped += res["dropped"]
-    assert dropped > 0
+            what = f"backend case {i} ({job['case'].layout.value}) rank {r}"
+            assert_results(res, exp, job, r, what, autograd=False)
+            dropped[job["case"].layout] += res["dropped"]
+            if "cached_recv_x" in res:
+                assert_bits(res["cached_recv_x"], res["recv_x"], f"{what} cached fp8 dispatch")
+                assert_bits(res["cached_recv_x_scales"], res["recv_x_scales"], f"{what} cached fp8 scales")
+    assert all(dropped.values()), f"every layout must drop some rows / copies: {dropped}"
 
 
 def check_golden_vectors(session) -> None:
-    """The rank-major golden vectors, through the backend and (where nothing overflows) the frontend."""
+    """The golden vectors of both layouts, through the backend and (where nothing overflows) the frontend."""
     world, jobs, results = session
-    assert jobs["golden"], f"no rank-major golden file for {world} ranks"
+    assert {job["case"].layout for job in jobs["golden"]} == set(LAYOUTS), f"golden files for {world} ranks"
     n_front, n_back = len(jobs["frontend"]), len(jobs["backend"])
     for g_i, job in enumerate(jobs["golden"]):
         want = golden.load(golden.GOLDEN_DIR / f"{job['name']}.npz").expected

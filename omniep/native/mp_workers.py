@@ -7,6 +7,8 @@ job once, returning numpy arrays with their bits intact for the parent to compar
 reference. Frontend jobs reuse :func:`omniep.testing.torch_workers.frontend_job` with inputs placed on
 the GPU; backend jobs call the backend class directly (static capacity that drops rows): the one that
 ``OMNIEP_BACKEND`` names, ``cuda_nvshmem`` or ``nccl_ep`` (same torch backend interface).
+``on_cpu``: the same jobs with CPU tensors (no device pinned), for a backend that serves them
+(``collective``): the suite's own check on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import traceback
 from ..ep_core.errors import CapacityError, PeerTimeoutError
 
 
+_ON_GPU = True  # native_session(on_cpu=True) clears it: inputs stay on the CPU
+
+
 def _cuda_inputs():
-    """Make ``torch_workers.to_torch`` put every input on the current CUDA device."""
+    """``torch_workers``, its ``to_torch`` putting every input on the current CUDA device (unless the
+    session runs on the CPU)."""
     from ..testing import torch_workers as tw
 
-    if not getattr(tw.to_torch, "_omniep_cuda", False):
+    if _ON_GPU and not getattr(tw.to_torch, "_omniep_cuda", False):
         cpu = tw.to_torch
 
         def to_cuda(a):
@@ -41,24 +47,10 @@ def _backend_class():
 
 
 def backend_job(rank: int, job: dict) -> dict:
-    """dispatch, combine (with the job's biases), dispatch_bwd, combine_bwd through the backend itself."""
-    tw = _cuda_inputs()
-    case = job["case"]
-    be = _backend_class()()
-    x, idx, w = (tw.to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
-    handle = be.prepare(idx, case.config())
-    fp8 = case.dtype == "float8_e4m3fn"
-    moved = (x, tw.to_torch(job["x_scales"][rank])) if fp8 else x
-    fields, handle = be.dispatch(moved, w, handle)
-    res = tw._dispatched(*fields)
-    if fp8:
-        return res
-    y, g_out = tw.to_torch(job["y"][rank]), tw.to_torch(job["g_out"][rank])
-    res["out"] = tw.to_numpy(be.combine(y, handle, tuple(tw.to_torch(b) for b in job["bias"][rank])))
-    g_x, g_w = be.dispatch_bwd(tw.to_torch(job["g_recv_x"][rank]), tw.to_torch(job["g_recv_w"][rank]), handle)
-    g_y, _ = be.combine_bwd(g_out, handle, y)
-    res.update(g_x=tw.to_numpy(g_x), g_w=tw.to_numpy(g_w), g_y=tw.to_numpy(g_y))
-    return res
+    """dispatch (and, for fp8, again with the completed handle), combine (with the job's biases),
+    dispatch_bwd, combine_bwd through the backend itself: ``torch_workers.backend_job`` with inputs
+    on the GPU and the backend that ``OMNIEP_BACKEND`` names."""
+    return _cuda_inputs().backend_job(rank, job, _backend_class())
 
 
 def frontend_job(rank: int, job: dict) -> dict:
@@ -91,17 +83,21 @@ def timeout_job(rank: int, job: dict) -> dict:
     return out
 
 
-def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool) -> dict:
+def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, on_cpu: bool = False) -> dict:
     """Run ``jobs`` (keys: frontend, backend, timeout -> lists of job dicts) in one gloo group."""
+    global _ON_GPU
     import importlib
 
     import torch
 
     from ..testing.torch_workers import init_gloo, shutdown
 
-    destroy_states = importlib.import_module(_backend_class().__module__).destroy_states
+    # Native backends keep a state per group (released collectively here); the collective one none.
+    destroy_states = getattr(importlib.import_module(_backend_class().__module__), "destroy_states", lambda: None)
 
-    torch.cuda.set_device(rank if per_gpu else 0)
+    _ON_GPU = not on_cpu
+    if _ON_GPU:
+        torch.cuda.set_device(rank if per_gpu else 0)
     init_gloo(rank, world, port, timeout_s=120)
     runners = dict(frontend=frontend_job, backend=backend_job, timeout=timeout_job)
     out = {key: [] for key in jobs}

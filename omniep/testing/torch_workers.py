@@ -103,12 +103,14 @@ def frontend_job(rank: int, job: dict) -> dict:
     return res
 
 
-def backend_job(rank: int, job: dict) -> dict:
-    """The same through ``CollectiveTorch`` directly: static capacity overflow drops rows and counts them."""
-    from ..backends.collective.torch_backend import CollectiveTorch
+def backend_job(rank: int, job: dict, backend_cls=None) -> dict:
+    """The same through the backend directly (``backend_cls``, default ``CollectiveTorch``): static
+    capacity overflow drops rows and counts them."""
+    if backend_cls is None:
+        from ..backends.collective.torch_backend import CollectiveTorch as backend_cls
 
     case = job["case"]
-    be = CollectiveTorch()
+    be = backend_cls()
     x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
     handle = be.prepare(idx, case.config())
     moved = (x, to_torch(job["x_scales"][rank])) if case.dtype == "float8_e4m3fn" else x

@@ -18,6 +18,7 @@ from omniep.ep_core.errors import CapacityError
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
 from omniep.testing import torch_bits
+from omniep.testing.bounds import assert_dots_close
 from omniep.testing.torch_bits import to_numpy
 from omniep.testing.cases import case_strategy, make_case, np_dtype
 
@@ -65,24 +66,6 @@ def assert_bits_equal(got, want, what: str) -> None:
     bad = np.nonzero(g.reshape(-1) != w.reshape(-1))[0]
     assert bad.size == 0, f"{what}: {bad.size} elements differ, first at flat index {bad[0]}: " \
                           f"got {got.reshape(-1)[bad[0]]} want {want.reshape(-1)[bad[0]]}"
-
-
-def assert_dots_close(got, want, g_out, ys, plan, r_src: int, what: str) -> None:
-    """g_topk_weights: an fp32 dot product over H may differ from the float64 reference by rounding;
-    the bound is that of recursive fp32 summation of rounded products, (H + 2) u sum|g y| + u |want|."""
-    got = to_numpy(got)
-    L = plan.config.num_local_experts
-    H = g_out[r_src].shape[1]
-    bound = np.zeros_like(want, dtype=np.float64)
-    for t, k in zip(*np.nonzero(plan.copy_slot[r_src] >= 0)):
-        r = plan.owner[r_src][t, k]
-        y = ys[r][plan.topk_idx[r_src][t, k] - r * L, plan.copy_slot[r_src][t, k]].astype(np.float64)
-        bound[t, k] = np.abs(g_out[r_src][t].astype(np.float64) * y).sum()
-    u = 2.0 ** -24
-    tol = 2 * ((H + 2) * u * bound + u * np.abs(want)) + 1e-30
-    bad = np.nonzero(np.abs(got.astype(np.float64) - want) > tol)
-    assert bad[0].size == 0, f"{what}: {bad[0].size} dots off, first {got[bad][0]} vs {want[bad][0]}"
-    assert np.all(got[plan.copy_slot[r_src] < 0] == 0), f"{what}: unrouted / dropped copies must give 0"
 
 
 def randn(rng, shape, dtype):
