@@ -82,7 +82,7 @@ void IpcRank::open_workspaces(const std::vector<std::string>& handles) {
 void IpcRank::close_peer_data() {
   for (int r = 0; r < num_ranks_; ++r) {
     if (r != rank_ && data_[r]) {
-      (void)cudaIpcCloseMemHandle(data_[r]);
+      if (!linked_) (void)cudaIpcCloseMemHandle(data_[r]);
       data_[r] = nullptr;
     }
   }
@@ -91,7 +91,7 @@ void IpcRank::close_peer_data() {
 void IpcRank::close_peer_workspaces() {
   for (int r = 0; r < num_ranks_; ++r) {
     if (r != rank_ && workspaces_[r]) {
-      (void)cudaIpcCloseMemHandle(workspaces_[r]);
+      if (!linked_) (void)cudaIpcCloseMemHandle(workspaces_[r]);
       workspaces_[r] = nullptr;
     }
   }
@@ -111,6 +111,63 @@ void IpcRank::allocate_data(size_t bytes) {
   data_bytes_ = bytes;
   check_cuda(cudaMemset(p, 0, bytes), "zeroing the data buffer");
   check_cuda(cudaDeviceSynchronize(), "zeroing the data buffer");
+}
+
+namespace {
+
+// Peer access from the current device to `peer` (NVLink loads and stores); a no-op for the same
+// device, and fine if an earlier call enabled it already.
+void enable_peer_access(int device, int peer) {
+  if (device == peer) return;
+  int can = 0;
+  check_cuda(cudaDeviceCanAccessPeer(&can, device, peer), "cudaDeviceCanAccessPeer");
+  if (!can) {
+    throw std::runtime_error("omniep: device " + std::to_string(device) + " cannot access device " +
+                             std::to_string(peer) + " as a peer (no NVLink / PCIe P2P between them)");
+  }
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();  // clear the (non-sticky) error so that later checks do not report it
+    return;
+  }
+  check_cuda(err, "cudaDeviceEnablePeerAccess");
+}
+
+void check_local_group(const std::vector<IpcRank*>& ranks) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] == nullptr || ranks[i]->rank() != static_cast<int>(i) ||
+        ranks[i]->num_ranks() != static_cast<int>(ranks.size())) {
+      throw std::invalid_argument("omniep: link_*(): ranks[i] must be rank i of a group of ranks.size()");
+    }
+  }
+}
+
+}  // namespace
+
+void IpcRank::link_workspaces(const std::vector<IpcRank*>& ranks) {
+  check_local_group(ranks);
+  int prev = 0;
+  check_cuda(cudaGetDevice(&prev), "cudaGetDevice");
+  for (IpcRank* me : ranks) {
+    check_cuda(cudaSetDevice(me->device_), "cudaSetDevice");
+    for (IpcRank* peer : ranks) {
+      if (peer == me) continue;
+      enable_peer_access(me->device_, peer->device_);
+      me->workspaces_[peer->rank_] = peer->workspaces_[peer->rank_];
+    }
+    me->linked_ = true;
+  }
+  check_cuda(cudaSetDevice(prev), "cudaSetDevice");
+}
+
+void IpcRank::link_data(const std::vector<IpcRank*>& ranks) {
+  check_local_group(ranks);
+  for (IpcRank* me : ranks) {
+    if (!me->linked_) throw std::runtime_error("omniep: link_data() before link_workspaces()");
+    for (IpcRank* peer : ranks) {
+      if (peer != me) me->data_[peer->rank_] = peer->data_[peer->rank_];
+    }
+  }
 }
 
 void IpcRank::open_data(const std::vector<std::string>& handles) {

@@ -69,6 +69,14 @@ class IpcRank : public OneRankOps<IpcRank> {
   size_t data_bytes() const { return data_bytes_; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_[rank_]); }
 
+  // ---- one process driving several GPUs: no IPC, the ranks' own device pointers ----
+  // Every rank of `ranks` (rank i is ranks[i], all made in this process, each on its own device or
+  // sharing one) reaches the others' workspaces (link_workspaces, once) or data buffers (link_data,
+  // after every rank's allocate_data) through their device pointers, with peer access enabled between
+  // the devices. Such a rank's close_peer_*() just drop the pointers (nothing was IPC-mapped).
+  static void link_workspaces(const std::vector<IpcRank*>& ranks);
+  static void link_data(const std::vector<IpcRank*>& ranks);
+
   // Entry r = rank r's data buffer + offset (as mapped in this process).
   template <typename T>
   PerRank<T> sym(int64_t offset) const {
@@ -91,9 +99,10 @@ class IpcRank : public OneRankOps<IpcRank> {
   int device_ = 0;
   uint64_t timeout_ns_;
   std::unique_ptr<OneRankLauncher> launcher_;
-  std::vector<RankWorkspace*> workspaces_;  // [R]: mine allocated here, peers' IPC-mapped
+  std::vector<RankWorkspace*> workspaces_;  // [R]: mine allocated here, peers' IPC-mapped (or linked)
   std::vector<void*> data_;                 // [R]: same
   size_t data_bytes_ = 0;
+  bool linked_ = false;  // peers' pointers came from link_*() (same process), not from IPC handles
 };
 
 extern template class OneRankOps<IpcRank>;  // instantiated in ipc_rank.cu

@@ -1,6 +1,8 @@
-// JaxRank: ONE rank of a cuda_nvshmem JAX EP group (one process per GPU, CUDA IPC peers) for the XLA
-// FFI handlers (ffi/jax_ops.h over IpcRank).
+// The cuda_nvshmem JAX states for the XLA FFI handlers (ffi/jax_ops.h over IpcRank), one per process
+// model: JaxRank (one process per GPU, CUDA IPC peers) and JaxLocalIpcGroup (one process driving every
+// local GPU, peers by device pointers).
 //
+// JaxRank: ONE rank of a cuda_nvshmem JAX EP group.
 // Created once per (process, EP group) from Python (omniep/backends/cuda_nvshmem/jax_state.py), which
 // bootstraps it (CUDA IPC handles all-gathered through JAX's distributed key-value store) and passes
 // handle() (its one-rank JaxGroup) to every ffi_call as the integer attribute `state`. destroy() frees
@@ -14,6 +16,7 @@
 
 #include <memory>
 #include <stdexcept>
+#include <vector>
 
 #include "backends/ipc_rank.h"
 #include "ffi/jax_group.h"
@@ -45,6 +48,36 @@ class JaxRank {
  private:
   int device_;
   std::unique_ptr<IpcRank> impl_;
+  JaxGroup<IpcRank> group_;
+};
+
+// JaxLocalIpcGroup: every rank of a cuda_nvshmem JAX EP group, all in THIS process (single-controller
+// jit(shard_map) over the local GPUs): rank i on devices[i], the peers' buffers reached through their
+// device pointers with peer access enabled (IpcRank::link_*: the p2p transport in one process, no IPC
+// handles). handle() is a JaxGroup keyed by device, like JaxNcclState's, and the Python side treats
+// both alike (omniep/backends/jax_native.py LocalJaxState).
+class JaxLocalIpcGroup {
+ public:
+  JaxLocalIpcGroup(const std::vector<int>& devices, uint64_t timeout_ns);
+  ~JaxLocalIpcGroup();
+  JaxLocalIpcGroup(const JaxLocalIpcGroup&) = delete;
+  JaxLocalIpcGroup& operator=(const JaxLocalIpcGroup&) = delete;
+
+  int64_t handle() const { return group_.handle(); }  // the FFI `state` attribute
+  bool alive() const { return !ranks_.empty(); }
+  int local_size() const { return static_cast<int>(ranks_.size()); }
+  size_t data_bytes() const { return alive() ? ranks_.front()->data_bytes() : 0; }
+  void set_blocks(int n);
+  // Waits for every device, then re-allocates every rank's data buffer with `bytes` and links them.
+  void allocate_data(size_t bytes);
+  void synchronize() const;  // every device
+  ErrorRecord error(int i) const;  // rank i's record; synchronises its device
+  // Synchronise, free every rank's buffers; the object stays (stale executables get an FFI error).
+  void destroy();
+
+ private:
+  std::vector<int> devices_;
+  std::vector<std::unique_ptr<IpcRank>> ranks_;
   JaxGroup<IpcRank> group_;
 };
 

@@ -27,7 +27,7 @@ std::vector<std::string> handles(const std::vector<py::bytes>& in) {
 }  // namespace
 
 PYBIND11_MODULE(_native_jax, m) {
-  m.doc() = "omniep native core for JAX: XLA FFI handlers over one rank per process (CUDA IPC peers)";
+  m.doc() = "omniep native core for JAX: XLA FFI handlers over the p2p transport (CUDA IPC peers, or peer access in one process)";
   m.attr("MAX_RANKS") = omniep::kMaxRanks;
   omniep_py::def_ffi_targets(m, OMNIEP_JAX_HANDLER_TABLE(omniep_jax));
 
@@ -62,4 +62,23 @@ PYBIND11_MODULE(_native_jax, m) {
             return py::make_tuple(e.code, e.rank, e.peer, e.phase);
           }, "(code, rank, peer, phase) of this rank; synchronises the device.")
       .def("destroy", &JaxRank::destroy, "Free the buffers (peers must have unmapped them); the object stays.");
+
+  using omniep::JaxLocalIpcGroup;
+  py::class_<JaxLocalIpcGroup>(m, "JaxLocalIpcGroup",
+                               "Every rank of a JAX EP group in this process: rank i on devices[i], peer access.")
+      .def(py::init<const std::vector<int>&, uint64_t>(), py::arg("devices"), py::arg("timeout_ns"))
+      .def_property_readonly("handle", &JaxLocalIpcGroup::handle, "Address passed to the FFI handlers as `state`.")
+      .def_property_readonly("alive", &JaxLocalIpcGroup::alive)
+      .def_property_readonly("local_size", &JaxLocalIpcGroup::local_size)
+      .def_property_readonly("data_bytes", &JaxLocalIpcGroup::data_bytes)
+      .def("set_blocks", &JaxLocalIpcGroup::set_blocks)
+      .def("allocate_data", &JaxLocalIpcGroup::allocate_data, py::call_guard<py::gil_scoped_release>(),
+           "Synchronise, then re-allocate and link every rank's data buffer.")
+      .def("synchronize", &JaxLocalIpcGroup::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("error", [](const JaxLocalIpcGroup& s, int i) {
+            const auto e = s.error(i);
+            return py::make_tuple(e.code, e.rank, e.peer, e.phase);
+          }, "(code, rank, peer, phase) of local rank i; synchronises its device.")
+      .def("destroy", &JaxLocalIpcGroup::destroy, py::call_guard<py::gil_scoped_release>(),
+           "Free every rank's buffers; the object stays (stale executables get an FFI error).");
 }

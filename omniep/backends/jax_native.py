@@ -62,3 +62,66 @@ def raise_for_error(record: tuple, timeout_s: float) -> None:
         return
     what = "barrier of its own blocks" if code == 2 else _PHASES.get(phase, "communication")
     raise PeerTimeoutError(rank, None if peer < 0 else peer, timeout_s, what=what)
+
+
+_RETIRED: list = []  # destroyed native states: a stale executable gets an FFI error, not freed memory
+
+
+class LocalJaxState:
+    """A native JAX state object (``JaxLocalIpcGroup``, ``JaxNcclState``) whose collective steps need
+    no exchange from Python: every rank of the group is in this process (single controller), or the
+    native object does its own (NCCL). ``impl`` has ``handle``, ``data_bytes``, ``local_size``,
+    ``allocate_data(bytes)`` (synchronises first), ``error(i)`` and ``destroy()``."""
+
+    def __init__(self, impl, *, backend: str, timeout_s: float, blocks: int = 0):
+        self._impl, self._backend, self.timeout_s = impl, backend, float(timeout_s)
+        if blocks:
+            impl.set_blocks(int(blocks))
+
+    def _g(self):
+        if self._impl is None:
+            from ..ep_core.errors import DestroyedError
+
+            raise DestroyedError(f"the {self._backend} JAX state was used after destroy()")
+        return self._impl
+
+    @property
+    def handle(self) -> int:
+        """The address the FFI handlers get as ``state``."""
+        return int(self._g().handle)
+
+    @property
+    def data_bytes(self) -> int:
+        return int(self._g().data_bytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """Make every rank's data buffer at least ``nbytes`` (collective: the same tracing step on every
+        process; sizes come from static shapes only)."""
+        g = self._g()
+        if nbytes <= g.data_bytes:
+            return
+        g.allocate_data(grown_size(nbytes, g.data_bytes))
+
+    def check(self) -> None:
+        """Synchronise; raise PeerTimeoutError if a local rank's kernels recorded a timed-out wait."""
+        for i in range(self._g().local_size):
+            raise_for_error(self.error(i), self.timeout_s)
+
+    def error(self, i: int = 0) -> tuple:
+        """``(code, rank, peer, phase)`` of local rank ``i`` (0 = none); synchronises its device."""
+        return tuple(self._g().error(i))
+
+    def destroy(self) -> None:
+        """Collective: every process calls it."""
+        if self._impl is None:
+            return
+        self._impl.destroy()
+        _RETIRED.append(self._impl)
+        self._impl = None
+
+
+def grown_size(nbytes: int, current: int) -> int:
+    """The data buffer's next size when ``nbytes`` do not fit in ``current``: at least double, at least
+    2 MiB, in whole 2 MiB granules (so a growing sequence of calls re-allocates O(log) times)."""
+    new = max(int(nbytes), 2 * int(current), 1 << 21)
+    return (new + (1 << 21) - 1) >> 21 << 21

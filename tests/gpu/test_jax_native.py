@@ -1,4 +1,4 @@
-"""``cuda_nvshmem`` through ``omniep.jax`` with one JAX process per rank, bit for bit against the reference.
+"""``cuda_nvshmem`` through ``omniep.jax``, both JAX process models, bit for bit against the reference.
 
 Marked ``gpu``. Two JAX processes over ``jax.distributed`` on localhost, each with one local device:
 both on GPU 0 (CUDA IPC to the same device; the processes time-slice it), and one per GPU when two
@@ -7,6 +7,7 @@ biases and both backward passes (``jax.vjp``) for fixed and hypothesis-drawn ran
 (int32/int64 ids, every dtype, skew, static capacity that drops rows, odd H; not T = 0, see
 session_cases), and the
 rank-major golden vectors of two ranks. Each child checks its own rank and fails with the traceback.
+A third session is ONE process driving both GPUs (single controller), ranks linked by peer access.
 """
 
 from __future__ import annotations
@@ -50,3 +51,18 @@ def test_two_jax_processes_match_reference_bitwise(per_gpu):
         assert "CUDA IPC" in res["availability"], res["availability"]
         assert res["cases"] == [[proc]] * len(cases), res["cases"]
         assert [n for n, _ in res["golden"]] == names and all(r == [proc] for _, r in res["golden"])
+
+
+def test_single_controller_two_gpus_bitwise():
+    """ONE process, jit(shard_map) over both GPUs: the p2p transport over peer access (no IPC)."""
+    from omniep.native.jax_mp_workers import jax_single_controller_session
+
+    if gpu_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs, {gpu_count()} visible")
+    cases, names = session_cases(WORLD), golden_names(WORLD)
+    env = {"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
+           "JAX_PLATFORMS": "cuda"}
+    (res,) = run_ranks(jax_single_controller_session, 1, args=(cases, names, WORLD), timeout=300, env=env)
+    assert "one process driving its 2 GPUs" in res["availability"], res["availability"]
+    assert res["cases"] == [list(range(WORLD))] * len(cases), res["cases"]
+    assert [n for n, _ in res["golden"]] == names and all(r == list(range(WORLD)) for _, r in res["golden"])

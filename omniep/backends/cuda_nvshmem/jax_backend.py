@@ -1,4 +1,5 @@
-"""The ``cuda_nvshmem`` backend for JAX: native kernels through XLA FFI, one process per GPU.
+"""The ``cuda_nvshmem`` backend for JAX: native kernels through XLA FFI, one process per GPU or one
+process driving every local GPU.
 
 Every method runs for ONE rank inside ``shard_map`` over the EP axis ``self.group`` and calls an XLA
 FFI handler of ``omniep._native_jax`` (csrc/ffi/jax_handlers.cpp) with ``jax.ffi.ffi_call``: the same
@@ -6,10 +7,11 @@ kernels and launchers as the torch backend (p2p transport over CUDA IPC peers), 
 static shapes (``capacity`` rows) and no host synchronisation. Results are bit for bit those of
 :mod:`omniep.ep_core.reference`.
 
-Process model: one JAX process per GPU (``jax.distributed.initialize(..., local_device_ids=[i])``),
+Process models: one JAX process per GPU (``jax.distributed.initialize(..., local_device_ids=[i])``),
 the EP axis spanning every process in process order (the mesh built from ``jax.devices()``), so this
-process's rank is ``jax.process_index()``. Several processes may share one GPU (CUDA IPC to the same
-device). The per-rank state (peer table + symmetric buffers, :mod:`.jax_state`) is created once per
+process's rank is ``jax.process_index()`` — several processes may share one GPU (CUDA IPC to the same
+device); or ONE process driving every local GPU (``jit(shard_map)`` over a mesh of
+``jax.local_devices()`` in order), the ranks' buffers linked by device pointers with peer access. The per-rank state (peer table + symmetric buffers, :mod:`.jax_state`) is created once per
 (process, EP group) while the first call is traced; the handlers receive its address as the attribute
 ``state``. Collective steps of the state (bootstrap, growing the data buffer) run while tracing, which
 every process does in the same order; the compiled programs contain only the FFI calls, which every
@@ -38,7 +40,7 @@ from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout, ProcessModel
 from ..collective.jax_layout import per_rank
 from ..jax_native import kv_client
-from .jax_state import JaxRankState
+from .jax_state import JaxRankState, local_group_state
 
 MIN_CC = (9, 0)
 _ALIGN = 256
@@ -117,19 +119,22 @@ class CudaNvshmemJax(EPBackend):
             return Availability(False, f"jax has no usable backend: {exc}")
         if backend != "gpu":
             return Availability(False, f"jax has no GPU (default backend: {backend}); install jax[cuda13]")
-        if kv_client() is None:
-            return Availability(False, "jax.distributed is not initialized: cuda_nvshmem runs one process per GPU "
-                                       "(jax.distributed.initialize(..., local_device_ids=[i]))")
-        n = jax.local_device_count()
-        if n != 1:
-            return Availability(False, f"this process has {n} local devices; cuda_nvshmem serves one process per "
-                                       f"GPU (jax.distributed.initialize(..., local_device_ids=[i])); "
-                                       f"use collective for one process with many devices")
         cc = getattr(jax.local_devices()[0], "compute_capability", None)
         if cc is not None:
             major, minor = (int(v) for v in str(cc).split(".")[:2])
             if (major, minor) < MIN_CC:
                 return Availability(False, f"built for sm_90; this GPU is sm_{major}{minor}")
+        n = jax.local_device_count()
+        if jax.process_count() == 1 and n >= 2:
+            return Availability(True, f"native kernels over peer access (p2p), one process driving its {n} GPUs")
+        if kv_client() is None:
+            return Availability(False, "one process with one GPU and no jax.distributed: cuda_nvshmem runs one "
+                                       "process per GPU (jax.distributed.initialize(..., local_device_ids=[i])) "
+                                       "or one process over several GPUs")
+        if n != 1:
+            return Availability(False, f"{jax.process_count()} processes with {n} local devices each; cuda_nvshmem "
+                                       f"serves one process per GPU (jax.distributed.initialize(..., "
+                                       f"local_device_ids=[i])) or a single process driving every GPU")
         return Availability(True, f"native kernels over CUDA IPC peers (p2p), process {jax.process_index()} of "
                                   f"{jax.process_count()}, one GPU each")
 
@@ -137,7 +142,8 @@ class CudaNvshmemJax(EPBackend):
     def capabilities(cls) -> Capabilities:
         return Capabilities(
             dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
-            intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
+            intranode=True, internode=False,
+            process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE, ProcessModel.ONE_PROCESS_MANY_DEVICES),
             frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1,
         )
 
@@ -158,6 +164,8 @@ class CudaNvshmemJax(EPBackend):
         return _STATES[key]
 
     def _make_state(self, num_ranks: int, group_key: str, timeout_s: float):
+        if jax.process_count() == 1:
+            return local_group_state(self._local_devices(num_ranks), timeout_s=timeout_s)
         if num_ranks != jax.process_count() or jax.local_device_count() != 1:
             raise UnsupportedError(
                 self.name, f"an EP axis of {num_ranks} devices over {jax.process_count()} processes with "
@@ -166,6 +174,16 @@ class CudaNvshmemJax(EPBackend):
         device = jax.local_devices()[0]
         return JaxRankState(group_key, jax.process_index(), num_ranks,
                             int(getattr(device, "local_hardware_id", None) or 0), timeout_s=timeout_s)
+
+    def _local_devices(self, num_ranks: int) -> list:
+        """CUDA ordinals of the EP ranks of a single-controller group: every local device, in
+        ``jax.local_devices()`` order (the order of a mesh made from ``jax.devices()``)."""
+        devices = jax.local_devices()
+        if num_ranks != len(devices):
+            raise UnsupportedError(self.name, f"an EP axis of {num_ranks} devices in one process with "
+                                              f"{len(devices)} local GPUs (the axis must span every local "
+                                              f"device, in jax.local_devices() order)", ["collective"])
+        return [d.local_hardware_id for d in devices]
 
     def _call(self, target: str, results, *args, **attrs):
         """``jax.ffi.ffi_call`` of handler ``<prefix>_<target>`` on this rank's state. ``results``: ``(shape, dtype)`` pairs,

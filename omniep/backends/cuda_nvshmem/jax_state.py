@@ -1,6 +1,9 @@
-"""This process's rank of a JAX EP group for the ``cuda_nvshmem`` JAX backend (one process per GPU).
+"""The ``cuda_nvshmem`` JAX backend's per-group state, for both JAX process models.
 
-:class:`JaxRankState` wraps ``omniep._native_jax.JaxRank``: the rank's workspace and symmetric data
+One process driving every local GPU: :func:`local_group_state` (``JaxLocalIpcGroup``: the ranks'
+buffers linked by device pointers with peer access, nothing to exchange).
+
+One process per GPU: :class:`JaxRankState` wraps ``omniep._native_jax.JaxRank``: the rank's workspace and symmetric data
 buffer (CUDA IPC, as :mod:`omniep.native.ipc_rank` for torch) whose address the XLA FFI handlers get
 as the attribute ``state``. It is created ONCE per (process, EP group), while the first ``omniep.jax``
 call of that group is traced, and bootstrapped through JAX's distributed key-value store: every
@@ -18,7 +21,7 @@ from __future__ import annotations
 import importlib
 
 from ...ep_core.errors import BackendUnavailableError, DestroyedError
-from ..jax_native import KvExchange, kv_client, raise_for_error
+from ..jax_native import KvExchange, LocalJaxState, grown_size, kv_client, raise_for_error
 
 _RETIRED: list = []  # destroyed JaxRank shells: a stale executable gets an FFI error, not freed memory
 
@@ -64,8 +67,7 @@ class JaxRankState:
         g = self._g()
         if nbytes <= g.data_bytes:
             return
-        new = max(int(nbytes), 2 * g.data_bytes, 1 << 21)
-        new = (new + (1 << 21) - 1) >> 21 << 21  # 2 MiB granules
+        new = grown_size(nbytes, g.data_bytes)
         g.synchronize()  # executables already enqueued may still use the old buffers
         g.close_peer_data()
         self._kv.barrier("data-closed")  # nobody maps anyone's old buffer any more
@@ -93,3 +95,11 @@ class JaxRankState:
         g.destroy()
         _RETIRED.append(g)
         self._impl = None
+
+
+def local_group_state(devices, *, timeout_s: float = 30.0, blocks: int = 0) -> LocalJaxState:
+    """Every rank in this process (single controller): rank i on CUDA device ``devices[i]``, the p2p
+    transport over peer access (``omniep._native_jax.JaxLocalIpcGroup``, no IPC handles)."""
+    native = importlib.import_module("omniep._native_jax")
+    impl = native.JaxLocalIpcGroup([int(d) for d in devices], int(float(timeout_s) * 1e9))
+    return LocalJaxState(impl, backend="cuda_nvshmem", timeout_s=timeout_s, blocks=blocks)

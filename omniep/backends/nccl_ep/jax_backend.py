@@ -75,12 +75,7 @@ class NcclEpJax(CudaNvshmemJax):
 
     def _make_state(self, num_ranks: int, group_key: str, timeout_s: float) -> NcclJaxState:
         if jax.process_count() == 1:
-            devices = jax.local_devices()
-            if num_ranks != len(devices):
-                raise UnsupportedError(self.name, f"an EP axis of {num_ranks} devices in one process with "
-                                                  f"{len(devices)} local GPUs (the axis must span every local "
-                                                  f"device, in jax.local_devices() order)", ["collective"])
-            return NcclJaxState(devices=[d.local_hardware_id for d in devices], timeout_s=timeout_s)
+            return NcclJaxState(devices=self._local_devices(num_ranks), timeout_s=timeout_s)
         if num_ranks != jax.process_count() or jax.local_device_count() != 1:
             raise UnsupportedError(self.name, f"an EP axis of {num_ranks} devices over {jax.process_count()} "
                                               f"processes with {jax.local_device_count()} local devices each",
