@@ -13,8 +13,14 @@
 // per token would leave most of the warps idle; chunks of kWarpSize * kEMPacks packs keep kEMPacks
 // independent loads per lane in flight for each copy.
 // Barriers: start (every rank's y is complete), end (peers finished reading my y).
+//
+// Remote ranks (a transport with kHasRemote: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
+// warp GETS each chunk of a copy's row into its stage in the transport's symmetric scratch and reads
+// it from there, and gets g_recv_topk_weights one value at a time; the sum is the same, in the same
+// order (bitwise unchanged). On p2p and nccl_dev those branches compile away.
 #pragma once
 
+#include "kernels/combine.cuh"  // the remote path's staging sizes
 #include "kernels/em_args.h"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
@@ -23,6 +29,8 @@ namespace omniep {
 
 inline constexpr int kEMCombineThreads = 512;
 inline constexpr int kEMPacks = 4;
+// The remote path stages one chunk per warp in the scratch the host sized for combine's warps.
+static_assert(kEMCombineThreads <= kCombineThreads && kEMPacks <= kPacks, "em stages come from combine's scratch");
 
 template <typename Tr, typename Scalar, int Vec>
 __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombineArgs a, Tr tr) {
@@ -42,6 +50,8 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
   const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
   const int num_packs = H / Vec;
   constexpr int kChunk = gpu::kWarpSize * kEMPacks;  // packs per work item
+  Pack* stage = nullptr;  // remote path: this warp's area of the transport's scratch
+  if constexpr (Tr::kHasRemote) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
   const int chunks = num_packs > 0 ? (num_packs + kChunk - 1) / kChunk : 1;  // H = 0: still one item (g_w)
 
   for (int64_t item = first_warp; item < static_cast<int64_t>(T) * chunks; item += all_warps) {
@@ -70,8 +80,16 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
         const float w = gpu::shfl(my_w, j);
         if (slot < 0) continue;
         const int r = e / L, l = e - r * L;
-        const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) +
-                                                      (static_cast<int64_t>(l) * C + slot) * H);
+        const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
+        bool far = false;
+        if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+        const Pack* y = nullptr;
+        if (!far) {
+          y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row);
+        } else if constexpr (Tr::kHasRemote) {
+          const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
+          y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);
+        }
         Pack v[kEMPacks];
 #pragma unroll
         for (int u = 0; u < kEMPacks; ++u) {
@@ -112,7 +130,14 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
         if (slot >= 0) {
           const int e = idx32[i];
           const int r = e / L;
-          g = tr.peer(a.g_recv_topk_weights, r)[static_cast<int64_t>(e - r * L) * C + slot];
+          const int64_t at = static_cast<int64_t>(e - r * L) * C + slot;
+          bool far = false;
+          if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+          if (!far) {
+            g = tr.peer(a.g_recv_topk_weights, r)[at];
+          } else if constexpr (Tr::kHasRemote) {
+            g = tr.get_f32(tr.local(a.g_recv_topk_weights) + at, r);
+          }
         }
         g_w[i] = g;
       }

@@ -13,8 +13,15 @@
 // to keep every warp of 24 blocks busy, where one warp per token would leave most idle.
 // Barriers: start (receivers done with earlier users of the buffers; their y is complete), end
 // (every row has arrived, and peers finished reading my y). No host synchronisation.
+//
+// Remote receivers (a transport with kHasRemote: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1):
+// dispatch PUTS the row, the scales row and the slot's routing entries; combine_bwd computes each
+// chunk of the g_y row into the warp's stage in the transport's symmetric scratch and puts it from
+// there (quieted before the stage is rewritten), reading y's chunk with a get. The values and the
+// order of every sum are those of the direct path. On p2p and nccl_dev those branches compile away.
 #pragma once
 
+#include "kernels/combine.cuh"  // the remote path's staging sizes
 #include "kernels/em_args.h"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
@@ -22,6 +29,9 @@
 namespace omniep {
 
 inline constexpr int kEMDispatchThreads = 512;
+// The remote path stages per warp as combine does: the scratch the host sized for combine's warps
+// (kCombineThreads per block) serves these kernels' warps.
+static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combine's per-warp scratch");
 
 // Zero rows [count[l], C) of every local expert of `buf[L, C, row_bytes]` (whole rank, by warps).
 OMNIEP_DEVICE void em_zero_padding(uint8_t* buf, const int32_t* count, int L, int C, int64_t row_bytes,
@@ -58,13 +68,27 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispa
     const int r = e / L, l = e - r * L;
     const int64_t row = static_cast<int64_t>(l) * C + slot;
     const int64_t t = i / K;
-    warp_copy_row(tr.peer(a.recv_x, r) + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
-    if (a.row2_bytes > 0) {
-      warp_copy_row(tr.peer(a.recv_x2, r) + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
-    }
-    if (lane == 0) {
-      tr.peer(a.recv_topk_idx, r)[row] = l;
-      tr.peer(a.recv_topk_weights, r)[row] = weights[i];
+    bool far = false;
+    if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+    if (!far) {
+      warp_copy_row(tr.peer(a.recv_x, r) + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) {
+        warp_copy_row(tr.peer(a.recv_x2, r) + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
+      }
+      if (lane == 0) {
+        tr.peer(a.recv_topk_idx, r)[row] = l;
+        tr.peer(a.recv_topk_weights, r)[row] = weights[i];
+      }
+    } else if constexpr (Tr::kHasRemote) {  // MY addresses of the symmetric buffers; the end barrier quiets
+      tr.put_warp(tr.local(a.recv_x) + row * a.row_bytes, x + t * a.row_bytes, static_cast<size_t>(a.row_bytes), r);
+      if (a.row2_bytes > 0) {
+        tr.put_warp(tr.local(a.recv_x2) + row * a.row2_bytes, x2 + t * a.row2_bytes,
+                    static_cast<size_t>(a.row2_bytes), r);
+      }
+      if (lane == 0) {
+        tr.put_i32(tr.local(a.recv_topk_idx) + row, l, r);
+        tr.put_f32(tr.local(a.recv_topk_weights) + row, weights[i], r);
+      }
     }
   }
 
@@ -93,11 +117,27 @@ OMNIEP_DEVICE float warp_sum(float v) {
   return v;
 }
 
+// One pack of g_y = round(w * g_out) into *dst (the product rounded to fp32, then once to the dtype);
+// with y, the dot product's terms g_out * y added to `dot` in element order.
+template <typename Scalar, int Vec, typename Pack>
+OMNIEP_DEVICE float scale_pack(const Pack& gv, float w, Pack* dst, const Pack* y, float dot) {
+  using Cvt = Elem<Scalar>;
+  Pack o;
+#pragma unroll
+  for (int j = 0; j < Vec; ++j) o.v[j] = Cvt::from_float(gpu::mul_rn(w, Cvt::to_float(gv.v[j])));
+  *dst = o;
+  if (y != nullptr) {
+    const Pack yv = *y;
+#pragma unroll
+    for (int j = 0; j < Vec; ++j) dot = fmaf(Cvt::to_float(gv.v[j]), Cvt::to_float(yv.v[j]), dot);
+  }
+  return dot;
+}
+
 // Scalar is the element type; Vec elements per lane per load (16 bytes when rows allow, else 1).
 template <typename Tr, typename Scalar, int Vec>
 __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCombineBwdArgs a, Tr tr) {
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
-  using Cvt = Elem<Scalar>;
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
   if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true)) return;
@@ -111,6 +151,9 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
   const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id();
   const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
   const int num_packs = H / Vec;
+  Pack* stage = nullptr;  // remote path: this warp's area of the transport's scratch
+  if constexpr (Tr::kHasRemote) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
+  constexpr int kChunk = gpu::kWarpSize * kPacks;  // packs per remote chunk: at most kCombineChunkBytes
 
   const int64_t n = static_cast<int64_t>(T) * K;
   for (int64_t i = first_warp; i < n; i += all_warps) {
@@ -124,19 +167,30 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
     const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
     const float w = weights[i];
     const Pack* g = reinterpret_cast<const Pack*>(g_out + (i / K) * H);
-    Pack* dst = reinterpret_cast<Pack*>(static_cast<Scalar*>(tr.peer(a.g_y, r)) + row);
-    const Pack* y = grad_w ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row) : nullptr;
+    bool far = false;
+    if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
     float dot = 0.0f;
-    for (int p = lane; p < num_packs; p += gpu::kWarpSize) {
-      const Pack gv = g[p];
-      Pack o;
-#pragma unroll
-      for (int j = 0; j < Vec; ++j) o.v[j] = Cvt::from_float(gpu::mul_rn(w, Cvt::to_float(gv.v[j])));
-      dst[p] = o;
-      if (grad_w) {
-        const Pack yv = y[p];
-#pragma unroll
-        for (int j = 0; j < Vec; ++j) dot = fmaf(Cvt::to_float(gv.v[j]), Cvt::to_float(yv.v[j]), dot);
+    if (!far) {
+      Pack* dst = reinterpret_cast<Pack*>(static_cast<Scalar*>(tr.peer(a.g_y, r)) + row);
+      const Pack* y =
+          grad_w ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row) : nullptr;
+      for (int p = lane; p < num_packs; p += gpu::kWarpSize) {
+        dot = scale_pack<Scalar, Vec>(g[p], w, dst + p, y != nullptr ? y + p : nullptr, dot);
+      }
+    } else if constexpr (Tr::kHasRemote) {
+      // Chunks of whole warps of packs: each lane meets the same packs in the same order as above.
+      Scalar* dst = static_cast<Scalar*>(tr.local(a.g_y)) + row;  // MY address of r's row
+      const Pack* y_mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
+      for (int base = 0; base < num_packs; base += kChunk) {
+        const int m = num_packs - base < kChunk ? num_packs - base : kChunk;
+        const Pack* y = grad_w ? get_packs(tr, y_mine, r, base, m, stage + kChunk) : nullptr;
+        for (int p = base + lane; p < base + m; p += gpu::kWarpSize) {
+          dot = scale_pack<Scalar, Vec>(g[p], w, stage + (p - base), y != nullptr ? y + p : nullptr, dot);
+        }
+        gpu::syncwarp();  // the chunk is complete in the stage
+        tr.put_warp(dst + static_cast<int64_t>(base) * Vec, stage, static_cast<size_t>(m) * sizeof(Pack), r);
+        tr.quiet();  // the put has read the stage before the next chunk rewrites it
+        gpu::syncwarp();
       }
     }
     if (grad_w) {

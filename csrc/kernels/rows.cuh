@@ -102,6 +102,18 @@ OMNIEP_DEVICE void warp_zero_row(void* dst, int64_t bytes, int unit) {
   }
 }
 
+// Remote path (a transport with kHasRemote; call only inside `if constexpr (Tr::kHasRemote)`): the
+// whole warp GETS packs [base, base + n) of peer r's copy of a symmetric row (`mine`: MY address of
+// it) into `stage` (this warp's area of the transport's symmetric scratch) and returns a pointer
+// indexable by pack number p in [base, base + n). Blocking: the packs are there when it returns.
+template <typename Pack, typename Tr>
+OMNIEP_DEVICE const Pack* get_packs(const Tr& tr, const Pack* mine, int r, int base, int n, Pack* stage) {
+  gpu::syncwarp();  // every lane is done with the stage's previous contents
+  if (n > 0) tr.get_warp(stage, mine + base, static_cast<size_t>(n) * sizeof(Pack), r);
+  gpu::syncwarp();  // every lane's part is there
+  return stage - base;
+}
+
 // ---- element conversion (exact widening to fp32; one round-to-nearest-even narrowing) ----
 template <typename T> struct Elem;
 template <> struct Elem<float> {
