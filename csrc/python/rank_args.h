@@ -87,28 +87,34 @@ omniep::LayoutArgs layout_args(const G& g, const py::dict& d) {
   return a;
 }
 
-template <typename G>
-omniep::DispatchArgs dispatch_args(const G& g, const py::dict& d) {
-  omniep::DispatchArgs a = {};
-  Fields<G> f(g, d);
+// The fields dispatch and expert-major dispatch share (rows, second payload, routing, receive buffers).
+template <typename G, typename A>
+void dispatch_fields(Fields<G>& f, A& a, int rank) {
   f.local("x", a.x);
   f.local("x2", a.x2);
   f.local("topk_idx32", a.topk_idx32);
   f.local("topk_weights", a.topk_weights);
-  f.local("send_pos", a.send_pos);
-  f.local("send_offset", a.send_offset);
-  f.local("num_recv", a.num_recv);
-  f.local("num_recv_tokens_per_expert", a.num_recv_tokens_per_expert);
   f.sym("recv_x", a.recv_x);
   f.sym("recv_x2", a.recv_x2);
   f.sym("recv_topk_idx", a.recv_topk_idx);
   f.sym("recv_topk_weights", a.recv_topk_weights);
-  a.num_tokens[g.rank()] = f.template get<int32_t>("num_tokens", 0);
+  a.num_tokens[rank] = f.template get<int32_t>("num_tokens", 0);
   a.row_bytes = f.template get<int64_t>("row_bytes", 0);
   a.row2_bytes = f.template get<int64_t>("row2_bytes", 0);
   a.num_topk = f.template get<int32_t>("num_topk", 0);
   a.num_experts = f.template get<int32_t>("num_experts", 0);
   a.capacity = f.template get<int32_t>("capacity", 0);
+}
+
+template <typename G>
+omniep::DispatchArgs dispatch_args(const G& g, const py::dict& d) {
+  omniep::DispatchArgs a = {};
+  Fields<G> f(g, d);
+  dispatch_fields(f, a, g.rank());
+  f.local("send_pos", a.send_pos);
+  f.local("send_offset", a.send_offset);
+  f.local("num_recv", a.num_recv);
+  f.local("num_recv_tokens_per_expert", a.num_recv_tokens_per_expert);
   a.expert_alignment = f.template get<int32_t>("expert_alignment", 1);
   a.with_routing = f.template get<int32_t>("with_routing", 1);
   f.finish();
@@ -175,22 +181,9 @@ template <typename G>
 omniep::EMDispatchArgs em_dispatch_args(const G& g, const py::dict& d) {
   omniep::EMDispatchArgs a = {};
   Fields<G> f(g, d);
-  f.local("x", a.x);
-  f.local("x2", a.x2);
-  f.local("topk_idx32", a.topk_idx32);
-  f.local("topk_weights", a.topk_weights);
+  dispatch_fields(f, a, g.rank());
   f.local("copy_slot", a.copy_slot);
   f.local("recv_expert_count", a.recv_expert_count);
-  f.sym("recv_x", a.recv_x);
-  f.sym("recv_x2", a.recv_x2);
-  f.sym("recv_topk_idx", a.recv_topk_idx);
-  f.sym("recv_topk_weights", a.recv_topk_weights);
-  a.num_tokens[g.rank()] = f.template get<int32_t>("num_tokens", 0);
-  a.row_bytes = f.template get<int64_t>("row_bytes", 0);
-  a.row2_bytes = f.template get<int64_t>("row2_bytes", 0);
-  a.num_topk = f.template get<int32_t>("num_topk", 0);
-  a.num_experts = f.template get<int32_t>("num_experts", 0);
-  a.capacity = f.template get<int32_t>("capacity", 0);
   f.finish();
   return a;
 }
