@@ -37,12 +37,8 @@ OMNIEP_DEVICE const Pack* y_row(const Tr& tr, const CombineArgs& a, int r, int64
                                 int base, int num_packs, Pack* stage) {
   if constexpr (Tr::kHasRemote) {
     if (tr.is_remote(r)) {
-      const int n = min(num_packs - base, gpu::kWarpSize * kPacks);
-      const Pack* src = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + slot * H) + base;
-      gpu::syncwarp();  // every lane has loaded the stage's previous chunk
-      tr.get_warp(stage, src, static_cast<size_t>(n) * sizeof(Pack), r);
-      gpu::syncwarp();  // every lane's part of the chunk is there
-      return stage - base;  // indexed by p >= base only
+      const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + slot * H);
+      return get_packs(tr, mine, r, base, min(num_packs - base, gpu::kWarpSize * kPacks), stage);
     }
   }
   return reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H);

@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
     } else if constexpr (Tr::kHasRemote) {
       // Chunks of whole warps of packs: each lane meets the same packs in the same order as above.
       Scalar* dst = static_cast<Scalar*>(tr.local(a.g_y)) + row;  // MY address of r's row
-      const Pack* y_mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
+      const Pack* y_mine =
+          grad_w ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row) : nullptr;
       for (int base = 0; base < num_packs; base += kChunk) {
         const int m = num_packs - base < kChunk ? num_packs - base : kChunk;
         const Pack* y = grad_w ? get_packs(tr, y_mine, r, base, m, stage + kChunk) : nullptr;
