@@ -1,7 +1,8 @@
 """Dispatch / combine with one process per GPU: the native backend next to NCCL and a raw peer copy.
 
 DeepEP's normal shape by default (4096 tokens/rank, H=7168, top-8 of 256 experts, bf16; fp8 dispatch
-too), static capacity R*T. In ONE run, on every rank (one process per GPU, an NCCL group):
+too), static capacity R*T; ``--layout expert_major`` for the low-latency layout (``--tokens 128
+--experts 288``: DeepEP's low-latency shape), C = the exact worst case of the routing per expert. In ONE run, on every rank (one process per GPU, an NCCL group):
   * ``cuda_nvshmem`` backend called directly (no frontend host syncs): prepare, dispatch (kernel +
     copy of the received rows out of the symmetric buffer), combine (copy of y in + kernel);
   * ``nccl_ep`` (``--nccl``, needs ``omniep._native_nccl``): the same kernels over the NCCL device API,
@@ -93,9 +94,17 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     x8 = x.to(torch.float8_e4m3fn)
     s8 = torch.rand(T, H // 128, device="cuda", generator=gen)
     res = {}
+    layout = Layout(args["layout"])
+    if layout == Layout.EXPERT_MAJOR:
+        # Slots per local expert: the exact worst case of this routing over all ranks (one host sync,
+        # at setup), as a caller sizing the buffers of a known workload would.
+        per_expert = torch.bincount(idx.flatten(), minlength=E)
+        dist.all_reduce(per_expert)
+        cap = int(per_expert.max())
+    res["capacity"] = cap
 
     nat = CudaNvshmemTorch()
-    cfg = DispatchConfig(E, world, Layout.RANK_MAJOR, cap)
+    cfg = DispatchConfig(E, world, layout, cap)
     handle = nat.prepare(idx, cfg)
     st = nat._state(x.device)
     (recv_x, *_), full = nat.dispatch(x, w, handle)
@@ -131,10 +140,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         t(f"native combine @{blocks} blocks", lambda: nat.combine(y, full), modes=("dev",))
     st._impl.set_blocks(0)
     for label, backend in (("native", "cuda_nvshmem"), ("collective", "collective")):
-        d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, backend=backend)
-        t(f"{label} frontend dispatch", lambda: ep.dispatch(x, idx, w, num_experts=E, capacity=cap, backend=backend))
-        t(f"{label} frontend dispatch fp8",
-          lambda: ep.dispatch((x8, s8), idx, w, num_experts=E, capacity=cap, backend=backend))
+        kw = dict(num_experts=E, capacity=cap, backend=backend, layout=layout.value)
+        d = ep.dispatch(x, idx, w, **kw)
+        t(f"{label} frontend dispatch", lambda: ep.dispatch(x, idx, w, **kw))
+        t(f"{label} frontend dispatch fp8", lambda: ep.dispatch((x8, s8), idx, w, **kw))
         t(f"{label} frontend combine", lambda: ep.combine(d.recv_x, d.handle))
     col = CollectiveTorch()
     ch = col.prepare(idx, cfg)
@@ -195,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--sleep-us", type=float, default=3000.0, help="spin before a dev-mode region (covers the host)")
     p.add_argument("--sweep-blocks", type=lambda v: [int(b) for b in v.split(",") if b], default=[24, 48, 132],
                    help="dispatch/combine kernel blocks to time in dev mode (comma list; empty: none)")
+    p.add_argument("--layout", choices=("rank_major", "expert_major"), default="rank_major",
+                   help="expert_major: recv_x [L, C, H] with C = the routing's exact worst case per expert")
     p.add_argument("--nccl", action="store_true", help="also time nccl_ep (omniep._native_nccl must be built)")
     p.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"], "bench_multigpu.json"),
                    help="write every rank's numbers here")
@@ -216,7 +227,8 @@ def main(argv=None) -> int:
     R = len(results)
     print(f"# {avail.reason}; {torch.cuda.get_device_name(0)} x{a.gpus}, one process per GPU; "
           f"{time.time() - t0:.0f} s")
-    print(f"# tokens/rank={a.tokens} hidden={a.hidden} top-{a.topk} of {a.experts}, capacity R*T; median of "
+    cap = f"{results[0]['capacity']} slots per local expert" if a.layout == "expert_major" else "capacity R*T"
+    print(f"# {a.layout}, tokens/rank={a.tokens} hidden={a.hidden} top-{a.topk} of {a.experts}, {cap}; median of "
           f"{a.iters}; GB/s = bytes of recv_x (bf16 rows; fp8 rows are half) / slowest rank's time")
     nbytes = max(r["recv_bytes"] for r in results)
     print(f"# recv_x bytes per rank (max) = {nbytes / 1e6:.1f} MB")

@@ -1,29 +1,36 @@
 #!/usr/bin/env bash
-# One device call for the one-process-per-rank path (cuda_nvshmem over CUDA IPC, NVSHMEM if built):
-# build, the multi-process GPU tests, the multi-GPU benchmark. Logs go to $OUT (default ./gpu_out).
-# Finishes inside 9 minutes: build <= 150 s, the optional NVSHMEM module <= 90 s (its failure leaves
-# the CUDA IPC path intact; the tests then cover that path only), tests <= 210 s, benchmark <= 80 s
-# (each step has its own timeout; a failing step does not stop the later ones; the exit status is
-# the first failure's).
-# Run it on `nvidia-h200-x2` (two GPUs: same-GPU and one-process-per-GPU sessions + the benchmark);
-# on one GPU the per-GPU session and the benchmark skip themselves.
-#   scripts/gpu_check_multi.sh            # on the GPU machine, from the repository root
+# The two-GPU device check (run it on `nvidia-h200-x2`): build every native module, then the GPU tests
+# and/or the multi-GPU benchmarks. Logs go to $OUT (default ./gpu_out). Each step has its own timeout;
+# a failing step does not stop the later ones; the exit status is the first failure's.
+#   scripts/gpu_check_multi.sh            # build + tests + benchmarks (about 12 minutes)
+#   PART=tests scripts/gpu_check_multi.sh # build + every `gpu` test (fits one 10-minute device call)
+#   PART=bench scripts/gpu_check_multi.sh # build (cached: seconds) + the benchmarks
+# Builds: build/native_nccl (-DOMNIEP_NCCL=ON: _native, _native_mp, _native_jax and _native_nccl with
+# its JAX handlers) and build/native_nvshmem (-DOMNIEP_NVSHMEM=ON: _native_nvshmem); a failed NVSHMEM
+# or NCCL build leaves the other modules and their tests intact (those tests skip themselves).
+# Benchmarks (benchmarks/bench_multigpu.py, one process per GPU): DeepEP's normal shape rank-major and
+# its low-latency shape expert-major, cuda_nvshmem and nccl_ep beside NCCL and the raw copy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh  # env, $OUT, $PY, step()
+PART="${PART:-all}"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nvidia-smi topo -m
   "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.device_count(), "GPUs")'
-  "$PY" -c 'import nvidia.nvshmem, os; print("nvshmem wheel:", os.path.dirname(nvidia.nvshmem.__file__))' || true
-  nvcc --version | tail -2
+  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
 } 2>&1 | tee "$OUT/env.log"
 
-step build 150 scripts/build_native.sh
-# Its own build directory: the NVSHMEM option never sticks in the cache of the default build.
-step build_nvshmem 90 env OMNIEP_BUILD_DIR=build/native_nvshmem scripts/build_native.sh -DOMNIEP_NVSHMEM=ON
-step pytest_multi 210 "$PY" -m pytest -m gpu tests/gpu/test_native_multiprocess.py -q -rs --timeout=200 -p no:cacheprovider
-step bench_multi 80 "$PY" benchmarks/bench_multigpu.py
+step build_nccl 200 env OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON
+step build_nvshmem 120 env OMNIEP_BUILD_DIR=build/native_nvshmem scripts/build_native.sh -DOMNIEP_NVSHMEM=ON
+if [[ "$PART" != bench ]]; then
+  step pytest_gpu 420 "$PY" -m pytest -m gpu tests -q -rs --timeout=400 -p no:cacheprovider
+fi
+if [[ "$PART" != tests ]]; then
+  step bench_normal 150 "$PY" benchmarks/bench_multigpu.py --nccl --sweep-blocks "" --json "$OUT/bench_normal.json"
+  step bench_ll 120 "$PY" benchmarks/bench_multigpu.py --nccl --layout expert_major --tokens 128 --experts 288 \
+    --sweep-blocks "" --json "$OUT/bench_ll.json"
+fi
 echo "gpu_check_multi: exit $status; logs in $OUT"
 exit $status

@@ -123,11 +123,13 @@ def assert_results(res: dict, exp: dict, job: dict, r: int, what: str, autograd:
             assert_bits(g, job["g_out"][r], f"{what} g_bias{b}")
 
 
-def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False) -> tuple:
+def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False, pg_backend: str = "gloo",
+                timeout_job: bool = True) -> tuple:
     """Run every job on ``world`` processes (one per GPU if ``per_gpu``, else all on GPU 0) with
-    ``env`` (``OMNIEP_BACKEND`` and transport variables). Returns ``(world, jobs, results)``.
-    ``on_cpu``: CPU tensors and no missing-peer job (the suite itself checked against a backend that
-    serves CPU tensors: ``collective``)."""
+    ``env`` (``OMNIEP_BACKEND`` and transport variables) in a ``pg_backend`` process group (gloo, or
+    nccl with one GPU per rank). Returns ``(world, jobs, results)``. ``on_cpu``: CPU tensors and no
+    missing-peer job (the suite itself checked against a backend that serves CPU tensors:
+    ``collective``); ``timeout_job=False``: no missing-peer job either."""
     from .mp_workers import native_session
 
     n = 12 if world == 2 else 4
@@ -140,12 +142,12 @@ def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False) -
                              skew="one_expert", capacity=3, dtype="bfloat16", layout=EM))  # copies dropped
     jobs["backend"] = [make_job(c, 100 + i, 1) for i, c in enumerate(statics)]
     jobs["golden"] = golden_jobs(world)
-    jobs["timeout"] = [] if on_cpu else [dict(case=make_case(50, num_ranks=world, num_experts=2 * world, num_topk=2,
+    jobs["timeout"] = [] if on_cpu or not timeout_job else [dict(case=make_case(50, num_ranks=world, num_experts=2 * world, num_topk=2,
                                                              hidden=8, num_tokens=4, capacity=4 * world),
                                               silent=world - 1)]
     run = dict(frontend=jobs["frontend"] + jobs["golden"], backend=jobs["backend"] + jobs["golden"],
                timeout=jobs["timeout"])
-    results = run_ranks(native_session, world, args=(run, per_gpu, on_cpu), timeout=400,
+    results = run_ranks(native_session, world, args=(run, per_gpu, on_cpu, pg_backend), timeout=400,
                         env={"OMNIEP_TIMEOUT_S": "20", **env})
     return world, jobs, results
 

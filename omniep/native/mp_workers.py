@@ -83,8 +83,11 @@ def timeout_job(rank: int, job: dict) -> dict:
     return out
 
 
-def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, on_cpu: bool = False) -> dict:
-    """Run ``jobs`` (keys: frontend, backend, timeout -> lists of job dicts) in one gloo group."""
+def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, on_cpu: bool = False,
+                   pg_backend: str = "gloo") -> dict:
+    """Run ``jobs`` (keys: frontend, backend, timeout -> lists of job dicts) in one process group of
+    ``pg_backend`` (gloo; or nccl, one GPU per rank). ``comm_sources`` in the result: where each native
+    state's communicator came from (NcclRankState.comm_source), where states say so."""
     global _ON_GPU
     import importlib
 
@@ -98,9 +101,10 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
     _ON_GPU = not on_cpu
     if _ON_GPU:
         torch.cuda.set_device(rank if per_gpu else 0)
-    init_gloo(rank, world, port, timeout_s=120)
+    init_gloo(rank, world, port, timeout_s=120, transport=pg_backend)
     runners = dict(frontend=frontend_job, backend=backend_job, timeout=timeout_job)
     out = {key: [] for key in jobs}
+    backend_module = importlib.import_module(_backend_class().__module__)
     try:
         for key in ("frontend", "backend", "timeout"):  # timeout last: it leaves the signals out of step
             for i, job in enumerate(jobs.get(key, ())):
@@ -108,6 +112,8 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
                     out[key].append(runners[key](rank, job))
                 except Exception as exc:
                     raise RuntimeError(f"{key} job {i} failed on rank {rank}: {exc}\n{traceback.format_exc()}") from exc
+        states = getattr(backend_module, "_STATES", {})
+        out["comm_sources"] = [getattr(st, "comm_source", None) for st in states.values()]
         if not jobs.get("timeout"):
             destroy_states()
     finally:

@@ -7,7 +7,8 @@ rank-major cases and edge cases through the frontend, static-capacity cases with
 backend, the rank-major golden vectors, a peer that never arrives) with ``OMNIEP_BACKEND=nccl_ep``:
 the kernels of csrc/kernels over the nccl_dev transport (NCCL windows, LSA pointers).
 The cases and checks are :mod:`omniep.native.mp_suite`'s, shared with that module.
-A second test drives both GPUs from ONE process (NcclLocalGroup, grouped NCCL init): a bare barrier
+A second session runs the same jobs in a torch NCCL process group, whose communicator nccl_ep then
+reuses (its windows and devComm registered on torch's ncclComm). A third test drives both GPUs from ONE process (NcclLocalGroup, grouped NCCL init): a bare barrier
 on both ranks, then no recorded error.
 """
 
@@ -50,6 +51,22 @@ def test_golden_vectors(session):
 
 def test_missing_peer_times_out_naming_it(session):
     mp_suite.check_missing_peer(session)
+
+
+@pytest.fixture(scope="module")
+def nccl_group_session():
+    """The same jobs in a torch NCCL process group: nccl_ep reuses its communicator."""
+    return mp_suite.run_session(WORLD, True, {"OMNIEP_BACKEND": "nccl_ep"}, pg_backend="nccl", timeout_job=False)
+
+
+def test_reuses_the_torch_nccl_group(nccl_group_session, session):
+    world, _, results = nccl_group_session
+    assert [r["comm_sources"] for r in results] == [["torch process group"]] * world
+    _, _, gloo_results = session
+    assert [r["comm_sources"] for r in gloo_results] == [["own"]] * world  # a gloo group has no NCCL comm
+    mp_suite.check_frontend_cases(nccl_group_session)
+    mp_suite.check_backend_static_capacity(nccl_group_session)
+    mp_suite.check_golden_vectors(nccl_group_session)
 
 
 def test_single_process_local_group_barrier():
