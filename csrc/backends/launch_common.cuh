@@ -4,6 +4,8 @@
 // choice, written once. No runtime calls: builds with nvcc and with hipcc.
 #pragma once
 
+#include <type_traits>
+
 #include <stdint.h>
 
 #include <stdexcept>
@@ -133,17 +135,24 @@ inline bool vec16(const EMCombineBwdArgs& a, int first, int count, int num_ranks
 
 // dispatch / em_dispatch: the widest copy unit suiting the launched ranks' source rows and every
 // rank's receive rows (args.h row_copy_unit), for the rows and for the second payload.
+// Rank-major dispatch also stores the launched ranks' own rows to own_x / own_x2 (when given).
 template <typename DispatchLike>
 void set_copy_units(DispatchLike& a, int first, int count, int num_ranks) {
-  auto unit = [&](int64_t bytes, const auto& src, const auto& dst) {
-    uintptr_t addrs[2 * kMaxRanks];
+  auto unit = [&](int64_t bytes, const auto& src, const auto& dst, const auto* own) {
+    uintptr_t addrs[3 * kMaxRanks];
     int n = 0;
     for (int r = first; r < first + count; ++r) addrs[n++] = reinterpret_cast<uintptr_t>(src.p[r]);
     for (int r = 0; r < num_ranks; ++r) addrs[n++] = reinterpret_cast<uintptr_t>(dst.p[r]);
+    for (int r = first; own != nullptr && r < first + count; ++r) addrs[n++] = reinterpret_cast<uintptr_t>(own->p[r]);
     return row_copy_unit(bytes, addrs, n);
   };
-  a.unit = unit(a.row_bytes, a.x, a.recv_x);
-  a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2);
+  if constexpr (std::is_same_v<DispatchLike, DispatchArgs>) {
+    a.unit = unit(a.row_bytes, a.x, a.recv_x, &a.own_x);
+    a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2, &a.own_x2);
+  } else {
+    a.unit = unit(a.row_bytes, a.x, a.recv_x, static_cast<const PerRank<uint8_t>*>(nullptr));
+    a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2, static_cast<const PerRank<uint8_t>*>(nullptr));
+  }
 }
 
 }  // namespace omniep

@@ -14,6 +14,7 @@
 
 #include "backends/launch_common.cuh"
 #include "backends/one_rank_ops.h"
+#include "kernels/copy_rows.cuh"
 
 namespace omniep {
 
@@ -62,6 +63,16 @@ class OneRankLauncher {
     const size_t smem = checked_smem(a);
     launch_wide(typed_kernel<CombineK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), "combine"), kCombineThreads,
                 smem, stream, a, tr, "combine");
+  }
+
+  // Local rows, not communication: every SM may take part (no SM budget), a plain launch.
+  void copy_rows_except(const CopyRowsArgs& a, cudaStream_t stream) {
+    if (a.rows <= 0 || a.row_bytes <= 0) return;
+    const int warps = kCopyRowsThreads / gpu::kWarpSize;
+    const int64_t want = (a.rows + warps - 1) / warps;
+    const int blocks = static_cast<int>(want < 4 * num_sms_ ? want : 4 * num_sms_);
+    copy_rows_except_kernel<<<blocks, kCopyRowsThreads, 0, stream>>>(a);
+    check_cuda(cudaGetLastError(), "copy_rows_except");
   }
 
   template <typename Tr>
@@ -210,6 +221,25 @@ template <typename Rank>
 void OneRankOps<Rank>::memcpy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width,
                                 size_t height, cudaStream_t stream) const {
   copy2d(dst, dst_pitch, src, src_pitch, width, height, stream, "copying rows to / from the data buffer");
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::copy_rows_except(uintptr_t dst, uintptr_t src, int64_t row_bytes, int64_t rows,
+                                        uintptr_t skip_begin, uintptr_t skip_count, cudaStream_t stream) {
+  CopyRowsArgs a;
+  a.dst = reinterpret_cast<uint8_t*>(dst);
+  a.src = reinterpret_cast<const uint8_t*>(src);
+  a.skip_begin = reinterpret_cast<const int32_t*>(skip_begin);
+  a.skip_count = reinterpret_cast<const int32_t*>(skip_count);
+  if ((a.skip_begin == nullptr) != (a.skip_count == nullptr)) {
+    throw std::invalid_argument("omniep: copy_rows_except needs both skip_begin and skip_count, or neither");
+  }
+  a.row_bytes = row_bytes;
+  a.rows = rows;
+  const uintptr_t addrs[2] = {dst, src};
+  a.unit = row_copy_unit(row_bytes, addrs, 2);
+  Rank& r = self();
+  r.on_device([&] { r.launcher().copy_rows_except(a, stream); });
 }
 
 template <typename Rank>

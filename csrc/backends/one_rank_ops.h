@@ -51,6 +51,12 @@ class OneRankOps {
   void memcpy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width, size_t height,
                 cudaStream_t stream) const;
 
+  // dst[i] = src[i] for rows i in [0, rows) outside [*skip_begin, *skip_begin + *skip_count) (device
+  // int32 scalars, 0 = skip nothing), a plain launch over every SM (kernels/copy_rows.cuh): the
+  // copy-out / copy-in of the rank-major data path, minus the rows the kernels wrote / read directly.
+  void copy_rows_except(uintptr_t dst, uintptr_t src, int64_t row_bytes, int64_t rows, uintptr_t skip_begin,
+                        uintptr_t skip_count, cudaStream_t stream);
+
   // Synchronises the device; my ErrorRecord (code 0 = fine).
   ErrorRecord read_error() const;
   // Synchronises the device and zeroes my workspace. Only meaningful if every rank resets.

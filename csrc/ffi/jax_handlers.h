@@ -11,15 +11,17 @@
 //                num_tokens_per_expert[E], recv_counts[R], send_offset[R], num_recv[], dropped[].
 //                Attrs: state, num_experts, capacity.
 // dispatch:      x[T, H], x2[T, H2] (f32 scales; H2 = 0 for none), topk_idx32, topk_weights[T, K] f32,
-//                send_pos, send_offset, num_recv -> recv_x[C, H], recv_x2[C, H2], recv_topk_idx[C, K],
+//                send_pos, send_offset, recv_counts, num_recv -> recv_x[C, H], recv_x2[C, H2], recv_topk_idx[C, K],
 //                recv_topk_weights[C, K], num_recv_tokens_per_expert[L]. Attrs: state, num_experts,
 //                expert_alignment.
 // dispatch_rows: rows only (combine_bwd: a cached dispatch of g_out): x[T, H], send_pos, send_offset,
-//                num_recv -> recv_x[C, H] (padding rows 0). Attrs: state, num_experts.
-// combine:       y[C, H], topk_idx32, send_pos, send_offset, biases... ([T, H] each, 0-2) -> out[T, H].
-//                Attrs: state, num_experts.
-// dispatch_bwd:  g_recv_x[C, H], g_recv_topk_weights[C, K] f32, topk_idx32, send_pos, send_offset
-//                -> g_x[T, H], g_topk_weights[T, K] f32. Attrs: state, num_experts.
+//                recv_counts, num_recv -> recv_x[C, H] (padding rows 0). Attrs: state, num_experts.
+// combine:       y[C, H], topk_idx32, send_pos, send_offset, recv_counts, biases... ([T, H] each, 0-2)
+//                -> out[T, H]. Attrs: state, num_experts.
+// dispatch_bwd:  g_recv_x[C, H], g_recv_topk_weights[C, K] f32, topk_idx32, send_pos, send_offset,
+//                recv_counts -> g_x[T, H], g_topk_weights[T, K] f32. Attrs: state, num_experts.
+// (recv_counts: prepare's [R]; entry [me] with send_offset[me] bounds my own rows, which the kernels
+// move directly instead of through the symmetric buffer.)
 #pragma once
 
 #include "xla/ffi/api/c_api.h"

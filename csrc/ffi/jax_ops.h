@@ -3,9 +3,10 @@
 // device(), layout/dispatch/combine(args, stream), sym<T>(offset), data_ptr(), data_bytes(), memcpy().
 // They translate XLA buffers into the argument structs of csrc/kernels/args.h and call the same
 // launchers as the torch path (omniep/native/ipc_rank.py), data path included:
-//   dispatch: peers push rows into my symmetric data buffer; I copy the receive rows out into XLA's
-//             result buffers (stream order);
-//   combine / dispatch_bwd: I copy y (and the weight cotangents) into my data buffer; peers pull.
+//   dispatch: peers push rows into my symmetric data buffer, my own rows go straight into XLA's result
+//             buffers; I copy the rest out into them (stream order, kernels/copy_rows.cuh);
+//   combine / dispatch_bwd: I copy y's rows but my own (and the weight cotangents) into my data
+//             buffer; peers pull, I read my own rows from y itself.
 // Every kernel starts and ends with a barrier over all ranks, so these copies never race a peer.
 // Each handler finds its rank through the `state` attribute (a JaxGroup<G>, ffi/jax_group.h) and the
 // device ordinal XLA runs it on, and works on XLA's stream with no host synchronisation. The data
@@ -23,6 +24,7 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "ffi/jax_group.h"
 #include "kernels/args.h"
@@ -103,6 +105,22 @@ ffi::Error guarded(int64_t state, int32_t ordinal, const char* op, F&& body) {
   return ffi::Error::Success();
 }
 
+inline uintptr_t addr(const ffi::AnyBuffer& b) { return reinterpret_cast<uintptr_t>(b.untyped_data()); }
+inline uintptr_t addr(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<uintptr_t>(b->untyped_data()); }
+
+// Device addresses of send_offset[me] and recv_counts[me] (int32 [R] layout outputs): where my own
+// rows sit in my receive order and how many.
+template <typename G>
+std::pair<uintptr_t, uintptr_t> own_segment(const G& g, const ffi::AnyBuffer& send_offset,
+                                            const ffi::AnyBuffer& recv_counts) {
+  for (const ffi::AnyBuffer* b : {&send_offset, &recv_counts}) {
+    if (b->element_type() != ffi::DataType::S32 || rows_of(*b) != g.num_ranks()) {
+      throw std::invalid_argument("send_offset / recv_counts must be int32 [R] (prepare's)");
+    }
+  }
+  return {addr(send_offset) + 4 * g.rank(), addr(recv_counts) + 4 * g.rank()};
+}
+
 template <typename G>
 void need_bytes(const G& g, int64_t total, const char* op) {
   if (static_cast<size_t>(total) > g.data_bytes()) {
@@ -156,7 +174,8 @@ ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx
 template <typename G>
 void run_dispatch(G& g, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi::AnyBuffer* x2,
                   const ffi::AnyBuffer* idx32, const ffi::AnyBuffer* weights, const ffi::AnyBuffer& send_pos,
-                  const ffi::AnyBuffer& send_offset, const ffi::AnyBuffer& num_recv, ffi::Result<ffi::AnyBuffer>& recv_x,
+                  const ffi::AnyBuffer& send_offset, const ffi::AnyBuffer& recv_counts, const ffi::AnyBuffer& num_recv,
+                  ffi::Result<ffi::AnyBuffer>& recv_x,
                   ffi::Result<ffi::AnyBuffer>* recv_x2, ffi::Result<ffi::AnyBuffer>* recv_idx,
                   ffi::Result<ffi::AnyBuffer>* recv_w, ffi::Result<ffi::AnyBuffer>* per_expert, int64_t num_experts,
                   int64_t expert_alignment) {
@@ -200,11 +219,15 @@ void run_dispatch(G& g, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi:
   a.capacity = static_cast<int>(C);
   a.expert_alignment = static_cast<int>(expert_alignment);
   a.with_routing = routing ? 1 : 0;
+  // My own rows go straight into XLA's results; the copy-out below skips them (kernels/copy_rows.cuh).
+  a.own_x = mine<uint8_t>(g, data(recv_x));
+  if (at_x2 >= 0) a.own_x2 = mine<uint8_t>(g, data(*recv_x2));
   g.dispatch(a, stream);
 
   const uintptr_t base = g.data_ptr();
-  copy(g, data(recv_x), base + offsets[0], C * row_bytes, stream);
-  if (at_x2 >= 0) copy(g, data(*recv_x2), base + offsets[at_x2], C * row2_bytes, stream);
+  const auto [skip_begin, skip_count] = own_segment(g, send_offset, recv_counts);
+  g.copy_rows_except(addr(recv_x), base + offsets[0], row_bytes, C, skip_begin, skip_count, stream);
+  if (at_x2 >= 0) g.copy_rows_except(addr(*recv_x2), base + offsets[at_x2], row2_bytes, C, skip_begin, skip_count, stream);
   if (routing) {
     copy(g, data(*recv_idx), base + offsets[at_idx], C * K * 4, stream);
     copy(g, data(*recv_w), base + offsets[at_idx + 1], C * K * 4, stream);
@@ -213,24 +236,25 @@ void run_dispatch(G& g, cudaStream_t stream, const ffi::AnyBuffer& x, const ffi:
 
 template <typename G>
 ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x2, ffi::AnyBuffer idx32,
-                    ffi::AnyBuffer weights, ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset, ffi::AnyBuffer num_recv,
-                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x2,
+                    ffi::AnyBuffer weights, ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset,
+                    ffi::AnyBuffer recv_counts, ffi::AnyBuffer num_recv, ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x2,
                     ffi::Result<ffi::AnyBuffer> recv_idx, ffi::Result<ffi::AnyBuffer> recv_w,
                     ffi::Result<ffi::AnyBuffer> per_expert, int64_t state, int64_t num_experts,
                     int64_t expert_alignment) {
   return guarded<G>(state, ordinal, "omniep dispatch (JAX)", [&](G& g) {
     if (weights.element_type() != ffi::DataType::F32) throw std::invalid_argument("topk_weights must be float32");
-    run_dispatch(g, stream, x, &x2, &idx32, &weights, send_pos, send_offset, num_recv, recv_x, &recv_x2,
+    run_dispatch(g, stream, x, &x2, &idx32, &weights, send_pos, send_offset, recv_counts, num_recv, recv_x, &recv_x2,
                  &recv_idx, &recv_w, &per_expert, num_experts, expert_alignment);
   });
 }
 
 template <typename G>
-ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset,
-                        ffi::AnyBuffer num_recv, ffi::Result<ffi::AnyBuffer> recv_x, int64_t state,
+ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer send_pos,
+                        ffi::AnyBuffer send_offset, ffi::AnyBuffer recv_counts, ffi::AnyBuffer num_recv,
+                        ffi::Result<ffi::AnyBuffer> recv_x, int64_t state,
                         int64_t num_experts) {
   return guarded<G>(state, ordinal, "omniep dispatch rows (JAX)", [&](G& g) {
-    run_dispatch(g, stream, x, nullptr, nullptr, nullptr, send_pos, send_offset, num_recv, recv_x, nullptr,
+    run_dispatch(g, stream, x, nullptr, nullptr, nullptr, send_pos, send_offset, recv_counts, num_recv, recv_x, nullptr,
                  nullptr, nullptr, nullptr, num_experts, 1);
   });
 }
@@ -239,7 +263,7 @@ ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
 template <typename G>
 void run_combine(G& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ffi::AnyBuffer* g_recv_w,
                  const ffi::AnyBuffer& idx32, const ffi::AnyBuffer& send_pos, const ffi::AnyBuffer& send_offset,
-                 const ffi::RemainingArgs* biases, ffi::Result<ffi::AnyBuffer>& out,
+                 const ffi::AnyBuffer& recv_counts, const ffi::RemainingArgs* biases, ffi::Result<ffi::AnyBuffer>& out,
                  ffi::Result<ffi::AnyBuffer>* g_w, int64_t num_experts) {
   const int64_t C = rows_of(y), H = cols_of(y), K = cols_of(idx32);
   const int64_t y_row = row_bytes_of(y);
@@ -269,7 +293,10 @@ void run_combine(G& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ffi::
       a.bias_dtype[i] = dtype_code(b->element_type());
     }
   }
-  copy_in(g, offsets[0], data(y), C * y_row, stream);
+  // My own rows are read from y itself; the copy-in skips them (kernels/copy_rows.cuh).
+  a.own_y = mine<const void>(g, data(y));
+  const auto [skip_begin, skip_count] = own_segment(g, send_offset, recv_counts);
+  g.copy_rows_except(g.data_ptr() + offsets[0], addr(y), y_row, C, skip_begin, skip_count, stream);
   if (g_recv_w) {
     if (g_recv_w->element_type() != ffi::DataType::F32) throw std::invalid_argument("weight cotangents must be float32");
     copy_in(g, offsets[1], data(*g_recv_w), C * K * 4, stream);
@@ -282,19 +309,21 @@ void run_combine(G& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ffi::
 
 template <typename G>
 ffi::Error Combine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer idx32, ffi::AnyBuffer send_pos,
-                   ffi::AnyBuffer send_offset, ffi::RemainingArgs biases, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::AnyBuffer send_offset, ffi::AnyBuffer recv_counts, ffi::RemainingArgs biases, ffi::Result<ffi::AnyBuffer> out,
                    int64_t state, int64_t num_experts) {
   return guarded<G>(state, ordinal, "omniep combine (JAX)", [&](G& g) {
-    run_combine(g, stream, y, nullptr, idx32, send_pos, send_offset, &biases, out, nullptr, num_experts);
+    run_combine(g, stream, y, nullptr, idx32, send_pos, send_offset, recv_counts, &biases, out, nullptr, num_experts);
   });
 }
 
 template <typename G>
 ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_recv_x, ffi::AnyBuffer g_recv_w, ffi::AnyBuffer idx32,
-                       ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset, ffi::Result<ffi::AnyBuffer> g_x,
+                       ffi::AnyBuffer send_pos, ffi::AnyBuffer send_offset, ffi::AnyBuffer recv_counts,
+                       ffi::Result<ffi::AnyBuffer> g_x,
                        ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t num_experts) {
   return guarded<G>(state, ordinal, "omniep dispatch bwd (JAX)", [&](G& g) {
-    run_combine(g, stream, g_recv_x, &g_recv_w, idx32, send_pos, send_offset, nullptr, g_x, &g_w, num_experts);
+    run_combine(g, stream, g_recv_x, &g_recv_w, idx32, send_pos, send_offset, recv_counts, nullptr, g_x, &g_w,
+                num_experts);
   });
 }
 
@@ -330,6 +359,7 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_re
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
@@ -346,6 +376,7 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_re
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
                                     .Attr<int64_t>("state")                                                 \
                                     .Attr<int64_t>("num_experts"));                                         \
@@ -353,6 +384,7 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_re
                                 xla::ffi::Ffi::Bind()                                                       \
                                     .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
                                     .Ctx<xla::ffi::DeviceOrdinal>()                                         \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
@@ -365,6 +397,7 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_re
                                 xla::ffi::Ffi::Bind()                                                       \
                                     .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
                                     .Ctx<xla::ffi::DeviceOrdinal>()                                         \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \
                                     .Arg<xla::ffi::AnyBuffer>()                                             \

@@ -55,6 +55,11 @@ struct DispatchArgs {
   PerRank<int32_t> recv_topk_idx;           // sym [C, K] (with_routing)
   PerRank<float> recv_topk_weights;         // sym [C, K] (with_routing)
   PerRank<int32_t> num_recv_tokens_per_expert;  // out [L] (with_routing)
+  // Optional [C, row_bytes] / [C, row2_bytes]: where a rank's OWN rows (source == receiver) go
+  // instead of its recv_x / recv_x2 (the caller's result, so the copy-out skips them:
+  // kernels/copy_rows.cuh). Null entry: the symmetric buffer, like every other row.
+  PerRank<uint8_t> own_x;
+  PerRank<uint8_t> own_x2;
   int num_tokens[kMaxRanks];
   int64_t row_bytes;
   int64_t row2_bytes;  // 0 = no second payload
@@ -76,6 +81,9 @@ struct CombineArgs {
   PerRank<const int32_t> send_offset;       // [R]
   PerRank<const float> g_recv_topk_weights; // sym [C, K] (with_topk_grad: dispatch_bwd)
   PerRank<float> g_topk_weights;            // out [T, K] (with_topk_grad)
+  // Optional [C, H]: where a rank reads its OWN rows (it pulls from itself) instead of its y in the
+  // symmetric buffer: the caller's y, so the copy-in skips them (kernels/copy_rows.cuh). Null: sym.
+  PerRank<const void> own_y;
   int num_tokens[kMaxRanks];
   int hidden;
   int num_topk;

@@ -12,6 +12,8 @@
 // (blocking) and reads it from there; the sum is the same, in the same order (bitwise unchanged).
 // On p2p those branches compile away.
 //
+// A rank's own rows come from a.own_y when given (the caller's y; the copy-in skipped them).
+//
 // Barriers: start (every rank's y is complete: its producer ran before this kernel on that rank's
 // stream), end (peers finished reading my y, so my stream may free or overwrite it afterwards).
 #pragma once
@@ -29,6 +31,14 @@ inline constexpr int kPacks = 4;  // packs per lane per step (loads in flight pe
 inline constexpr int kCombineChunkBytes = gpu::kWarpSize * kPacks * 16;
 inline constexpr int kCombineStageBytesPerWarp = 2 * kCombineChunkBytes;
 
+// Rank r's y as this rank reads it: my own rows from the caller's y when given (the copy-in skipped
+// them), everything else from the symmetric buffer.
+template <typename Tr>
+OMNIEP_DEVICE const void* y_of(const Tr& tr, const CombineArgs& a, int r) {
+  const void* own = r == tr.rank() ? tr.local(a.own_y) : nullptr;
+  return own != nullptr ? own : tr.peer(a.y, r);
+}
+
 // Packs of row `slot` of rank r's y, indexable by pack number p in [base, base + kWarpSize * kPacks):
 // through r's pointer, or (a remote rank) after the warp GETS that chunk into `stage` (this warp's
 // staging area in the transport's symmetric scratch). Warp-uniform arguments: all lanes call it.
@@ -41,7 +51,7 @@ OMNIEP_DEVICE const Pack* y_row(const Tr& tr, const CombineArgs& a, int r, int64
       return get_packs(tr, mine, r, base, min(num_packs - base, gpu::kWarpSize * kPacks), stage);
     }
   }
-  return reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot * H);
+  return reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r)) + slot * H);
 }
 
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
@@ -91,7 +101,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
         if (slot0 >= 0) {
           const Pack* y = Tr::kHasRemote
                               ? y_row<Pack, Scalar>(tr, a, r, slot0, H, base, num_packs, stage)
-                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + slot0 * H);
+                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r)) + slot0 * H);
 #pragma unroll
           for (int j = 0; j < kPacks; ++j) {
             const int p = base + lane + j * gpu::kWarpSize;
@@ -102,7 +112,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
           const Pack* y = Tr::kHasRemote
                               ? y_row<Pack, Scalar>(tr, a, r + 1, slot1, H, base, num_packs,
                                                     stage + kCombineChunkBytes / sizeof(Pack))
-                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r + 1)) + slot1 * H);
+                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r + 1)) + slot1 * H);
 #pragma unroll
           for (int j = 0; j < kPacks; ++j) {
             const int p = base + lane + j * gpu::kWarpSize;

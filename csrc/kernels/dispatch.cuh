@@ -4,6 +4,8 @@
 // ordered by (source rank, source token) — the contract order of DESIGN §2 — and rows at or past
 // the capacity C are the ones dropped. One warp moves one token to each rank it goes to.
 // The receiver meanwhile zero-fills its padding rows [num_recv, C), which no source writes.
+// A receiver's own rows go to a.own_x / a.own_x2 instead when given (the caller's result tensors;
+// the copy-out then skips them, kernels/copy_rows.cuh).
 // Per-expert receive counts: each block counts the (token, local expert) pairs it delivered in
 // shared memory and adds them to the receiver's counters once at the end; the receiver zeroed those
 // counters before the start barrier and reads them after the end barrier.
@@ -66,8 +68,11 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
       sent = pos >= 0 && slot < C;  // slot >= C: dropped, past the receiver's capacity
       if constexpr (Tr::kHasRemote) remote = sent && tr.is_remote(lane);
       if (sent && !remote) {
-        dst_x = tr.peer(a.recv_x, lane) + slot * a.row_bytes;
-        if (a.row2_bytes > 0) dst_x2 = tr.peer(a.recv_x2, lane) + slot * a.row2_bytes;
+        // My own rows go straight into my result when the caller gave one (no copy-out for them).
+        uint8_t* own_x = lane == me ? tr.local(a.own_x) : nullptr;
+        uint8_t* own_x2 = lane == me ? tr.local(a.own_x2) : nullptr;
+        dst_x = (own_x ? own_x : tr.peer(a.recv_x, lane)) + slot * a.row_bytes;
+        if (a.row2_bytes > 0) dst_x2 = (own_x2 ? own_x2 : tr.peer(a.recv_x2, lane)) + slot * a.row2_bytes;
       }
     }
     const gpu::lane_mask_t dests = gpu::ballot(sent);

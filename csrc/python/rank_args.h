@@ -115,6 +115,8 @@ omniep::DispatchArgs dispatch_args(const G& g, const py::dict& d) {
   f.local("send_offset", a.send_offset);
   f.local("num_recv", a.num_recv);
   f.local("num_recv_tokens_per_expert", a.num_recv_tokens_per_expert);
+  f.local("own_x", a.own_x);
+  f.local("own_x2", a.own_x2);
   a.expert_alignment = f.template get<int32_t>("expert_alignment", 1);
   a.with_routing = f.template get<int32_t>("with_routing", 1);
   f.finish();
@@ -150,6 +152,7 @@ omniep::CombineArgs combine_args(const G& g, const py::dict& d) {
   combine_fields(f, a, g.rank());
   f.local("send_pos", a.send_pos);
   f.local("send_offset", a.send_offset);
+  f.local("own_y", a.own_y);
   f.finish();
   return a;
 }
@@ -268,6 +271,13 @@ void bind_rank_ops(py::class_<G>& c) {
                           size_t height, uintptr_t s) { g.memcpy2d(dst, dst_pitch, src, src_pitch, width, height, as_stream(s)); },
            py::arg("dst"), py::arg("dst_pitch"), py::arg("src"), py::arg("src_pitch"), py::arg("width"),
            py::arg("height"), py::arg("stream"), "`height` rows of `width` bytes at the given pitches (async).")
+      .def("copy_rows_except", [](G& g, uintptr_t dst, uintptr_t src, int64_t row_bytes, int64_t rows,
+                                  uintptr_t skip_begin, uintptr_t skip_count, uintptr_t s) {
+            g.copy_rows_except(dst, src, row_bytes, rows, skip_begin, skip_count, as_stream(s));
+          }, py::arg("dst"), py::arg("src"), py::arg("row_bytes"), py::arg("rows"), py::arg("skip_begin"),
+           py::arg("skip_count"), py::arg("stream"),
+           "Rows [0, rows) of src to dst except [*skip_begin, *skip_begin + *skip_count) (device int32 scalars; "
+           "0 = skip nothing), with every SM (kernels/copy_rows.cuh).")
       .def("error", [](const G& g) {
             const auto e = g.read_error();
             return py::make_tuple(e.code, e.rank, e.peer, e.phase);

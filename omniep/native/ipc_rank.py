@@ -203,11 +203,26 @@ class IpcRankState(ExpertMajorOps):
         self._mark("kernel")
         return lay
 
+    def _own_segment(self, send_offset, recv_counts) -> tuple:
+        """Device addresses of ``send_offset[me]`` and ``recv_counts[me]``: where my own rows sit in my
+        receive order and how many (the rows the kernels move directly, kernels/copy_rows.cuh)."""
+        for t in (send_offset, recv_counts):
+            if t.dtype != self._torch.int32 or not t.is_contiguous():
+                raise InputError("send_offset / recv_counts must be contiguous int32 (layout outputs)")
+        return send_offset.data_ptr() + 4 * self.rank, recv_counts.data_ptr() + 4 * self.rank
+
+    def _copy_rows(self, dst: int, src: int, row_bytes: int, rows: int, skip: tuple) -> None:
+        """Rows ``[0, rows)`` from ``src`` to ``dst`` except my own segment ``skip`` (see _own_segment)."""
+        if rows and row_bytes:
+            self._g().copy_rows_except(dst, src, row_bytes, rows, skip[0], skip[1], self._stream())
+
     def dispatch(self, x, x_scales, topk_weights, *, topk_idx, send_pos, send_offset, num_recv, capacity: int,
-                 rows: int, num_experts: int, expert_alignment: int = 1, routing: bool = True):
+                 rows: int, num_experts: int, expert_alignment: int = 1, routing: bool = True, recv_counts=None):
         """Push my rows into the receivers' buffers (``capacity`` rows each, rows past it dropped) and
         copy the first ``rows`` of mine out. Returns ``(recv_x, recv_x_scales, recv_topk_idx,
-        recv_topk_weights, num_recv_tokens_per_expert)``; routing outputs are None unless ``routing``."""
+        recv_topk_weights, num_recv_tokens_per_expert)``; routing outputs are None unless ``routing``.
+        With ``recv_counts`` (prepare's, on the device) my own rows go straight into ``recv_x`` (and the
+        scales) and the copy-out skips them."""
         torch = self._torch
         x = x.contiguous()
         T, H = x.shape
@@ -235,10 +250,21 @@ class IpcRankState(ExpertMajorOps):
         if routing:
             args.update(topk_weights=w.data_ptr(), recv_topk_idx=offsets[at], recv_topk_weights=offsets[at + 1],
                         num_recv_tokens_per_expert=per_expert.data_ptr())
+        if recv_counts is not None:  # own rows straight into the results, the copy-out skips them
+            skip = self._own_segment(send_offset, recv_counts)
+            recv_x = self._empty((rows, H), x.dtype)
+            recv_s = self._empty((rows, x_scales.shape[1]), torch.float32) if x_scales is not None else None
+            args.update(own_x=recv_x.data_ptr(), **({"own_x2": recv_s.data_ptr()} if recv_s is not None else {}))
         self._g().dispatch(args, self._stream())
         self._mark("kernel")
-        recv_x = self._copy_out(offsets[0], (rows, H), x.dtype)
-        recv_s = self._copy_out(offsets[1], (rows, x_scales.shape[1]), torch.float32) if x_scales is not None else None
+        if recv_counts is not None:
+            base = self._g().data_ptr
+            self._copy_rows(recv_x.data_ptr(), base + offsets[0], sizes[0], rows, skip)
+            if recv_s is not None:
+                self._copy_rows(recv_s.data_ptr(), base + offsets[1], sizes[1], rows, skip)
+        else:
+            recv_x = self._copy_out(offsets[0], (rows, H), x.dtype)
+            recv_s = self._copy_out(offsets[1], (rows, x_scales.shape[1]), torch.float32) if x_scales is not None else None
         recv_idx = recv_w = None
         if routing:
             recv_idx = self._copy_out(offsets[at], (rows, K), torch.int32)
@@ -246,10 +272,11 @@ class IpcRankState(ExpertMajorOps):
         return recv_x, recv_s, recv_idx, recv_w, per_expert
 
     def combine(self, y, *, topk_idx, send_pos, send_offset, capacity: int, num_tokens: int, num_experts: int,
-                bias: tuple = (), g_recv_topk_weights=None):
+                bias: tuple = (), g_recv_topk_weights=None, recv_counts=None):
         """Copy ``y[rows, H]`` into my buffer; every source pulls and sums its rows (fp32, ascending rank,
         bias last, one rounding). With ``g_recv_topk_weights`` (dispatch_bwd) also read back the
-        per-slot weight gradients. Returns ``out[T, H]`` (and ``g_topk_weights[T, K]``)."""
+        per-slot weight gradients. Returns ``out[T, H]`` (and ``g_topk_weights[T, K]``). With
+        ``recv_counts`` (prepare's) I read my own rows from ``y`` itself and the copy-in skips them."""
         torch = self._torch
         y = y.contiguous()
         H, K = y.shape[1], topk_idx.shape[1]
@@ -257,12 +284,18 @@ class IpcRankState(ExpertMajorOps):
         grad = g_recv_topk_weights is not None
         offsets, total = regions(capacity, [H * y.element_size()] + ([K * 4] if grad else []))
         self.reserve(total)
-        self._copy_in(offsets[0], y)
+        own = {}
+        if recv_counts is not None:
+            self._copy_rows(self._g().data_ptr + offsets[0], y.data_ptr(), H * y.element_size(), y.shape[0],
+                            self._own_segment(send_offset, recv_counts))
+            own = dict(own_y=y.data_ptr())
+        else:
+            self._copy_in(offsets[0], y)
         out = self._empty((num_tokens, H), y.dtype)
         bias_args, bias = self._bias_args(bias)
         args = dict(y=offsets[0], out=out.data_ptr(), topk_idx32=topk_idx.data_ptr(), send_pos=send_pos.data_ptr(),
                     send_offset=send_offset.data_ptr(), num_tokens=num_tokens, hidden=H, num_topk=K,
-                    num_experts=num_experts, capacity=capacity, dtype=code, **bias_args)
+                    num_experts=num_experts, capacity=capacity, dtype=code, **bias_args, **own)
         g_w = None
         if grad:
             gw_in = g_recv_topk_weights.contiguous().to(torch.float32)

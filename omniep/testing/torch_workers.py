@@ -167,7 +167,14 @@ def opcheck_job(rank: int, job: dict) -> dict:
     out["combine"] = torch.library.opcheck(torch.ops.omniep.combine.default,
                                            (y, weights, bias, None, ops.handle_tensors(d.handle), *meta),
                                            raise_exception=False)
-    return {k: {name: str(r) for name, r in v.items()} for k, v in out.items()}
+    def shown(r) -> str:  # "SUCCESS", or the failure with its traceback (opcheck hides where it failed)
+        if isinstance(r, BaseException):
+            import traceback
+
+            return "".join(traceback.format_exception(r))
+        return str(r)
+
+    return {k: {name: shown(r) for name, r in v.items()} for k, v in out.items()}
 
 
 def buffer_job(rank: int, job: dict) -> dict:

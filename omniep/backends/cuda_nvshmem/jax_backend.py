@@ -239,7 +239,7 @@ class CudaNvshmemJax(EPBackend):
             [((C, H), rows.dtype), ((C, H2), jnp.float32), ((C, K), jnp.int32), ((C, K), jnp.float32),
              ((L,), jnp.int32)],
             rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.send_pos, handle.send_offset,
-            handle.num_recv, num_experts=E, expert_alignment=cfg.expert_alignment)
+            handle.recv_counts, handle.num_recv, num_experts=E, expert_alignment=cfg.expert_alignment)
         total = jnp.sum(handle.recv_counts, dtype=jnp.int32)
         dropped = total - handle.num_recv + handle.num_invalid
         handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w)
@@ -257,7 +257,7 @@ class CudaNvshmemJax(EPBackend):
         native = ("float32", "bfloat16", "float16")
         biases = tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
         (out,) = self._call("combine", [((T, H), y.dtype)], y, handle.topk_idx, handle.send_pos,
-                            handle.send_offset, *biases, num_experts=handle.config.num_experts)
+                            handle.send_offset, handle.recv_counts, *biases, num_experts=handle.config.num_experts)
         return out
 
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: NativeHandle):
@@ -273,7 +273,7 @@ class CudaNvshmemJax(EPBackend):
         self._state().reserve(_regions(C, [H * jnp.dtype(g_recv_x.dtype).itemsize, K * 4]))
         g_x, g_w = self._call("dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32)],
                               g_recv_x, g_recv_topk_weights.astype(jnp.float32), handle.topk_idx, handle.send_pos,
-                              handle.send_offset, num_experts=handle.config.num_experts)
+                              handle.send_offset, handle.recv_counts, num_experts=handle.config.num_experts)
         return g_x, g_w
 
     def combine_bwd(self, g_out, handle: NativeHandle, y: Optional[Any] = None):
@@ -285,6 +285,7 @@ class CudaNvshmemJax(EPBackend):
             raise InputError(f"g_out has {T} rows, expected {handle.topk_idx.shape[0]} (the tokens of the dispatch)")
         self._state().reserve(_regions(C, [H * jnp.dtype(g_out.dtype).itemsize]))
         (g_y,) = self._call("dispatch_rows", [((C, H), g_out.dtype)], g_out, handle.send_pos,
-                            handle.send_offset, handle.num_recv, num_experts=handle.config.num_experts)
+                            handle.send_offset, handle.recv_counts, handle.num_recv,
+                            num_experts=handle.config.num_experts)
         dtype = y.dtype if y is not None else g_out.dtype
         return g_y.astype(dtype), None

@@ -200,6 +200,15 @@ class CudaNvshmemTorch(ExpertMajorTorch, TorchGroupBackend):
         totals = handle.all_counts[:, : self.world].to(torch.int64).sum(0).tolist()
         return max(totals, default=0), totals[self.rank]
 
+    @staticmethod
+    def _recv_counts(handle: TorchHandle):
+        """Rows each source sends me (prepare's, int32 [R] on the device): my own segment's length is
+        entry [me], so the kernels move my own rows directly (no copy through the symmetric buffer)."""
+        rc = handle.recv_counts
+        if rc is None or rc.device.type != "cuda":
+            return None
+        return rc.to(torch.int32).contiguous()
+
     def _send_offset(self, handle: TorchHandle) -> torch.Tensor:
         """First row of my tokens in every receiver's order: sum over lower source ranks."""
         derived = _derived(handle.all_counts)
@@ -245,7 +254,8 @@ class CudaNvshmemTorch(ExpertMajorTorch, TorchGroupBackend):
         cfg = handle.config
         return st.dispatch(x, x_scales, topk_weights, topk_idx=handle.topk_idx, send_pos=handle.send_pos,
                            send_offset=self._send_offset(handle), num_recv=handle.num_recv, capacity=C, rows=rows,
-                           num_experts=cfg.num_experts, expert_alignment=cfg.expert_alignment, routing=routing)
+                           num_experts=cfg.num_experts, expert_alignment=cfg.expert_alignment, routing=routing,
+                           recv_counts=self._recv_counts(handle))
 
     def dispatch(self, x, topk_weights, handle: TorchHandle):
         """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8) and the routing; a completed handle gives a
@@ -275,7 +285,8 @@ class CudaNvshmemTorch(ExpertMajorTorch, TorchGroupBackend):
         cfg = handle.config
         return st.combine(y, topk_idx=handle.topk_idx, send_pos=handle.send_pos, send_offset=self._send_offset(handle),
                           capacity=C, num_tokens=int(handle.topk_idx.shape[0]), num_experts=cfg.num_experts,
-                          bias=tuple(bias), g_recv_topk_weights=g_recv_topk_weights)
+                          bias=tuple(bias), g_recv_topk_weights=g_recv_topk_weights,
+                          recv_counts=self._recv_counts(handle))
 
     def combine(self, y, handle: TorchHandle, bias: tuple = ()):
         """``out[T, H]`` in ``y``'s dtype: fp32 sum over ranks ascending (expert-major: of the weighted
