@@ -159,8 +159,10 @@ def opcheck_job(rank: int, job: dict) -> dict:
             -1 if case.capacity is None else case.capacity, case.expert_alignment)
     out = {"dispatch": torch.library.opcheck(torch.ops.omniep.dispatch.default, (x, None, idx, w, *meta),
                                              raise_exception=False)}
+    # The handle must come from the backend that `meta` names (auto could pick a native backend on GPUs,
+    # whose expert-major handles carry different fields).
     d = ep.dispatch(x.detach(), idx, w.detach(), num_experts=case.num_experts, capacity=case.capacity,
-                    expert_alignment=case.expert_alignment, layout=case.layout)
+                    expert_alignment=case.expert_alignment, layout=case.layout, backend="collective")
     y = to_torch(job["y"][rank]).requires_grad_()
     bias = to_torch(job["bias"][rank][0]).requires_grad_() if job["bias"][rank] else None
     weights = w if case.layout == Layout.EXPERT_MAJOR else None
