@@ -56,11 +56,13 @@ PYBIND11_MODULE(_native_jax, m) {
             s.ipc().open_data(handles(h));
           })
       .def("synchronize", &JaxRank::synchronize, py::call_guard<py::gil_scoped_release>())
-      .def("error", [](const JaxRank& s) {
+      .def_property_readonly("local_size", [](const JaxRank&) { return 1; }, "Ranks in this process: 1.")
+      .def("error", [](const JaxRank& s, int i) {
+            if (i != 0) throw py::index_error("a JaxRank holds local rank 0 only");
             s.activate();
             const auto e = s.ipc().read_error();
             return py::make_tuple(e.code, e.rank, e.peer, e.phase);
-          }, "(code, rank, peer, phase) of this rank; synchronises the device.")
+          }, py::arg("i") = 0, "(code, rank, peer, phase) of this rank; synchronises the device.")
       .def("destroy", &JaxRank::destroy, "Free the buffers (peers must have unmapped them); the object stays.");
 
   using omniep::JaxLocalIpcGroup;

@@ -10,6 +10,7 @@ turns a peer that never shows up into a :class:`PeerTimeoutError` naming it.
 from __future__ import annotations
 
 from ..ep_core.errors import PeerTimeoutError
+from ..native.ipc_rank import grown_size
 
 
 def kv_client():
@@ -68,10 +69,12 @@ _RETIRED: list = []  # destroyed native states: a stale executable gets an FFI e
 
 
 class LocalJaxState:
-    """A native JAX state object (``JaxLocalIpcGroup``, ``JaxNcclState``) whose collective steps need
-    no exchange from Python: every rank of the group is in this process (single controller), or the
-    native object does its own (NCCL). ``impl`` has ``handle``, ``data_bytes``, ``local_size``,
-    ``allocate_data(bytes)`` (synchronises first), ``error(i)`` and ``destroy()``."""
+    """Python side of a native JAX state object (``JaxLocalIpcGroup``, ``JaxNcclState``, ``JaxRank``).
+    As is, for those whose collective steps need no exchange from Python: every rank of the group is in
+    this process (single controller), or the native object does its own (NCCL); the one-process-per-GPU
+    IPC state overrides :meth:`reserve` and :meth:`destroy` with its handle exchanges. ``impl`` has
+    ``handle``, ``data_bytes``, ``local_size``, ``allocate_data(bytes)`` (synchronises first),
+    ``error(i)``, ``set_blocks(n)`` and ``destroy()``."""
 
     def __init__(self, impl, *, backend: str, timeout_s: float, blocks: int = 0):
         self._impl, self._backend, self.timeout_s = impl, backend, float(timeout_s)
@@ -118,10 +121,3 @@ class LocalJaxState:
         self._impl.destroy()
         _RETIRED.append(self._impl)
         self._impl = None
-
-
-def grown_size(nbytes: int, current: int) -> int:
-    """The data buffer's next size when ``nbytes`` do not fit in ``current``: at least double, at least
-    2 MiB, in whole 2 MiB granules (so a growing sequence of calls re-allocates O(log) times)."""
-    new = max(int(nbytes), 2 * int(current), 1 << 21)
-    return (new + (1 << 21) - 1) >> 21 << 21

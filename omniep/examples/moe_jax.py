@@ -6,7 +6,6 @@ replicated. Nothing in it names a backend: ``OMNIEP_BACKEND`` chooses one.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import jax

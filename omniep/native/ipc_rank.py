@@ -37,6 +37,13 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def grown_size(nbytes: int, current: int) -> int:
+    """The data buffer's next size when ``nbytes`` do not fit in ``current``: at least double, at least
+    2 MiB, in whole 2 MiB granules (so a growing sequence of calls re-allocates O(log) times)."""
+    new = max(int(nbytes), 2 * int(current), 1 << 21)
+    return (new + (1 << 21) - 1) >> 21 << 21
+
+
 def regions(capacity: int, row_bytes: list) -> tuple[list, int]:
     """Offsets of ``[capacity, row_bytes[i]]`` regions packed in the data buffer, and the total."""
     offsets, total = [], 0
@@ -128,8 +135,7 @@ class IpcRankState(ExpertMajorOps):
         if self._torch.cuda.is_current_stream_capturing():
             raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
                              f"run the same call once eagerly before capturing")
-        new = max(nbytes, 2 * g.data_bytes, 1 << 21)
-        new = (new + (1 << 21) - 1) >> 21 << 21  # 2 MiB granules
+        new = grown_size(nbytes, g.data_bytes)
         self._torch.cuda.synchronize()
         g.close_peer_data()
         self._all_gather(None)  # nobody maps anyone's old buffer any more
@@ -341,5 +347,4 @@ class NvshmemRankState(IpcRankState):
         if self._torch.cuda.is_current_stream_capturing():
             raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
                              f"run the same call once eagerly before capturing")
-        new = max(nbytes, 2 * g.data_bytes, 1 << 21)
-        g.allocate_data((new + (1 << 21) - 1) >> 21 << 21)  # collective inside (nvshmem_malloc)
+        g.allocate_data(grown_size(nbytes, g.data_bytes))  # collective inside (nvshmem_malloc)

@@ -74,6 +74,23 @@ def _regions(capacity: int, row_bytes: list) -> int:
     return sum((capacity * b + _ALIGN - 1) // _ALIGN * _ALIGN for b in row_bytes)
 
 
+def jax_gpu_reason() -> str:
+    """Why JAX cannot run the native kernels here ("" when it can): no usable backend, no GPU, or a GPU
+    older than the sm_90 the modules are built for."""
+    try:
+        backend = jax.default_backend()
+    except RuntimeError as exc:
+        return f"jax has no usable backend: {exc}"
+    if backend != "gpu":
+        return f"jax has no GPU (default backend: {backend}); install jax[cuda13]"
+    cc = getattr(jax.local_devices()[0], "compute_capability", None)
+    if cc is not None:
+        major, minor = (int(v) for v in str(cc).split(".")[:2])
+        if (major, minor) < MIN_CC:
+            return f"built for sm_90; this GPU is sm_{major}{minor}"
+    return ""
+
+
 def register_targets(module: str) -> None:
     """Register the FFI handlers of native module ``module`` with XLA (once per module)."""
     if module not in _registered:
@@ -113,17 +130,9 @@ class CudaNvshmemJax(EPBackend):
         except ImportError as exc:
             return Availability(False, f"omniep._native_jax (JAX FFI handlers) not built: run `make native` "
                                        f"with jax installed ({exc})")
-        try:
-            backend = jax.default_backend()
-        except RuntimeError as exc:
-            return Availability(False, f"jax has no usable backend: {exc}")
-        if backend != "gpu":
-            return Availability(False, f"jax has no GPU (default backend: {backend}); install jax[cuda13]")
-        cc = getattr(jax.local_devices()[0], "compute_capability", None)
-        if cc is not None:
-            major, minor = (int(v) for v in str(cc).split(".")[:2])
-            if (major, minor) < MIN_CC:
-                return Availability(False, f"built for sm_90; this GPU is sm_{major}{minor}")
+        why = jax_gpu_reason()
+        if why:
+            return Availability(False, why)
         n = jax.local_device_count()
         if jax.process_count() == 1 and n >= 2:
             return Availability(True, f"native kernels over peer access (p2p), one process driving its {n} GPUs")

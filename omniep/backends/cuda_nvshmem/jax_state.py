@@ -3,8 +3,8 @@
 One process driving every local GPU: :func:`local_group_state` (``JaxLocalIpcGroup``: the ranks'
 buffers linked by device pointers with peer access, nothing to exchange).
 
-One process per GPU: :class:`JaxRankState` wraps ``omniep._native_jax.JaxRank``: the rank's workspace and symmetric data
-buffer (CUDA IPC, as :mod:`omniep.native.ipc_rank` for torch) whose address the XLA FFI handlers get
+One process per GPU: :class:`JaxRankState` wraps ``omniep._native_jax.JaxRank``: the rank's workspace
+and symmetric data buffer (CUDA IPC, as :mod:`omniep.native.ipc_rank` for torch) whose address the XLA FFI handlers get
 as the attribute ``state``. It is created ONCE per (process, EP group), while the first ``omniep.jax``
 call of that group is traced, and bootstrapped through JAX's distributed key-value store: every
 process publishes its IPC handle under a key of the group and reads everyone else's.
@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import importlib
 
-from ...ep_core.errors import BackendUnavailableError, DestroyedError
-from ..jax_native import KvExchange, LocalJaxState, grown_size, kv_client, raise_for_error
+from ...ep_core.errors import BackendUnavailableError
+from ...native.ipc_rank import grown_size
+from ..jax_native import KvExchange, LocalJaxState, kv_client
 
-_RETIRED: list = []  # destroyed JaxRank shells: a stale executable gets an FFI error, not freed memory
 
-
-class JaxRankState:
+class JaxRankState(LocalJaxState):
     """Rank ``rank`` of ``num_ranks`` on CUDA device ``device``; ``group_key`` names the group in the
-    key-value store and must be the same string on every process of the group."""
+    key-value store and must be the same string on every process of the group. Growing the buffer and
+    destroying are collective exchanges of IPC handles here (the rest is :class:`LocalJaxState`'s)."""
 
     def __init__(self, group_key: str, rank: int, num_ranks: int, device: int, *, timeout_s: float = 30.0,
                  bootstrap_timeout_s: float = 120.0, blocks: int = 0):
         self.group_key, self.rank, self.num_ranks, self.device = group_key, rank, num_ranks, device
-        self.timeout_s = float(timeout_s)
         client = kv_client()
         if client is None:
             raise BackendUnavailableError("cuda_nvshmem", "jax.distributed is not initialized: call "
@@ -41,25 +40,9 @@ class JaxRankState:
         self._kv = KvExchange(client, group_key, rank, num_ranks, timeout_s=bootstrap_timeout_s,
                               backend="cuda_nvshmem")
         native = importlib.import_module("omniep._native_jax")
-        self._impl = native.JaxRank(rank, num_ranks, device, int(self.timeout_s * 1e9))
-        if blocks:
-            self._impl.set_blocks(int(blocks))
-        self._impl.open_workspaces(self._kv.all_gather("workspace", self._impl.workspace_handle()))
-
-    # ---- life cycle ----
-    def _g(self):
-        if self._impl is None:
-            raise DestroyedError("the cuda_nvshmem JAX rank state was used after destroy()")
-        return self._impl
-
-    @property
-    def handle(self) -> int:
-        """The address the FFI handlers get as ``state``."""
-        return int(self._g().handle)
-
-    @property
-    def data_bytes(self) -> int:
-        return int(self._g().data_bytes)
+        impl = native.JaxRank(rank, num_ranks, device, int(float(timeout_s) * 1e9))
+        super().__init__(impl, backend="cuda_nvshmem", timeout_s=timeout_s, blocks=blocks)
+        impl.open_workspaces(self._kv.all_gather("workspace", impl.workspace_handle()))
 
     def reserve(self, nbytes: int) -> None:
         """Make the symmetric data buffer at least ``nbytes`` on every rank. Called while tracing with
@@ -74,15 +57,6 @@ class JaxRankState:
         g.allocate_data(new)
         g.open_data(self._kv.all_gather("data", g.data_handle()))
 
-    def check(self) -> None:
-        """Synchronise; raise PeerTimeoutError if this rank's kernels recorded a timed-out wait (the
-        compiled program itself cannot raise: a timed-out kernel skips its work and records why)."""
-        raise_for_error(self.error(), self.timeout_s)
-
-    def error(self) -> tuple:
-        """``(code, rank, peer, phase)`` of this rank's error record (0 = none); synchronises."""
-        return tuple(self._g().error())
-
     def destroy(self) -> None:
         """Collective: every rank calls it. Peers unmap my buffers before I free them."""
         if self._impl is None:
@@ -92,9 +66,7 @@ class JaxRankState:
         g.close_peer_data()
         g.close_peer_workspaces()
         self._kv.barrier("closed")
-        g.destroy()
-        _RETIRED.append(g)
-        self._impl = None
+        super().destroy()
 
 
 def local_group_state(devices, *, timeout_s: float = 30.0, blocks: int = 0) -> LocalJaxState:

@@ -21,7 +21,7 @@ import jax
 
 from ...ep_core.errors import UnsupportedError
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
-from ..cuda_nvshmem.jax_backend import MIN_CC, CudaNvshmemJax
+from ..cuda_nvshmem.jax_backend import CudaNvshmemJax, jax_gpu_reason
 from ..jax_native import kv_client
 from . import native_reason, version_string
 from .jax_state import NcclJaxState
@@ -44,16 +44,11 @@ class NcclEpJax(CudaNvshmemJax):
         if not getattr(mod, "HAS_JAX_FFI", False):
             return Availability(False, "omniep._native_nccl was built without the JAX handlers (jax was not "
                                        "importable by the Python that ran the build)")
-        try:
-            backend = jax.default_backend()
-        except RuntimeError as exc:
-            return Availability(False, f"jax has no usable backend: {exc}")
-        if backend != "gpu":
-            return Availability(False, f"jax has no GPU (default backend: {backend}); install jax[cuda13]")
-        cc = getattr(jax.local_devices()[0], "compute_capability", None)
-        if cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) < MIN_CC:
-            return Availability(False, f"built for sm_90; this GPU is sm_{str(cc).replace('.', '')}")
-        nccl = f"NCCL {version_string(mod.nccl_version())} device API (LSA peers over NVLink)"
+        why = jax_gpu_reason()
+        if why:
+            return Availability(False, why)
+        nccl = (f"NCCL {version_string(mod.nccl_version())} device API (LSA peers over NVLink; GIN compiled, "
+                f"not run on a network here)")
         if _single_controller():
             return Availability(True, f"native kernels over the {nccl}, one process driving its "
                                       f"{jax.local_device_count()} GPUs")
