@@ -9,13 +9,16 @@ Targets of :func:`omniep.testing.procs.run_ranks`, with ``OMNIEP_BACKEND`` set b
   local GPUs, the EP mesh over them.
 
 Each runs every job through ``omniep.jax`` under ``jit`` (dispatch, combine with biases, both backward
-passes, :mod:`omniep.testing.jax_workers`) and checks the ranks it can address against the reference
-bit for bit in the child; an assertion fails the run with its traceback.
+passes, :mod:`omniep.testing.jax_workers`; an fp8 dispatch with scales, :func:`check_fp8`) and checks
+the ranks it can address against the reference bit for bit in the child; an assertion fails the run
+with its traceback.
 """
 
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 from ..ep_core.types import Layout
 from ..testing import golden
@@ -97,6 +100,40 @@ def run_golden(mesh, g) -> list:
     return checked
 
 
+def check_fp8(mesh, world: int) -> list:
+    """fp8 rows and their fp32 scales through ``omniep.jax``'s dispatch under ``jit`` arrive byte for byte
+    (NaN, -0.0 and ±448 included), rank-major at a static capacity; returns the ranks checked here."""
+    import jax
+    import jax.numpy as jnp
+
+    from .. import jax as ep
+    from ..ep_core import reference as ref
+    from ..testing import jax_workers as jw
+
+    T, H = 5, 256
+    case = make_case(7, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=H, num_tokens=T)
+    cap = golden.static_capacity(case)
+    rng = np.random.default_rng(7)
+    x8 = [(rng.standard_normal((T, H)) * 8).astype(jnp.float8_e4m3fn) for _ in range(world)]
+    x8[0][0, :4] = np.array([np.nan, -0.0, 448.0, -448.0], np.float32).astype(jnp.float8_e4m3fn)
+    scales = [rng.random((T, H // 128)).astype(np.float32) for _ in range(world)]
+
+    def body(x, s, idx, w):
+        d = ep.dispatch((x, s), idx, w, num_experts=case.num_experts, axis_name=jw.AXIS, capacity=cap)
+        rx, rs = d.recv_x
+        return {"recv_x": rx[None], "recv_s": rs[None], "num_recv": d.num_recv[None]}
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(jw.AXIS), out_specs=jax.P(jw.AXIS)))
+    got = jw.local_results(f(*(jw._global(mesh, a) for a in (x8, scales, case.topk_idx, case.topk_weights))))
+    plan = ref.make_plan(case.topk_idx, case.config(cap))
+    want_x = ref.dispatch(x8, case.topk_weights, plan)
+    want_s = ref.dispatch(scales, case.topk_weights, plan)
+    for r, res in sorted(got.items()):
+        jw.assert_bitwise_equal(res["recv_x"], want_x[r].recv_x, f"fp8 recv_x rank {r}")
+        jw.assert_bitwise_equal(res["recv_s"], want_s[r].recv_x, f"fp8 recv_x_scales rank {r}")
+    return sorted(got)
+
+
 def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     """Every case (``(case, capacity, num_bias, seed)``) and golden file on ``mesh``; then every native
     state is checked for recorded timeouts and destroyed."""
@@ -119,6 +156,7 @@ def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
         out["cases"].append(ranks)
     for name in golden_names:
         out["golden"].append((name, run_golden(mesh, golden.load(golden.GOLDEN_DIR / f"{name}.npz"))))
+    out["fp8"] = check_fp8(mesh, mesh.shape[jw.AXIS])
     for st in jax_backend.states().values():
         st.check()  # no rank recorded a timed-out wait
     out["data_bytes"] = [st.data_bytes for st in jax_backend.states().values()]

@@ -51,6 +51,7 @@ def test_two_jax_processes_match_reference_bitwise(per_gpu):
         assert "CUDA IPC" in res["availability"], res["availability"]
         assert res["cases"] == [[proc]] * len(cases), res["cases"]
         assert [n for n, _ in res["golden"]] == names and all(r == [proc] for _, r in res["golden"])
+        assert res["fp8"] == [proc], res["fp8"]
 
 
 def test_single_controller_two_gpus_bitwise():
@@ -66,3 +67,4 @@ def test_single_controller_two_gpus_bitwise():
     assert "one process driving its 2 GPUs" in res["availability"], res["availability"]
     assert res["cases"] == [list(range(WORLD))] * len(cases), res["cases"]
     assert [n for n, _ in res["golden"]] == names and all(r == list(range(WORLD)) for _, r in res["golden"])
+    assert res["fp8"] == list(range(WORLD)), res["fp8"]

@@ -44,6 +44,7 @@ def _check(results: list, processes: int, cases: list, names: list) -> None:
         ranks = list(range(WORLD)) if processes == 1 else [proc]
         assert res["cases"] == [ranks] * len(cases), res["cases"]
         assert [n for n, _ in res["golden"]] == names and all(r == ranks for _, r in res["golden"])
+        assert res["fp8"] == ranks, res["fp8"]
 
 
 def test_single_controller_two_gpus_bitwise():
