@@ -61,9 +61,28 @@ def get_backend_class(name: str, framework: str):
         raise BackendUnavailableError(name, f"cannot import {module}: {exc}") from exc
 
 
+_AVAILABILITY: dict = {}  # (class, its availability function, OMNIEP_* env) -> Availability (torch only)
+
+
+def class_availability(cls, framework: str) -> Availability:
+    """``cls.availability()``, remembered for torch backends: the torch frontend resolves its backend on
+    every call, and what a torch backend checks (built modules, devices, packages) does not change in a
+    process (asking again cost ~0.7 ms a call). JAX resolves while tracing only, and its answers change
+    when ``jax.distributed`` is initialized, so JAX always asks. The key holds the class, its
+    ``availability`` function and the ``OMNIEP_*`` environment, so a patched function or a changed
+    setting asks again."""
+    if framework != "torch":
+        return cls.availability()
+    fn = getattr(cls.availability, "__func__", cls.availability)
+    key = (cls, fn, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OMNIEP_"))))
+    if key not in _AVAILABILITY:
+        _AVAILABILITY[key] = cls.availability()
+    return _AVAILABILITY[key]
+
+
 def availability(name: str, framework: str) -> Availability:
     try:
-        return get_backend_class(name, framework).availability()
+        return class_availability(get_backend_class(name, framework), framework)
     except BackendUnavailableError as exc:
         return Availability(False, exc.reason)
 
@@ -86,7 +105,7 @@ def select_backend(framework: str, name: Optional[str] = None, *, layout=None, d
     requested = name or os.environ.get("OMNIEP_BACKEND", "auto") or "auto"
     if requested != "auto":
         cls = get_backend_class(requested, framework)
-        avail = cls.availability()
+        avail = class_availability(cls, framework)
         if not avail:
             raise BackendUnavailableError(requested, avail.reason)
         require(cls, framework, **request)
