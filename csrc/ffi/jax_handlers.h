@@ -22,6 +22,18 @@
 //                recv_counts -> g_x[T, H], g_topk_weights[T, K] f32. Attrs: state, num_experts.
 // (recv_counts: prepare's [R]; entry [me] with send_offset[me] bounds my own rows, which the kernels
 // move directly instead of through the symmetric buffer.)
+// Expert-major (recv_x[L, C, H], C = the static capacity; kernels/em_*.cuh):
+// em_prepare:    topk_idx -> the eight prepare outputs (capacity unbounded), then copy_slot[T, K],
+//                recv_expert_count[L], num_recv_tokens_per_expert[L], num_recv[], dropped[],
+//                max_expert_count[]. Attrs: state, num_experts, capacity, expert_alignment.
+// em_dispatch:   x, x2 (f32 scales, H2 = 0 for none), topk_idx32, topk_weights f32, copy_slot,
+//                recv_expert_count -> recv_x[L, C, H], recv_x2[L, C, H2], recv_topk_idx[L, C],
+//                recv_topk_weights[L, C]. Attrs: state, num_experts.
+// em_combine:    y[L, C, H], topk_idx32, topk_weights, copy_slot, biases... -> out[T, H].
+// em_dispatch_bwd: g_recv_x[L, C, H], g_recv_topk_weights[L, C] f32, topk_idx32, copy_slot
+//                -> g_x[T, H], g_topk_weights[T, K] f32.
+// em_combine_bwd: g_out[T, H], y[L, C, H], topk_idx32, topk_weights, copy_slot, recv_expert_count
+//                -> g_y[L, C, H], g_topk_weights[T, K] f32 (<g_out[t], y[copy]>).
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -33,6 +45,11 @@
   XLA_FFI_Error* prefix##_dispatch_rows(XLA_FFI_CallFrame* call_frame); \
   XLA_FFI_Error* prefix##_combine(XLA_FFI_CallFrame* call_frame);      \
   XLA_FFI_Error* prefix##_dispatch_bwd(XLA_FFI_CallFrame* call_frame); \
+  XLA_FFI_Error* prefix##_em_prepare(XLA_FFI_CallFrame* call_frame);   \
+  XLA_FFI_Error* prefix##_em_dispatch(XLA_FFI_CallFrame* call_frame);  \
+  XLA_FFI_Error* prefix##_em_combine(XLA_FFI_CallFrame* call_frame);   \
+  XLA_FFI_Error* prefix##_em_dispatch_bwd(XLA_FFI_CallFrame* call_frame); \
+  XLA_FFI_Error* prefix##_em_combine_bwd(XLA_FFI_CallFrame* call_frame); \
   }
 
 // {name, function} of the five handlers under `prefix`, as an initializer list.
@@ -41,6 +58,10 @@
     {#prefix "_prepare", &prefix##_prepare}, {#prefix "_dispatch", &prefix##_dispatch},           \
         {#prefix "_dispatch_rows", &prefix##_dispatch_rows}, {#prefix "_combine", &prefix##_combine}, \
         {#prefix "_dispatch_bwd", &prefix##_dispatch_bwd},                                        \
+        {#prefix "_em_prepare", &prefix##_em_prepare}, {#prefix "_em_dispatch", &prefix##_em_dispatch}, \
+        {#prefix "_em_combine", &prefix##_em_combine},                                            \
+        {#prefix "_em_dispatch_bwd", &prefix##_em_dispatch_bwd},                                  \
+        {#prefix "_em_combine_bwd", &prefix##_em_combine_bwd},                                    \
   }
 
 OMNIEP_DECLARE_JAX_HANDLERS(omniep_jax)

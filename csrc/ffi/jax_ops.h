@@ -327,6 +327,201 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_re
   });
 }
 
+// ---- expert-major ("low-latency") handlers: kernels/em_*.cuh, recv_x[L, C, H] ----
+// The data buffer holds [L * C] slots per region (C = the static capacity of the results), copied
+// out / in whole (contiguous): the same regions on every rank, as sized by the JAX backend.
+
+template <typename G>
+ffi::Error EmPrepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> idx32,
+                     ffi::Result<ffi::AnyBuffer> send_pos, ffi::Result<ffi::AnyBuffer> per_rank,
+                     ffi::Result<ffi::AnyBuffer> per_expert, ffi::Result<ffi::AnyBuffer> recv_counts,
+                     ffi::Result<ffi::AnyBuffer> send_offset, ffi::Result<ffi::AnyBuffer> rm_num_recv,
+                     ffi::Result<ffi::AnyBuffer> rm_dropped, ffi::Result<ffi::AnyBuffer> copy_slot,
+                     ffi::Result<ffi::AnyBuffer> recv_expert_count, ffi::Result<ffi::AnyBuffer> per_expert_aligned,
+                     ffi::Result<ffi::AnyBuffer> num_recv, ffi::Result<ffi::AnyBuffer> dropped,
+                     ffi::Result<ffi::AnyBuffer> max_expert_count, int64_t state, int64_t num_experts,
+                     int64_t capacity, int64_t expert_alignment) {
+  return guarded<G>(state, ordinal, "omniep expert-major prepare (JAX)", [&](G& g) {
+    const auto t = topk_idx.element_type();
+    if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
+    LayoutArgs a = {};
+    a.topk_idx = mine<const void>(g, data(topk_idx));
+    a.topk_idx32 = mine<int32_t>(g, data(idx32));
+    a.send_pos = mine<int32_t>(g, data(send_pos));
+    a.num_tokens_per_rank = mine<int32_t>(g, data(per_rank));
+    a.num_tokens_per_expert = mine<int32_t>(g, data(per_expert));
+    a.recv_counts = mine<int32_t>(g, data(recv_counts));
+    a.send_offset = mine<int32_t>(g, data(send_offset));
+    a.num_recv = mine<int32_t>(g, data(rm_num_recv));
+    a.dropped = mine<int32_t>(g, data(rm_dropped));
+    a.num_tokens[g.rank()] = static_cast<int>(rows_of(topk_idx));
+    a.num_topk = static_cast<int>(cols_of(topk_idx));
+    a.num_experts = static_cast<int>(num_experts);
+    a.capacity = 0x7fffffff;  // the rank-major view keeps every row; the expert-major capacity is below
+    a.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
+    g.layout(a, stream);
+    EMLayoutArgs e = {};
+    e.topk_idx32 = mine<const int32_t>(g, data(idx32));
+    e.num_tokens_per_expert = mine<const int32_t>(g, data(per_expert));
+    e.copy_slot = mine<int32_t>(g, data(copy_slot));
+    e.recv_expert_count = mine<int32_t>(g, data(recv_expert_count));
+    e.num_recv_tokens_per_expert = mine<int32_t>(g, data(per_expert_aligned));
+    e.num_recv = mine<int32_t>(g, data(num_recv));
+    e.dropped = mine<int32_t>(g, data(dropped));
+    e.max_expert_count = mine<int32_t>(g, data(max_expert_count));
+    e.num_tokens[g.rank()] = a.num_tokens[g.rank()];
+    e.num_topk = a.num_topk;
+    e.num_experts = a.num_experts;
+    e.capacity = static_cast<int>(capacity);
+    e.expert_alignment = static_cast<int>(expert_alignment);
+    g.em_layout(e, stream);
+  });
+}
+
+template <typename G>
+ffi::Error EmDispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x2, ffi::AnyBuffer idx32,
+                      ffi::AnyBuffer weights, ffi::AnyBuffer copy_slot, ffi::AnyBuffer recv_expert_count,
+                      ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x2,
+                      ffi::Result<ffi::AnyBuffer> recv_idx, ffi::Result<ffi::AnyBuffer> recv_w, int64_t state,
+                      int64_t num_experts) {
+  return guarded<G>(state, ordinal, "omniep expert-major dispatch (JAX)", [&](G& g) {
+    if (weights.element_type() != ffi::DataType::F32) throw std::invalid_argument("topk_weights must be float32");
+    const Dims d = recv_x->dimensions();
+    if (d.size() < 2) throw std::invalid_argument("recv_x must be [L, C, ...]");
+    const int64_t L = d[0], C = d[1], K = cols_of(idx32);
+    const int64_t row_bytes = row_bytes_of(x), row2_bytes = row_bytes_of(x2);
+    int64_t sizes[4] = {row_bytes, row2_bytes > 0 ? row2_bytes : 4, 4, 4}, offsets[4] = {};
+    need_bytes(g, pack_regions(L * C, sizes, 4, offsets), "expert-major dispatch");
+    EMDispatchArgs a = {};
+    a.x = mine<const uint8_t>(g, data(x));
+    a.topk_idx32 = mine<const int32_t>(g, data(idx32));
+    a.topk_weights = mine<const float>(g, data(weights));
+    a.copy_slot = mine<const int32_t>(g, data(copy_slot));
+    a.recv_expert_count = mine<const int32_t>(g, data(recv_expert_count));
+    a.recv_x = g.template sym<uint8_t>(offsets[0]);
+    if (row2_bytes > 0) {
+      a.x2 = mine<const uint8_t>(g, data(x2));
+      a.recv_x2 = g.template sym<uint8_t>(offsets[1]);
+    }
+    a.recv_topk_idx = g.template sym<int32_t>(offsets[2]);
+    a.recv_topk_weights = g.template sym<float>(offsets[3]);
+    a.num_tokens[g.rank()] = static_cast<int>(rows_of(x));
+    a.row_bytes = row_bytes;
+    a.row2_bytes = row2_bytes;
+    a.num_topk = static_cast<int>(K);
+    a.num_experts = static_cast<int>(num_experts);
+    a.capacity = static_cast<int>(C);
+    g.em_dispatch(a, stream);
+    const uintptr_t base = g.data_ptr();
+    copy(g, data(recv_x), base + offsets[0], L * C * row_bytes, stream);
+    if (row2_bytes > 0) copy(g, data(recv_x2), base + offsets[1], L * C * row2_bytes, stream);
+    copy(g, data(recv_idx), base + offsets[2], L * C * 4, stream);
+    copy(g, data(recv_w), base + offsets[3], L * C * 4, stream);
+  });
+}
+
+// Shared by combine (weighted, biases) and dispatch_bwd (weights 1, the weight cotangents read back).
+template <typename G>
+void run_em_combine(G& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ffi::AnyBuffer* weights,
+                    const ffi::AnyBuffer* g_recv_w, const ffi::AnyBuffer& idx32, const ffi::AnyBuffer& copy_slot,
+                    const ffi::RemainingArgs* biases, ffi::Result<ffi::AnyBuffer>& out,
+                    ffi::Result<ffi::AnyBuffer>* g_w, int64_t num_experts) {
+  const Dims d = y.dimensions();
+  if (d.size() != 3) throw std::invalid_argument("y must be [L, C, H]");
+  const int64_t L = d[0], C = d[1], H = d[2], K = cols_of(idx32);
+  int64_t sizes[2] = {H * static_cast<int64_t>(ffi::ByteWidth(y.element_type())), 4}, offsets[2] = {};
+  need_bytes(g, pack_regions(L * C, sizes, g_recv_w ? 2 : 1, offsets), "expert-major combine");
+  EMCombineArgs a = {};
+  a.y = g.template sym<const void>(offsets[0]);
+  a.out = mine<void>(g, data(out));
+  a.topk_idx32 = mine<const int32_t>(g, data(idx32));
+  if (weights) {
+    if (weights->element_type() != ffi::DataType::F32) throw std::invalid_argument("topk_weights must be float32");
+    a.topk_weights = mine<const float>(g, data(*weights));
+  }
+  a.copy_slot = mine<const int32_t>(g, data(copy_slot));
+  a.num_tokens[g.rank()] = static_cast<int>(rows_of(idx32));
+  a.hidden = static_cast<int>(H);
+  a.num_topk = static_cast<int>(K);
+  a.num_experts = static_cast<int>(num_experts);
+  a.capacity = static_cast<int>(C);
+  a.dtype = dtype_code(y.element_type());
+  if (biases) {
+    if (biases->size() > 2) throw std::invalid_argument("at most two bias terms");
+    a.num_bias = static_cast<int>(biases->size());
+    for (size_t i = 0; i < biases->size(); ++i) {
+      auto b = biases->get<ffi::AnyBuffer>(i);
+      if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
+      a.bias[i] = mine<const void>(g, b->untyped_data());
+      a.bias_dtype[i] = dtype_code(b->element_type());
+    }
+  }
+  copy_in(g, offsets[0], data(y), L * C * sizes[0], stream);
+  if (g_recv_w) {
+    if (g_recv_w->element_type() != ffi::DataType::F32) throw std::invalid_argument("weight cotangents must be float32");
+    copy_in(g, offsets[1], data(*g_recv_w), L * C * 4, stream);
+    a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
+    a.g_topk_weights = mine<float>(g, data(*g_w));
+    a.with_topk_grad = 1;
+  }
+  g.em_combine(a, stream);
+}
+
+template <typename G>
+ffi::Error EmCombine(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::AnyBuffer idx32,
+                     ffi::AnyBuffer weights, ffi::AnyBuffer copy_slot, ffi::RemainingArgs biases,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t state, int64_t num_experts) {
+  return guarded<G>(state, ordinal, "omniep expert-major combine (JAX)", [&](G& g) {
+    run_em_combine(g, stream, y, &weights, nullptr, idx32, copy_slot, &biases, out, nullptr, num_experts);
+  });
+}
+
+template <typename G>
+ffi::Error EmDispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_recv_x, ffi::AnyBuffer g_recv_w,
+                         ffi::AnyBuffer idx32, ffi::AnyBuffer copy_slot, ffi::Result<ffi::AnyBuffer> g_x,
+                         ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t num_experts) {
+  return guarded<G>(state, ordinal, "omniep expert-major dispatch bwd (JAX)", [&](G& g) {
+    run_em_combine(g, stream, g_recv_x, nullptr, &g_recv_w, idx32, copy_slot, nullptr, g_x, &g_w, num_experts);
+  });
+}
+
+// combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) (padding 0) and g_w[t, k] = <g_out[t], y[copy]>.
+template <typename G>
+ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_out, ffi::AnyBuffer y,
+                        ffi::AnyBuffer idx32, ffi::AnyBuffer weights, ffi::AnyBuffer copy_slot,
+                        ffi::AnyBuffer recv_expert_count, ffi::Result<ffi::AnyBuffer> g_y,
+                        ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t num_experts) {
+  return guarded<G>(state, ordinal, "omniep expert-major combine bwd (JAX)", [&](G& g) {
+    if (weights.element_type() != ffi::DataType::F32) throw std::invalid_argument("topk_weights must be float32");
+    if (y.element_type() != g_out.element_type()) throw std::invalid_argument("y and g_out must have one dtype");
+    const Dims d = g_y->dimensions();
+    if (d.size() != 3) throw std::invalid_argument("g_y must be [L, C, H]");
+    const int64_t L = d[0], C = d[1], H = d[2];
+    const int64_t row_bytes = H * static_cast<int64_t>(ffi::ByteWidth(g_out.element_type()));
+    int64_t sizes[2] = {row_bytes, row_bytes}, offsets[2] = {};
+    need_bytes(g, pack_regions(L * C, sizes, 2, offsets), "expert-major combine_bwd");
+    EMCombineBwdArgs a = {};
+    a.g_out = mine<const void>(g, data(g_out));
+    a.y = g.template sym<const void>(offsets[1]);
+    a.topk_idx32 = mine<const int32_t>(g, data(idx32));
+    a.topk_weights = mine<const float>(g, data(weights));
+    a.copy_slot = mine<const int32_t>(g, data(copy_slot));
+    a.recv_expert_count = mine<const int32_t>(g, data(recv_expert_count));
+    a.g_y = g.template sym<void>(offsets[0]);
+    a.g_topk_weights = mine<float>(g, data(g_w));
+    a.num_tokens[g.rank()] = static_cast<int>(rows_of(g_out));
+    a.hidden = static_cast<int>(H);
+    a.num_topk = static_cast<int>(cols_of(idx32));
+    a.num_experts = static_cast<int>(num_experts);
+    a.capacity = static_cast<int>(C);
+    a.dtype = dtype_code(g_out.element_type());
+    a.with_topk_grad = 1;
+    copy_in(g, offsets[1], data(y), L * C * row_bytes, stream);
+    g.em_combine_bwd(a, stream);
+    copy(g, data(g_y), g.data_ptr() + offsets[0], L * C * row_bytes, stream);
+  });
+}
+
 }  // namespace jax_ffi
 }  // namespace omniep
 
@@ -406,4 +601,81 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_re
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
                                     .Attr<int64_t>("state")                                                 \
+                                    .Attr<int64_t>("num_experts"));                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_prepare, omniep::jax_ffi::EmPrepare<G>,                           \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
+                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Attr<int64_t>("state")                                                   \
+                                    .Attr<int64_t>("num_experts")                                             \
+                                    .Attr<int64_t>("capacity")                                                \
+                                    .Attr<int64_t>("expert_alignment"));                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_dispatch, omniep::jax_ffi::EmDispatch<G>,                         \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
+                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Attr<int64_t>("state")                                                   \
+                                    .Attr<int64_t>("num_experts"));                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_combine, omniep::jax_ffi::EmCombine<G>,                           \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
+                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .RemainingArgs()                                                          \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Attr<int64_t>("state")                                                   \
+                                    .Attr<int64_t>("num_experts"));                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_dispatch_bwd, omniep::jax_ffi::EmDispatchBwd<G>,                  \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
+                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Attr<int64_t>("state")                                                   \
+                                    .Attr<int64_t>("num_experts"));                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_combine_bwd, omniep::jax_ffi::EmCombineBwd<G>,                    \
+                                xla::ffi::Ffi::Bind()                                                         \
+                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
+                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Arg<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Ret<xla::ffi::AnyBuffer>()                                             \
+                                    .Attr<int64_t>("state")                                                   \
                                     .Attr<int64_t>("num_experts"))

@@ -26,12 +26,14 @@ from ..testing.cases import case_strategy, draw, make_case
 
 
 def _draw_cases(R: int, n: int) -> list:
-    return draw(case_strategy(fixed_ranks=R, equal_tokens=True, max_tokens=10, max_hidden=12, layouts=(Layout.RANK_MAJOR,)), n)
+    return draw(case_strategy(fixed_ranks=R, equal_tokens=True, max_tokens=10, max_hidden=12,
+                              layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR)), n)
 
 
 def session_cases(R: int) -> list:
-    """``(case, capacity, num_bias, seed)`` for the JAX GPU sessions: fixed rank-major cases (vectors,
-    drops, odd rows, int64 ids, an empty rank) and hypothesis-drawn ones."""
+    """``(case, capacity, num_bias, seed)`` for the JAX GPU sessions: fixed cases of both layouts
+    (16-byte vectors, drops, odd rows, int64 ids, an empty rank) and hypothesis-drawn ones."""
+    EM = Layout.EXPERT_MAJOR
     fixed = [
         make_case(0, num_ranks=R, num_experts=2 * R, num_topk=3, hidden=8, num_tokens=6, dtype="bfloat16"),
         make_case(1, num_ranks=R, num_experts=4 * R, num_topk=2, hidden=256, num_tokens=40, dtype="bfloat16",
@@ -41,12 +43,19 @@ def session_cases(R: int) -> list:
         make_case(3, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=3, num_tokens=5, dtype="bfloat16",
                   index_dtype="int64"),  # odd row bytes, int64 ids
         make_case(4, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=8, num_tokens=4, skew="empty_rank"),
+        make_case(5, num_ranks=R, num_experts=2 * R, num_topk=3, hidden=8, num_tokens=6, dtype="bfloat16", layout=EM),
+        make_case(6, num_ranks=R, num_experts=4 * R, num_topk=2, hidden=256, num_tokens=40, dtype="bfloat16",
+                  expert_alignment=4, layout=EM),  # 16-byte vectors, several blocks
+        make_case(7, num_ranks=R, num_experts=R, num_topk=2, hidden=16, num_tokens=6, skew="one_expert",
+                  dtype="float16", capacity=2, layout=EM),  # overflow: copies dropped and counted
+        make_case(8, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=3, num_tokens=5, dtype="float32",
+                  index_dtype="int64", layout=EM),  # odd row bytes, int64 ids
     ]
     # T = 0 is left out: with jax 0.11.2 on GPU the program of a T = 0 case (every input zero-size)
     # fails to COMPILE in Shardy ("expected at least one operand of @xla.sdy.manual_computation_body
     # to be produced by a xla.sdy.GlobalToLocalShape"), before any kernel runs. Seen with this backend;
     # whether the collective backend hits it on GPU too is not checked. The torch tests cover T = 0.
-    cases = fixed + [c for c in _draw_cases(R, 8) if c.x[0].shape[0] > 0][:4]
+    cases = fixed + [c for c in _draw_cases(R, 12) if c.x[0].shape[0] > 0][:6]
     out = []
     for i, case in enumerate(cases):
         cap = case.capacity if case.capacity is not None else R * case.x[0].shape[0]
@@ -55,11 +64,11 @@ def session_cases(R: int) -> list:
 
 
 def golden_names(R: int) -> list:
-    """The rank-major golden files of ``R`` ranks."""
+    """The golden files of ``R`` ranks (both layouts)."""
     names = []
     for path in golden.golden_files():
         g = golden.load(path)
-        if g.case.num_ranks == R and g.case.layout == Layout.RANK_MAJOR:
+        if g.case.num_ranks == R:
             names.append(g.name)
     return names
 
@@ -75,7 +84,7 @@ def _init(rank: int, world: int, port: int, per_gpu: bool):
 
 
 def run_golden(mesh, g) -> list:
-    """One rank-major golden file through omniep.jax; asserts this process's ranks equal its vectors."""
+    """One golden file through omniep.jax; asserts this process's ranks equal its vectors."""
     from ..testing import jax_workers as jw
 
     case = g.case

@@ -20,8 +20,8 @@ process runs in the same order because they compile the same program.
 Handles are :class:`NativeHandle`: the fields of :class:`~omniep.ep_core.types.Handle`, filled as the
 collective backend fills them, plus ``send_offset`` (where this rank's rows start in every receiver's
 buffer, which the kernels need) and ``num_invalid`` (expert ids outside ``[-1, E)``, treated as ``-1``
-and counted in ``dropped``). Rank-major layout only: the expert-major kernels run on virtual ranks
-but have no one-rank-per-process launcher yet.
+and counted in ``dropped``). Both layouts: expert-major handles also carry the expert-major prepare's
+outputs (``copy_slot`` and the per-expert counts).
 """
 
 from __future__ import annotations
@@ -54,12 +54,22 @@ class NativeHandle(Handle):
 
     send_offset [R] int32   first row of this rank's tokens in rank r's receive buffer
     num_invalid []  int32   expert ids outside ``[-1, E)`` (treated as ``-1``, counted in ``dropped``)
+    Expert-major only (``None`` otherwise), from the expert-major prepare:
+    copy_slot [T, K] int32          slot of copy (t, k) inside its local expert at its rank, -1 = none / dropped
+    recv_expert_count [L] int32     copies kept per local expert (slots past it are padding)
+    em_per_expert [L] int32         the same rounded up to ``expert_alignment``
+    em_dropped [] int32             copies lost to capacity, plus ``num_invalid``
     """
 
     send_offset: Any = None
     num_invalid: Any = None
+    copy_slot: Any = None
+    recv_expert_count: Any = None
+    em_per_expert: Any = None
+    em_dropped: Any = None
 
-    DATA_FIELDS = Handle.DATA_FIELDS + ("send_offset", "num_invalid")
+    DATA_FIELDS = Handle.DATA_FIELDS + ("send_offset", "num_invalid", "copy_slot", "recv_expert_count",
+                                        "em_per_expert", "em_dropped")
 
 
 try:
@@ -150,8 +160,8 @@ class CudaNvshmemJax(EPBackend):
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
-            intranode=True, internode=False,
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
+            max_ranks=16, intranode=True, internode=False,
             process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE, ProcessModel.ONE_PROCESS_MANY_DEVICES),
             frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1,
         )
@@ -210,15 +220,12 @@ class CudaNvshmemJax(EPBackend):
             *args, state=np.int64(st.handle), **{k: np.int64(v) for k, v in attrs.items()})
         return per_rank(tuple(out), self.group)
 
-    def _check(self, handle: Handle) -> None:
-        if handle.config.layout != Layout.RANK_MAJOR:
-            raise UnsupportedError(self.name, f"layout {handle.config.layout.value}", ["collective"])
-
     # ---- prepare / dispatch ----
     def prepare(self, topk_idx, config: DispatchConfig) -> NativeHandle:
-        """Layout kernel + count exchange through the peers' workspaces, on device."""
-        if config.layout != Layout.RANK_MAJOR:
-            raise UnsupportedError(self.name, f"layout {config.layout.value}", ["collective"])
+        """Layout kernel + count exchange through the peers' workspaces, on device (expert-major: then
+        the expert-major layout kernel: every copy's slot and the per-expert counts)."""
+        if config.layout == Layout.EXPERT_MAJOR:
+            return self._em_prepare(topk_idx, config)
         R, E = config.num_ranks, config.num_experts
         T, K = topk_idx.shape
         i32 = jnp.int32
@@ -233,7 +240,8 @@ class CudaNvshmemJax(EPBackend):
     def dispatch(self, x, topk_weights, handle: NativeHandle):
         """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8, bytes unchanged) and the routing into the
         receivers' buffers; returns the fields of :class:`Dispatched` and the completed handle."""
-        self._check(handle)
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_dispatch(x, topk_weights, handle)
         cfg = handle.config
         C, E, L = cfg.capacity, cfg.num_experts, cfg.num_local_experts
         T, K = handle.topk_idx.shape
@@ -258,8 +266,10 @@ class CudaNvshmemJax(EPBackend):
     # ---- combine and the backward passes ----
     def combine(self, y, handle: NativeHandle, bias: tuple = ()):
         """``out[T, H]`` in ``y``'s dtype: every source pulls its rows back, fp32 sum over ranks
-        ascending, bias terms last in the order given, rounded once."""
-        self._check(handle)
+        ascending, bias terms last in the order given, rounded once (expert-major: the weighted copies,
+        k ascending)."""
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_combine(y, handle, bias)
         C, H = y.shape
         T = handle.topk_idx.shape[0]
         self._state().reserve(_regions(C, [H * jnp.dtype(y.dtype).itemsize]))
@@ -272,9 +282,10 @@ class CudaNvshmemJax(EPBackend):
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: NativeHandle):
         """``(g_x, g_topk_weights)``: a combine of ``g_recv_x`` that also reads the weight cotangent back
         from the slot that carried it (0 where dropped or not routed)."""
-        self._check(handle)
         if isinstance(g_recv_x, tuple):
             raise UnsupportedError(self.name, "gradients of an fp8 dispatch", ["collective"])
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_dispatch_bwd(g_recv_x, g_recv_topk_weights, handle)
         C, H = g_recv_x.shape
         T, K = handle.topk_idx.shape
         if g_recv_topk_weights is None:
@@ -286,8 +297,10 @@ class CudaNvshmemJax(EPBackend):
         return g_x, g_w
 
     def combine_bwd(self, g_out, handle: NativeHandle, y: Optional[Any] = None):
-        """``(g_y, None)``: a cached dispatch of ``g_out`` (rows only; padding rows 0)."""
-        self._check(handle)
+        """``(g_y, None)``: a cached dispatch of ``g_out`` (rows only; padding rows 0). Expert-major:
+        ``(g_y [L, C, H], g_topk_weights [T, K])`` with ``<g_out[t], y[copy (t, k)]>`` (needs ``y``)."""
+        if handle.config.layout == Layout.EXPERT_MAJOR:
+            return self._em_combine_bwd(g_out, handle, y)
         C = handle.config.capacity
         T, H = g_out.shape
         if T != handle.topk_idx.shape[0]:
@@ -298,3 +311,79 @@ class CudaNvshmemJax(EPBackend):
                             num_experts=handle.config.num_experts)
         dtype = y.dtype if y is not None else g_out.dtype
         return g_y.astype(dtype), None
+
+    # ---- expert-major ("low-latency"): recv_x [L, C, H], the em_* handlers ----
+    def _em_prepare(self, topk_idx, config: DispatchConfig) -> NativeHandle:
+        R, E, L = config.num_ranks, config.num_experts, config.num_local_experts
+        T, K = topk_idx.shape
+        i32 = jnp.int32
+        (idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, _rows, _rows_dropped, copy_slot,
+         expert_count, per_expert, num_recv, dropped, _max) = self._call(
+            "em_prepare",
+            [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32),
+             ((T, K), i32), ((L,), i32), ((L,), i32), ((), i32), ((), i32), ((), i32)],
+            topk_idx, num_experts=E, capacity=config.capacity, expert_alignment=config.expert_alignment)
+        num_invalid = per_rank(jnp.sum((topk_idx < -1) | (topk_idx >= E), dtype=i32), self.group)
+        return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
+                            None, group=self.group, send_offset=send_offset, num_invalid=num_invalid,
+                            copy_slot=copy_slot, recv_expert_count=expert_count, em_per_expert=per_expert,
+                            em_dropped=dropped + num_invalid)
+
+    def _em_dispatch(self, x, topk_weights, handle: NativeHandle):
+        cfg = handle.config
+        C, L = cfg.capacity, cfg.num_local_experts
+        T = handle.topk_idx.shape[0]
+        fp8 = isinstance(x, tuple)
+        rows, scales = x if fp8 else (x, jnp.zeros((T, 0), jnp.float32))
+        scales = scales.astype(jnp.float32)
+        H, H2 = rows.shape[1], scales.shape[1]
+        self._state().reserve(_regions(L * C, [H * jnp.dtype(rows.dtype).itemsize, (H2 or 1) * 4, 4, 4]))
+        recv_x, recv_s, recv_idx, recv_w = self._call(
+            "em_dispatch", [((L, C, H), rows.dtype), ((L, C, H2), jnp.float32), ((L, C), jnp.int32),
+                            ((L, C), jnp.float32)],
+            rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.copy_slot,
+            handle.recv_expert_count, num_experts=cfg.num_experts)
+        handle = handle.replace(topk_weights=topk_weights)
+        out_x = (recv_x, recv_s) if fp8 else recv_x
+        return per_rank(((out_x, recv_idx, recv_w, handle.num_recv, handle.em_per_expert, handle.em_dropped),
+                         handle), self.group)
+
+    def _em_weights(self, handle: NativeHandle):
+        if handle.topk_weights is None:
+            raise InputError("expert-major combine needs the routing weights: dispatch with this handle first")
+        return handle.topk_weights.astype(jnp.float32)
+
+    def _em_combine(self, y, handle: NativeHandle, bias: tuple = ()):
+        L, C, H = y.shape
+        T = handle.topk_idx.shape[0]
+        self._state().reserve(_regions(L * C, [H * jnp.dtype(y.dtype).itemsize]))
+        native = ("float32", "bfloat16", "float16")
+        biases = tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
+        (out,) = self._call("em_combine", [((T, H), y.dtype)], y, handle.topk_idx, self._em_weights(handle),
+                            handle.copy_slot, *biases, num_experts=handle.config.num_experts)
+        return out
+
+    def _em_dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: NativeHandle):
+        L, C, H = g_recv_x.shape
+        T, K = handle.topk_idx.shape
+        if g_recv_topk_weights is None:
+            g_recv_topk_weights = jnp.zeros((L, C), jnp.float32)
+        self._state().reserve(_regions(L * C, [H * jnp.dtype(g_recv_x.dtype).itemsize, 4]))
+        g_x, g_w = self._call("em_dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32)], g_recv_x,
+                              g_recv_topk_weights.astype(jnp.float32), handle.topk_idx, handle.copy_slot,
+                              num_experts=handle.config.num_experts)
+        return g_x, g_w
+
+    def _em_combine_bwd(self, g_out, handle: NativeHandle, y=None):
+        if y is None:
+            raise InputError("expert-major combine_bwd needs y (the weights' gradient is <g_out, y>)")
+        cfg = handle.config
+        L, C = cfg.num_local_experts, cfg.capacity
+        T, H = g_out.shape
+        K = handle.topk_idx.shape[1]
+        row = H * jnp.dtype(g_out.dtype).itemsize
+        self._state().reserve(_regions(L * C, [row, row]))
+        g_y, g_w = self._call("em_combine_bwd", [((L, C, H), g_out.dtype), ((T, K), jnp.float32)], g_out,
+                              y.astype(g_out.dtype), handle.topk_idx, self._em_weights(handle), handle.copy_slot,
+                              handle.recv_expert_count, num_experts=cfg.num_experts)
+        return g_y.astype(y.dtype), g_w

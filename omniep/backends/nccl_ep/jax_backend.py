@@ -12,7 +12,7 @@ The ops, handles and results are those of :class:`~omniep.backends.cuda_nvshmem.
   spans every process in process order; communicators from a unique id exchanged through JAX's
   key-value store.
 
-Peers must be on NVLink (NCCL's LSA team); NCCL refuses two ranks on one GPU. Rank-major layout.
+Peers must be on NVLink (NCCL's LSA team); NCCL refuses two ranks on one GPU. Both layouts.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class NcclEpJax(CudaNvshmemJax):
     @classmethod
     def capabilities(cls) -> Capabilities:
         return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR,), max_ranks=16,
-            intranode=True, internode=False,
+            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
+            max_ranks=16, intranode=True, internode=False,
             process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE, ProcessModel.ONE_PROCESS_MANY_DEVICES),
             frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1, devices=("gpu",),
         )

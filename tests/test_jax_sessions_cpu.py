@@ -1,0 +1,28 @@
+"""The JAX GPU sessions' own checks, run on CPU over the collective backend (real XLA CPU devices).
+
+:func:`omniep.native.jax_mp_workers.jax_single_controller_session` is what the GPU tests run for the
+native JAX backends; here it runs with ``OMNIEP_BACKEND=collective`` on two XLA CPU devices in a child
+process, so its cases (both layouts, drops, odd rows, int64 ids), golden files and fp8 check are known
+to hold against the reference before a GPU sees them: a failure on a GPU then points at the native code.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omniep.native.jax_mp_workers import golden_names, jax_single_controller_session, session_cases
+from omniep.testing.procs import run_ranks
+
+pytest.importorskip("jax")
+
+
+def test_single_controller_session_over_collective_on_cpu():
+    cases, names = session_cases(2), golden_names(2)
+    assert {c.layout.value for c, *_ in cases} == {"rank_major", "expert_major"}
+    assert any(n.startswith("em_") for n in names) and any(n.startswith("rm_") for n in names)
+    env = {"OMNIEP_BACKEND": "collective", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    (res,) = run_ranks(jax_single_controller_session, 1, args=(cases, names, 2), timeout=600, env=env)
+    assert res["cases"] == [[0, 1]] * len(cases)
+    assert res["golden"] == [(n, [0, 1]) for n in names]
+    assert res["fp8"] == [0, 1]
