@@ -193,6 +193,43 @@ ROWS = [  # (name in results, label, bytes factor: 1 bf16 recv_x, 0.5 fp8 rows (
 ]
 
 
+# Bars of the plot: (results key, label), every one in dev mode (device time, slowest rank).
+PLOT_ROWS = (("raw peer copy", "raw peer copy"), ("native dispatch", "cuda_nvshmem dispatch"),
+             ("nccl_ep dispatch", "nccl_ep dispatch"), ("collective dispatch", "NCCL all_to_all dispatch"),
+             ("native dispatch fp8", "cuda_nvshmem dispatch fp8"), ("native combine", "cuda_nvshmem combine"),
+             ("nccl_ep combine", "nccl_ep combine"), ("collective combine", "NCCL combine"),
+             ("native frontend dispatch", "cuda_nvshmem via omniep.torch dispatch"),
+             ("native frontend combine", "cuda_nvshmem via omniep.torch combine"))
+
+
+def plot(results: list, path: str, title: str) -> bool:
+    """Horizontal bars of the slowest rank's device time per op; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = []
+    for key, label in PLOT_ROWS:
+        vals = [r.get(f"{key}|dev", {}).get("total") for r in results]
+        if all(v is not None for v in vals):
+            rows.append((label, max(vals)))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    colors = ["0.5" if "raw" in lab else "tab:red" if "NCCL" in lab else "tab:blue" for lab, _ in rows]
+    ax.barh([lab for lab, _ in rows][::-1], [t for _, t in rows][::-1], color=colors[::-1])
+    for i, (_, t) in enumerate(rows[::-1]):
+        ax.text(t, i, f" {t:.0f} µs", va="center", fontsize=8)
+    ax.set_xlim(0, 1.15 * max(t for _, t in rows))
+    ax.set_xlabel("device time, slowest rank (µs)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=2)
@@ -209,7 +246,16 @@ def main(argv=None) -> int:
     p.add_argument("--nccl", action="store_true", help="also time nccl_ep (omniep._native_nccl must be built)")
     p.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"], "bench_multigpu.json"),
                    help="write every rank's numbers here")
+    p.add_argument("--png", default="", help="the plot (default: next to --json, same name, .png)")
+    p.add_argument("--replot", metavar="JSON", help="only draw the plot of a saved --json file (no GPU needed)")
     a = p.parse_args(argv)
+    png = a.png or (os.path.splitext(a.replot or a.json)[0] + ".png" if (a.replot or a.json) else "")
+    title = (f"{a.gpus} GPUs, {a.layout}, {a.tokens} tokens/rank, H={a.hidden}, top-{a.topk} of {a.experts}")
+    if a.replot:
+        with open(a.replot) as f:
+            ok = plot(json.load(f), png, title)
+        print(f"bench_multigpu: {'wrote ' + png if ok else 'no matplotlib: no plot'}")
+        return 0 if ok else 1
     import torch
 
     from omniep.backends.cuda_nvshmem.torch_backend import CudaNvshmemTorch
@@ -224,6 +270,8 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    if png:
+        print(f"# plot: {png}" if plot(results, png, title) else "# no matplotlib here: no plot")
     R = len(results)
     print(f"# {avail.reason}; {torch.cuda.get_device_name(0)} x{a.gpus}, one process per GPU; "
           f"{time.time() - t0:.0f} s")

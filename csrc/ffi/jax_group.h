@@ -2,14 +2,14 @@
 // (ffi/jax_ops.h) find them: by the device ordinal XLA runs the handler on.
 //
 //   * one process per GPU (cuda_nvshmem over CUDA IPC, nccl_ep from a unique id): one rank;
-//   * one process driving every local GPU (nccl_ep over NcclLocalGroup): one rank per device, so the
-//     SAME compiled program (one `state` attribute for every shard of a jit(shard_map)) reaches the
-//     rank of the device each shard runs on.
+//   * one process driving every local GPU (cuda_nvshmem over JaxLocalIpcGroup's peer access, nccl_ep
+//     over NcclLocalGroup): one rank per device, so the SAME compiled program (one `state` attribute
+//     for every shard of a jit(shard_map)) reaches the rank of the device each shard runs on.
 //
 // Python passes handle() to every ffi_call as the integer attribute `state`. The group does not own
-// its ranks: the object that does (JaxRank, JaxNcclState) retires the group before freeing them, and
-// stays alive itself, so a compiled executable that still names a retired group gets an FFI error
-// instead of touching freed memory. Host-only header.
+// its ranks: the object that does (JaxRank, JaxLocalIpcGroup, JaxNcclState) retires the group before
+// freeing them, and stays alive itself, so a compiled executable that still names a retired group gets
+// an FFI error instead of touching freed memory. Host-only header.
 #pragma once
 
 #include <stdint.h>

@@ -1,6 +1,7 @@
 // The exported XLA FFI handlers of the native JAX backends (defined by ffi/jax_ops.h's
-// OMNIEP_JAX_HANDLERS), five per backend under a name prefix:
-//   omniep_jax_*       cuda_nvshmem (IpcRank: CUDA IPC peers, one process per GPU), omniep._native_jax
+// OMNIEP_JAX_HANDLERS), ten per backend under a name prefix (five per layout):
+//   omniep_jax_*       cuda_nvshmem (IpcRank: CUDA IPC peers one process per GPU, or peer access in one
+//                      process driving every local GPU), omniep._native_jax
 //   omniep_nccl_jax_*  nccl_ep (NcclRank: NCCL windows; one process per GPU or one for all), omniep._native_nccl
 // Every handler takes the attribute `state` (a JaxGroup<rank type>, ffi/jax_group.h), runs on XLA's
 // stream for the rank of the device it runs on, with no host synchronisation. Registered from Python
@@ -52,7 +53,7 @@
   XLA_FFI_Error* prefix##_em_combine_bwd(XLA_FFI_CallFrame* call_frame); \
   }
 
-// {name, function} of the five handlers under `prefix`, as an initializer list.
+// {name, function} of the ten handlers under `prefix`, as an initializer list.
 #define OMNIEP_JAX_HANDLER_TABLE(prefix)                                                          \
   {                                                                                               \
     {#prefix "_prepare", &prefix##_prepare}, {#prefix "_dispatch", &prefix##_dispatch},           \

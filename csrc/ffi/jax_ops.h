@@ -1,6 +1,7 @@
 // The XLA FFI handlers of the native JAX backends, written once for any rank type G (IpcRank for
-// cuda_nvshmem, NcclRank for nccl_ep) with the interface the per-process launchers share: rank(),
-// device(), layout/dispatch/combine(args, stream), sym<T>(offset), data_ptr(), data_bytes(), memcpy().
+// cuda_nvshmem, NcclRank for nccl_ep) with the interface the per-process launchers share
+// (backends/one_rank_ops.h, plus each class's rank(), num_ranks(), device(), sym<T>(offset),
+// data_ptr(), data_bytes()): layout / dispatch / combine and the em_* ops, memcpy, copy_rows_except.
 // They translate XLA buffers into the argument structs of csrc/kernels/args.h and call the same
 // launchers as the torch path (omniep/native/ipc_rank.py), data path included:
 //   dispatch: peers push rows into my symmetric data buffer, my own rows go straight into XLA's result
@@ -13,9 +14,11 @@
 // buffer is sized from Python while tracing; a handler whose shapes need more than it has returns an
 // error instead of writing past it.
 //
-// A translation unit instantiates the five handlers for its rank type and exports them under a name
-// prefix with OMNIEP_JAX_HANDLERS(prefix, G): prefix_prepare, prefix_dispatch, prefix_dispatch_rows,
-// prefix_combine, prefix_dispatch_bwd (operands: ffi/jax_handlers.h).
+// A translation unit instantiates the ten handlers for its rank type and exports them under a name
+// prefix with OMNIEP_JAX_HANDLERS(prefix, G): rank-major prefix_prepare, prefix_dispatch,
+// prefix_dispatch_rows, prefix_combine, prefix_dispatch_bwd; expert-major prefix_em_prepare,
+// prefix_em_dispatch, prefix_em_combine, prefix_em_dispatch_bwd, prefix_em_combine_bwd (operands:
+// ffi/jax_handlers.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -142,6 +145,46 @@ void copy_in(const G& g, int64_t offset, const void* src, int64_t bytes, cudaStr
 
 // ---- handlers -------------------------------------------------------------------------------------
 
+// The layout kernel (and count exchange) into XLA's result buffers; shared by both prepares.
+template <typename G>
+void run_layout(G& g, cudaStream_t stream, const ffi::AnyBuffer& topk_idx, ffi::Result<ffi::AnyBuffer>& idx32,
+                ffi::Result<ffi::AnyBuffer>& send_pos, ffi::Result<ffi::AnyBuffer>& per_rank,
+                ffi::Result<ffi::AnyBuffer>& per_expert, ffi::Result<ffi::AnyBuffer>& recv_counts,
+                ffi::Result<ffi::AnyBuffer>& send_offset, ffi::Result<ffi::AnyBuffer>& num_recv,
+                ffi::Result<ffi::AnyBuffer>& dropped, int64_t num_experts, int64_t capacity) {
+  const auto t = topk_idx.element_type();
+  if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
+  LayoutArgs a = {};
+  a.topk_idx = mine<const void>(g, data(topk_idx));
+  a.topk_idx32 = mine<int32_t>(g, data(idx32));
+  a.send_pos = mine<int32_t>(g, data(send_pos));
+  a.num_tokens_per_rank = mine<int32_t>(g, data(per_rank));
+  a.num_tokens_per_expert = mine<int32_t>(g, data(per_expert));
+  a.recv_counts = mine<int32_t>(g, data(recv_counts));
+  a.send_offset = mine<int32_t>(g, data(send_offset));
+  a.num_recv = mine<int32_t>(g, data(num_recv));
+  a.dropped = mine<int32_t>(g, data(dropped));
+  a.num_tokens[g.rank()] = static_cast<int>(rows_of(topk_idx));
+  a.num_topk = static_cast<int>(cols_of(topk_idx));
+  a.num_experts = static_cast<int>(num_experts);
+  a.capacity = static_cast<int>(capacity);
+  a.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
+  g.layout(a, stream);
+}
+
+// Bias terms (0-2 remaining operands) of a combine, rank-major or expert-major.
+template <typename G, typename Args>
+void set_biases(const G& g, Args& a, const ffi::RemainingArgs& biases) {
+  if (biases.size() > 2) throw std::invalid_argument("at most two bias terms");
+  a.num_bias = static_cast<int>(biases.size());
+  for (size_t i = 0; i < biases.size(); ++i) {
+    auto b = biases.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
+    a.bias[i] = mine<const void>(g, b->untyped_data());
+    a.bias_dtype[i] = dtype_code(b->element_type());
+  }
+}
+
 template <typename G>
 ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> idx32,
                    ffi::Result<ffi::AnyBuffer> send_pos, ffi::Result<ffi::AnyBuffer> per_rank,
@@ -149,24 +192,8 @@ ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx
                    ffi::Result<ffi::AnyBuffer> send_offset, ffi::Result<ffi::AnyBuffer> num_recv,
                    ffi::Result<ffi::AnyBuffer> dropped, int64_t state, int64_t num_experts, int64_t capacity) {
   return guarded<G>(state, ordinal, "omniep prepare (JAX)", [&](G& g) {
-    const auto t = topk_idx.element_type();
-    if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
-    LayoutArgs a = {};
-    a.topk_idx = mine<const void>(g, data(topk_idx));
-    a.topk_idx32 = mine<int32_t>(g, data(idx32));
-    a.send_pos = mine<int32_t>(g, data(send_pos));
-    a.num_tokens_per_rank = mine<int32_t>(g, data(per_rank));
-    a.num_tokens_per_expert = mine<int32_t>(g, data(per_expert));
-    a.recv_counts = mine<int32_t>(g, data(recv_counts));
-    a.send_offset = mine<int32_t>(g, data(send_offset));
-    a.num_recv = mine<int32_t>(g, data(num_recv));
-    a.dropped = mine<int32_t>(g, data(dropped));
-    a.num_tokens[g.rank()] = static_cast<int>(rows_of(topk_idx));
-    a.num_topk = static_cast<int>(cols_of(topk_idx));
-    a.num_experts = static_cast<int>(num_experts);
-    a.capacity = static_cast<int>(capacity);
-    a.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
-    g.layout(a, stream);
+    run_layout(g, stream, topk_idx, idx32, send_pos, per_rank, per_expert, recv_counts, send_offset, num_recv,
+               dropped, num_experts, capacity);
   });
 }
 
@@ -283,16 +310,7 @@ void run_combine(G& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ffi::
   a.num_experts = static_cast<int>(num_experts);
   a.capacity = static_cast<int>(C);
   a.dtype = dtype_code(y.element_type());
-  if (biases) {
-    if (biases->size() > 2) throw std::invalid_argument("at most two bias terms");
-    a.num_bias = static_cast<int>(biases->size());
-    for (size_t i = 0; i < biases->size(); ++i) {
-      auto b = biases->get<ffi::AnyBuffer>(i);
-      if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
-      a.bias[i] = mine<const void>(g, b->untyped_data());
-      a.bias_dtype[i] = dtype_code(b->element_type());
-    }
-  }
+  if (biases) set_biases(g, a, *biases);
   // My own rows are read from y itself; the copy-in skips them (kernels/copy_rows.cuh).
   a.own_y = mine<const void>(g, data(y));
   const auto [skip_begin, skip_count] = own_segment(g, send_offset, recv_counts);
@@ -342,24 +360,9 @@ ffi::Error EmPrepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_i
                      ffi::Result<ffi::AnyBuffer> max_expert_count, int64_t state, int64_t num_experts,
                      int64_t capacity, int64_t expert_alignment) {
   return guarded<G>(state, ordinal, "omniep expert-major prepare (JAX)", [&](G& g) {
-    const auto t = topk_idx.element_type();
-    if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
-    LayoutArgs a = {};
-    a.topk_idx = mine<const void>(g, data(topk_idx));
-    a.topk_idx32 = mine<int32_t>(g, data(idx32));
-    a.send_pos = mine<int32_t>(g, data(send_pos));
-    a.num_tokens_per_rank = mine<int32_t>(g, data(per_rank));
-    a.num_tokens_per_expert = mine<int32_t>(g, data(per_expert));
-    a.recv_counts = mine<int32_t>(g, data(recv_counts));
-    a.send_offset = mine<int32_t>(g, data(send_offset));
-    a.num_recv = mine<int32_t>(g, data(rm_num_recv));
-    a.dropped = mine<int32_t>(g, data(rm_dropped));
-    a.num_tokens[g.rank()] = static_cast<int>(rows_of(topk_idx));
-    a.num_topk = static_cast<int>(cols_of(topk_idx));
-    a.num_experts = static_cast<int>(num_experts);
-    a.capacity = 0x7fffffff;  // the rank-major view keeps every row; the expert-major capacity is below
-    a.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
-    g.layout(a, stream);
+    // The rank-major view keeps every row (capacity unbounded); the expert-major capacity is below.
+    run_layout(g, stream, topk_idx, idx32, send_pos, per_rank, per_expert, recv_counts, send_offset, rm_num_recv,
+               rm_dropped, num_experts, 0x7fffffff);
     EMLayoutArgs e = {};
     e.topk_idx32 = mine<const int32_t>(g, data(idx32));
     e.num_tokens_per_expert = mine<const int32_t>(g, data(per_expert));
@@ -369,9 +372,9 @@ ffi::Error EmPrepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_i
     e.num_recv = mine<int32_t>(g, data(num_recv));
     e.dropped = mine<int32_t>(g, data(dropped));
     e.max_expert_count = mine<int32_t>(g, data(max_expert_count));
-    e.num_tokens[g.rank()] = a.num_tokens[g.rank()];
-    e.num_topk = a.num_topk;
-    e.num_experts = a.num_experts;
+    e.num_tokens[g.rank()] = static_cast<int>(rows_of(topk_idx));
+    e.num_topk = static_cast<int>(cols_of(topk_idx));
+    e.num_experts = static_cast<int>(num_experts);
     e.capacity = static_cast<int>(capacity);
     e.expert_alignment = static_cast<int>(expert_alignment);
     g.em_layout(e, stream);
@@ -446,16 +449,7 @@ void run_em_combine(G& g, cudaStream_t stream, const ffi::AnyBuffer& y, const ff
   a.num_experts = static_cast<int>(num_experts);
   a.capacity = static_cast<int>(C);
   a.dtype = dtype_code(y.element_type());
-  if (biases) {
-    if (biases->size() > 2) throw std::invalid_argument("at most two bias terms");
-    a.num_bias = static_cast<int>(biases->size());
-    for (size_t i = 0; i < biases->size(); ++i) {
-      auto b = biases->get<ffi::AnyBuffer>(i);
-      if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
-      a.bias[i] = mine<const void>(g, b->untyped_data());
-      a.bias_dtype[i] = dtype_code(b->element_type());
-    }
-  }
+  if (biases) set_biases(g, a, *biases);
   copy_in(g, offsets[0], data(y), L * C * sizes[0], stream);
   if (g_recv_w) {
     if (g_recv_w->element_type() != ffi::DataType::F32) throw std::invalid_argument("weight cotangents must be float32");
@@ -525,7 +519,7 @@ ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_o
 }  // namespace jax_ffi
 }  // namespace omniep
 
-// Defines the five exported handler symbols `prefix_*` over rank type G (see the file comment).
+// Defines the ten exported handler symbols `prefix_*` over rank type G (see the file comment).
 #define OMNIEP_JAX_HANDLERS(prefix, G)                                                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_prepare, omniep::jax_ffi::Prepare<G>,                              \
                                 xla::ffi::Ffi::Bind()                                                       \

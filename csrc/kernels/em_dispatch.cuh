@@ -5,7 +5,7 @@
 // payload) and writes recv_topk_idx[l, c] = l and recv_topk_weights[l, c] = w[t, k].
 // combine_bwd writes g_y[l, c] = round(fp32(w[t, k]) * fp32(g_out[t])) — the product rounded to
 // fp32 (mul_rn), then once to the dtype — and, with_topk_grad, g_topk_weights[t, k] = <g_out[t],
-// y[l, c]> accumulated in fp32 (a reduction over H: matched to rounding, not bitwise, by contract).
+// y[l, c]> accumulated in fp32 (a reduction over H, in no order DESIGN fixes: tests match it to rounding, omniep/testing/bounds.py).
 // In both, the receiver meanwhile zero-fills its padding slots [recv_expert_count[l], C), which no
 // source writes (recv_topk_idx -1, weights 0).
 //

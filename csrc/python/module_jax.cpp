@@ -1,8 +1,8 @@
 // omniep._native_jax: the XLA FFI handlers of the cuda_nvshmem JAX backend (ffi/jax_handlers.h) and
-// the per-rank state they run on (ffi/jax_rank.h), for one rank per process over CUDA IPC peers.
-// Python creates one JaxRank per (process, EP group), bootstraps it through JAX's distributed
-// key-value store (omniep/backends/cuda_nvshmem/jax_state.py) and passes `JaxRank.handle` to every
-// ffi_call as the attribute `state`. No torch, no jax headers beyond XLA's FFI API.
+// the states they run on (ffi/jax_rank.h): JaxRank (one rank per process over CUDA IPC peers, which
+// Python bootstraps through JAX's distributed key-value store) and JaxLocalIpcGroup (every rank in one
+// process, peers by peer access). Python (omniep/backends/cuda_nvshmem/jax_state.py) passes a state's
+// `handle` to every ffi_call as the attribute `state`. No torch, no jax headers beyond XLA's FFI API.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -17,7 +17,7 @@
 // gin_signal_value() below are compiled against ncclGin and selected (`gin` true) when the team has
 // non-LSA peers. They have NOT run anywhere: the machines we test on have no network cards, and
 // today's kernels move rows only with stores through peer(). The host refuses a group with non-LSA
-// peers until kernels that call these hooks exist (same position as the NVSHMEM put path).
+// peers until kernels that call these hooks exist.
 // Launches run one rank per process or per device (gridDim.y == 1).
 #pragma once
 

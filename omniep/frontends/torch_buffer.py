@@ -5,9 +5,10 @@ Method names, arguments and return tuples follow ``deep_ep.Buffer`` (normal, ran
 ``num_worst_tokens``), ``combine``. Differences a DeepEP user should know:
 
 * the handle is a named :class:`~omniep.ep_core.types.Handle`, not a tuple (treat it as opaque);
-* ``event`` is always ``None`` (the collective backend runs on the caller's stream, synchronously);
+* ``event`` is always ``None`` (every backend runs on the caller's stream);
   ``config``, ``previous_event``, ``async_finish`` and ``allocate_on_comm_stream`` are accepted and
-  ignored; buffer sizes are accepted and ignored (the collective backend allocates per call);
+  ignored; buffer sizes are accepted and ignored (the selected backend sizes its own buffers: the
+  native ones keep a symmetric buffer that grows on demand, the collective one allocates per call);
 * results follow omniep's contract: rows ordered by (source rank, source token), fp32 sums in
   ascending rank order — bit for bit the same on every backend and vendor;
 * a capacity overflow (``num_worst_tokens`` too small) raises ``CapacityError`` instead of
@@ -83,7 +84,7 @@ class Buffer:
             raise DestroyedError("this omniep Buffer was destroyed (destroy() or the end of its `with` block); "
                                  "create a new Buffer to communicate again")
 
-    # ---- DeepEP's static helpers (accepted for compatibility; the collective backend needs none) --
+    # ---- DeepEP's static helpers (accepted for compatibility; no backend needs them) --------------
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

@@ -7,9 +7,10 @@ all-gathered with ``torch.distributed.all_gather_object`` (gloo or NCCL). The ke
 ``csrc/kernels`` run unchanged, one rank per launch.
 
 Data path per op (every rank computes the same buffer layout from values that agree across ranks):
-  * dispatch: peers PUSH rows into my data buffer; then I copy my rows out into fresh tensors
-    (results must outlive the next call, which re-uses the buffer);
-  * combine / dispatch_bwd: I copy ``y`` into my data buffer; peers PULL their rows from it.
+  * dispatch: peers PUSH rows into my data buffer, my own rows go straight into the fresh result
+    tensors; then I copy the rest out (results must outlive the next call, which re-uses the buffer);
+  * combine / dispatch_bwd: I copy ``y``'s rows but my own into my data buffer; peers PULL their rows
+    from it, I read mine from ``y`` (kernels/copy_rows.cuh: ``copy_rows_except``).
 Every kernel starts and ends with a barrier over all ranks, so the copies on my stream never race a
 peer's access to my buffer (see csrc/kernels/sync.cuh).
 
@@ -316,7 +317,8 @@ class IpcRankState(ExpertMajorOps):
 class NvshmemRankState(IpcRankState):
     """The same ops over the NVSHMEM transport (``omniep._native_nvshmem``): workspace and data buffer
     from ``nvshmem_malloc``; rank 0's unique id is broadcast through ``torch.distributed``. One group
-    per process (NVSHMEM is initialised once). Peers must be load/store reachable (NVLink, same GPU)."""
+    per process (NVSHMEM is initialised once). Peers without a load/store pointer (other nodes, or every
+peer with ``OMNIEP_FORCE_REMOTE=1``) take the kernels' put + signal path."""
 
     def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0):
         import torch

@@ -13,7 +13,8 @@ every rank grows it at the same call): dispatch ``recv_x [L, C, row_bytes]``, ``
 ``recv_topk_idx`` / ``recv_topk_weights [L, C]``; combine and dispatch_bwd ``y [L, C, H]`` (and
 ``g_recv_topk_weights [L, C]``); combine_bwd ``g_y [L, C, H]`` (and ``y`` for the weight gradients).
 ``C`` is the buffer's slots per expert; a rank's own tensors may have fewer (``rows``: exact mode
-sizes each rank's receive by its own busiest expert), copied in and out with 2-D copies.
+sizes each rank's receive by its own busiest expert): one plain copy when they match ``C``, else a
+2-D copy.
 """
 
 from __future__ import annotations

@@ -146,8 +146,6 @@ def check_fp8(mesh, world: int) -> list:
 def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     """Every case (``(case, capacity, num_bias, seed)``) and golden file on ``mesh``; then every native
     state is checked for recorded timeouts and destroyed."""
-    import os
-
     from ..backends.cuda_nvshmem import jax_backend
     from ..ep_core import registry
     from ..testing import jax_workers as jw

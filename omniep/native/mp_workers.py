@@ -1,4 +1,5 @@
-"""Rank functions for the multi-process GPU tests of ``cuda_nvshmem`` (importable by spawned children).
+"""Rank functions for the multi-process tests of the native torch backends (``cuda_nvshmem``, ``nccl_ep``,
+``rocm_rocshmem``; importable by spawned children).
 
 :func:`native_session` is an :func:`omniep.testing.procs.run_ranks` target: it pins a CUDA device
 (``per_gpu``: device = rank; else every rank on device 0, several processes sharing one GPU over CUDA
@@ -38,7 +39,8 @@ def _cuda_inputs():
 
 
 def _backend_class():
-    """The native torch backend under test: ``OMNIEP_BACKEND`` (``cuda_nvshmem`` or ``nccl_ep``)."""
+    """The torch backend under test: ``OMNIEP_BACKEND`` (``cuda_nvshmem``, ``nccl_ep``, ``rocm_rocshmem``,
+    or ``collective`` for the suite's own CPU run)."""
     import os
 
     from ..ep_core.registry import get_backend_class
@@ -96,7 +98,8 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
     from ..testing.torch_workers import init_gloo, shutdown
 
     # Native backends keep a state per group (released collectively here); the collective one none.
-    destroy_states = getattr(importlib.import_module(_backend_class().__module__), "destroy_states", lambda: None)
+    backend_module = importlib.import_module(_backend_class().__module__)
+    destroy_states = getattr(backend_module, "destroy_states", lambda: None)
 
     _ON_GPU = not on_cpu
     if _ON_GPU:
@@ -104,7 +107,6 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
     init_gloo(rank, world, port, timeout_s=120, transport=pg_backend)
     runners = dict(frontend=frontend_job, backend=backend_job, timeout=timeout_job)
     out = {key: [] for key in jobs}
-    backend_module = importlib.import_module(_backend_class().__module__)
     try:
         for key in ("frontend", "backend", "timeout"):  # timeout last: it leaves the signals out of step
             for i, job in enumerate(jobs.get(key, ())):

@@ -1,8 +1,9 @@
-"""Tolerances where the contract allows one: ``g_topk_weights`` of the expert-major combine backward.
+"""The one tolerance of the tests: ``g_topk_weights`` of the expert-major combine backward.
 
 That gradient is a dot product over H; the reference sums it in float64, a kernel in fp32, so the two
-may differ by rounding (DESIGN §2: matched to rounding, not bitwise). Everything else is compared bit
-for bit.
+may differ by rounding. DESIGN §2 fixes the order of combine's sums (over ranks, over k), not of this
+sum over H, which each backend reduces its own way: this repository's one exception to bitwise,
+stated here (DESIGN does not grant it). Everything else is compared bit for bit.
 """
 
 from __future__ import annotations

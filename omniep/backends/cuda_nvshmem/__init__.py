@@ -1,4 +1,5 @@
-"""``cuda_nvshmem``: the native kernels (csrc/kernels), one process per GPU (or per rank).
+"""``cuda_nvshmem``: the native kernels (csrc/kernels), one process per GPU (or per rank), or in JAX one
+process driving every local GPU (peer access).
 
 Transport today: the p2p transport over CUDA IPC peer pointers (``omniep._native_mp``, always built
 with ``make native``). The NVSHMEM transport is an optional second module (``omniep._native_nvshmem``)

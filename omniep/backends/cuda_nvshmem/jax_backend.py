@@ -38,12 +38,12 @@ import numpy as np
 from ...ep_core.backend import EPBackend
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout, ProcessModel
+from ...native.ipc_rank import regions
 from ..collective.jax_layout import per_rank
 from ..jax_native import kv_client
 from .jax_state import JaxRankState, local_group_state
 
 MIN_CC = (9, 0)
-_ALIGN = 256
 _STATES: dict = {}  # (backend, axis name, num_ranks) -> JaxRankState or NcclJaxState, in creation order
 _registered: set = set()  # native modules whose FFI handlers XLA knows
 
@@ -80,8 +80,9 @@ except ValueError:  # already registered (module reloaded)
 
 
 def _regions(capacity: int, row_bytes: list) -> int:
-    """Bytes of ``[capacity, row_bytes[i]]`` regions packed in the data buffer (csrc/ffi/jax_rank.h)."""
-    return sum((capacity * b + _ALIGN - 1) // _ALIGN * _ALIGN for b in row_bytes)
+    """Bytes of ``[capacity, row_bytes[i]]`` regions packed in the data buffer: the rule of
+    :func:`omniep.native.ipc_rank.regions` (and csrc/ffi/jax_ops.h ``pack_regions``)."""
+    return regions(capacity, row_bytes)[1]
 
 
 def jax_gpu_reason() -> str:
@@ -99,6 +100,12 @@ def jax_gpu_reason() -> str:
         if (major, minor) < MIN_CC:
             return f"built for sm_90; this GPU is sm_{major}{minor}"
     return ""
+
+
+def _native_biases(bias: tuple) -> tuple:
+    """Bias terms as the kernels take them: float32, bfloat16 or float16 (anything else as float32)."""
+    native = ("float32", "bfloat16", "float16")
+    return tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
 
 
 def register_targets(module: str) -> None:
@@ -123,7 +130,8 @@ def states() -> dict:
 
 
 class CudaNvshmemJax(EPBackend):
-    """``group`` is the ``shard_map`` axis name of the EP group (one device per process).
+    """``group`` is the ``shard_map`` axis name of the EP group (one device per process, or every local
+    device of a single process).
 
     Subclasses over another native module (``nccl_ep``) change ``_module`` / ``_prefix`` (where the FFI
     handlers live and their name prefix, csrc/ffi/jax_handlers.h) and ``_make_state``."""
@@ -163,7 +171,7 @@ class CudaNvshmemJax(EPBackend):
             dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
             max_ranks=16, intranode=True, internode=False,
             process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE, ProcessModel.ONE_PROCESS_MANY_DEVICES),
-            frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1,
+            frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1, devices=("gpu",),
         )
 
     def num_ranks(self) -> int:
@@ -189,10 +197,14 @@ class CudaNvshmemJax(EPBackend):
             raise UnsupportedError(
                 self.name, f"an EP axis of {num_ranks} devices over {jax.process_count()} processes with "
                            f"{jax.local_device_count()} local devices each (it serves one process per GPU, "
-                           f"the EP axis spanning every process in process order)", ["nccl_ep", "collective"])
+                           f"the EP axis spanning every process in process order)", ["collective"])
         device = jax.local_devices()[0]
         return JaxRankState(group_key, jax.process_index(), num_ranks,
                             int(getattr(device, "local_hardware_id", None) or 0), timeout_s=timeout_s)
+
+    def _num_invalid(self, topk_idx, num_experts: int):
+        """Expert ids outside ``[-1, E)`` (the kernels treat them as -1; they count in ``dropped``)."""
+        return per_rank(jnp.sum((topk_idx < -1) | (topk_idx >= num_experts), dtype=jnp.int32), self.group)
 
     def _local_devices(self, num_ranks: int) -> list:
         """CUDA ordinals of the EP ranks of a single-controller group: every local device, in
@@ -233,7 +245,7 @@ class CudaNvshmemJax(EPBackend):
             "prepare",
             [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)],
             topk_idx, num_experts=E, capacity=config.capacity)
-        num_invalid = per_rank(jnp.sum((topk_idx < -1) | (topk_idx >= E), dtype=i32), self.group)
+        num_invalid = self._num_invalid(topk_idx, E)
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
                             None, group=self.group, send_offset=send_offset, num_invalid=num_invalid)
 
@@ -273,8 +285,7 @@ class CudaNvshmemJax(EPBackend):
         C, H = y.shape
         T = handle.topk_idx.shape[0]
         self._state().reserve(_regions(C, [H * jnp.dtype(y.dtype).itemsize]))
-        native = ("float32", "bfloat16", "float16")
-        biases = tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
+        biases = _native_biases(bias)
         (out,) = self._call("combine", [((T, H), y.dtype)], y, handle.topk_idx, handle.send_pos,
                             handle.send_offset, handle.recv_counts, *biases, num_experts=handle.config.num_experts)
         return out
@@ -323,7 +334,7 @@ class CudaNvshmemJax(EPBackend):
             [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32),
              ((T, K), i32), ((L,), i32), ((L,), i32), ((), i32), ((), i32), ((), i32)],
             topk_idx, num_experts=E, capacity=config.capacity, expert_alignment=config.expert_alignment)
-        num_invalid = per_rank(jnp.sum((topk_idx < -1) | (topk_idx >= E), dtype=i32), self.group)
+        num_invalid = self._num_invalid(topk_idx, E)
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
                             None, group=self.group, send_offset=send_offset, num_invalid=num_invalid,
                             copy_slot=copy_slot, recv_expert_count=expert_count, em_per_expert=per_expert,
@@ -357,8 +368,7 @@ class CudaNvshmemJax(EPBackend):
         L, C, H = y.shape
         T = handle.topk_idx.shape[0]
         self._state().reserve(_regions(L * C, [H * jnp.dtype(y.dtype).itemsize]))
-        native = ("float32", "bfloat16", "float16")
-        biases = tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
+        biases = _native_biases(bias)
         (out,) = self._call("em_combine", [((T, H), y.dtype)], y, handle.topk_idx, self._em_weights(handle),
                             handle.copy_slot, *biases, num_experts=handle.config.num_experts)
         return out

@@ -11,7 +11,7 @@ every rank's row: the expert-major prepare exchanges it), ``send_slot [T, K]`` t
 every copy through ``send_slot``): a handle is complete once it carries ``topk_weights``, and a
 dispatch with a complete handle moves rows with the handle's weights. Results are bit for bit
 :mod:`omniep.ep_core.reference`; ``g_topk_weights`` of combine_bwd (a dot product over H, in fp32)
-is matched to rounding, by contract.
+is matched to rounding (omniep.testing.bounds: DESIGN fixes no order for that sum over H).
 """
 
 from __future__ import annotations

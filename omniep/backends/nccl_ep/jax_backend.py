@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 
 from ...ep_core.errors import UnsupportedError
-from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
+from ...ep_core.types import Availability
 from ..cuda_nvshmem.jax_backend import CudaNvshmemJax, jax_gpu_reason
 from ..jax_native import kv_client
 from . import native_reason, version_string
@@ -58,15 +58,6 @@ class NcclEpJax(CudaNvshmemJax):
         return Availability(False, f"{jax.process_count()} process(es) with {jax.local_device_count()} local GPU(s): "
                                    f"nccl_ep needs one process driving >= 2 GPUs, or one process per GPU over "
                                    f"jax.distributed (NCCL refuses two ranks on one GPU)")
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
-            max_ranks=16, intranode=True, internode=False,
-            process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE, ProcessModel.ONE_PROCESS_MANY_DEVICES),
-            frameworks=("jax",), cuda_graph_safe=False, hidden_multiple=1, devices=("gpu",),
-        )
 
     def _make_state(self, num_ranks: int, group_key: str, timeout_s: float) -> NcclJaxState:
         if jax.process_count() == 1:
