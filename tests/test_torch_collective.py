@@ -131,6 +131,14 @@ def build_jobs(world: int) -> dict:
     buf_job["x2"] = [rng.standard_normal(x.shape).astype(np.float32).astype(np_dtype("bfloat16")) for x in buf_case.x]
     buf_job["num_worst_tokens"] = sum(x.shape[0] for x in buf_case.x)
     jobs["buffer"] = [buf_job]
+    max_tokens = 3 + world
+    ll_case = make_case(32, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=256,
+                        num_tokens=[3 + r for r in range(world)], dtype="bfloat16", layout=EM,
+                        capacity=world * max_tokens)
+    ll_rng = np.random.default_rng(32)
+    ll_y = [ll_rng.standard_normal((2, world * max_tokens, 256)).astype(np.float32).astype(np_dtype("bfloat16"))
+            for _ in range(world)]
+    jobs["buffer_ll"] = [dict(case=ll_case, max_tokens=max_tokens, y=ll_y)]
     return jobs
 
 
@@ -281,3 +289,42 @@ def test_buffer_deepep_api(session):
         assert event is None
         assert res["after_destroy"].startswith("DestroyedError"), res["after_destroy"]
         assert res["after_with"].startswith("DestroyedError"), res["after_with"]
+
+
+def _quantize_fp8(x: np.ndarray) -> tuple:
+    """DeepEP's low-latency fp8 cast in NumPy (per token and 128 channels, scale = max(amax, 1e-4) / 448)."""
+    T, H = x.shape
+    xf = x.astype(np.float32).reshape(T, H // 128, 128)
+    scales = np.maximum(np.abs(xf).max(axis=-1), np.float32(1e-4)) / np.float32(448.0)
+    x8 = (xf / scales[..., None]).reshape(T, H).astype(np_dtype("float8_e4m3fn"))
+    return x8, scales.astype(np.float32)
+
+
+def test_buffer_low_latency_api(session):
+    """low_latency_dispatch / low_latency_combine (DeepEP's names and tuples) are the expert-major
+    layout at capacity R * num_max_dispatch_tokens_per_rank, bit for bit the reference."""
+    world, jobs, results = session
+    job = jobs["buffer_ll"][0]
+    case = job["case"]
+    plan = ref.make_plan(case.topk_idx, case.config())
+    disp = ref.dispatch(case.x, case.topk_weights, plan)
+    q = [_quantize_fp8(x) for x in case.x]
+    disp8 = ref.dispatch([a for a, _ in q], case.topk_weights, plan)
+    disp_s = ref.dispatch([s for _, s in q], case.topk_weights, plan)
+    out = ref.combine(job["y"], plan, topk_weights=case.topk_weights)
+    for r in range(world):
+        res = results[r]["buffer_ll"][0]
+        recv_x, count, event = res["dispatch"]
+        assert recv_x.shape == (2, world * job["max_tokens"], 256)
+        assert_bits(recv_x, disp[r].recv_x, "low_latency_dispatch recv_x")
+        assert_bits(count, disp[r].num_recv_tokens_per_expert, "low_latency_dispatch recv_count")
+        assert_bits(res["stats"], disp[r].num_recv_tokens_per_expert, "cumulative_local_expert_recv_stats")
+        assert event is None
+        x8, scales, count8, no_hook = res["fp8"]
+        assert_bits(x8, disp8[r].recv_x, "low_latency_dispatch fp8 rows")
+        assert_bits(scales, disp_s[r].recv_x, "low_latency_dispatch fp8 scales")
+        assert_bits(count8, disp[r].num_recv_tokens_per_expert, "fp8 recv_count")
+        assert no_hook is None  # no return_recv_hook: no hook
+        combined, into_out, event = res["combine"]
+        assert_bits(combined, out[r], "low_latency_combine")
+        assert into_out and event is None

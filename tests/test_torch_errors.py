@@ -153,8 +153,21 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
         scoped.get_dispatch_layout(idx, 4)
     with pytest.raises(DestroyedError):
         scoped.get_dispatch_layout(idx, 4)
-    with pytest.raises(UnsupportedError, match="low-latency"):
-        ep.Buffer(None, low_latency_mode=True)
+    ll = ep.Buffer(None, low_latency_mode=True)
+    xb = torch.zeros(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="num_max_dispatch_tokens_per_rank=2"):
+        ll.low_latency_dispatch(xb, idx, 2, 4)
+    with pytest.raises(UnsupportedError, match="UE8M0"):
+        ll.low_latency_dispatch(xb, idx, 4, 4, use_ue8m0=True)
+    with pytest.raises(InputError, match="hidden % 128"):
+        ll.low_latency_dispatch(torch.zeros(4, 100, dtype=torch.bfloat16), idx, 4, 4)
+    recv_x, count, ll_handle, _, _ = ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False)
+    with pytest.raises(InputError, match="handle returned by low_latency_dispatch"):
+        ll.low_latency_combine(recv_x, idx, w, handle)
+    with pytest.raises(InputError, match="must match the dispatch"):
+        ll.low_latency_combine(recv_x, idx[:2], w[:2], ll_handle)
+    with pytest.raises(UnsupportedError, match="LogFMT"):
+        ll.low_latency_combine(recv_x, idx, w, ll_handle, use_logfmt=True)
 
 
 # ---- two processes: every rank raises alike, and stays in step -----------------------------------

@@ -15,7 +15,13 @@ Method names, arguments and return tuples follow ``deep_ep.Buffer`` (normal, ran
   undefined behaviour; bad input raises ``InputError`` instead of an assertion;
 * dispatch and combine are differentiable (they run omniep's autograd-aware custom ops).
 
-Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) is not served yet.
+Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) is omniep's expert-major layout:
+``recv_x[L, R * num_max_dispatch_tokens_per_rank, H]``, copies ordered by (source rank, source token)
+inside each expert (DeepEP packs them in arrival order), combine weighted in k order, fp32, one
+rounding. ``use_fp8`` quantizes as DeepEP does (per token and 128 channels, ``scale = amax / 448``,
+amax at least 1e-4) before the rows move; UE8M0 / power-of-two scales and LogFMT are not served.
+There is no receive hook to call: the data is there when the call returns (a hook is returned, and is
+a no-op, where DeepEP returns one).
 """
 
 from __future__ import annotations
@@ -52,16 +58,13 @@ class Buffer:
         cls = registry.select_backend("torch", backend, device=device)
         if comm is not None:
             raise UnsupportedError(cls.name, "an mpi4py communicator (pass a torch.distributed group)")
-        if low_latency_mode:
-            raise UnsupportedError(cls.name, "Buffer low-latency mode (use omniep.torch.dispatch with "
-                                             "layout='expert_major')")
         if not dist.is_initialized():
             raise InputError("torch.distributed is not initialized: call init_process_group(...) first")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode = False
+        self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
         self.backend = cls.name
         self._destroyed = False
@@ -177,3 +180,84 @@ class Buffer:
         combined = combine(x, handle, bias=bias)
         weights = combine(topk_weights, handle) if topk_weights is not None else None
         return combined, weights, None
+
+    # ---- low-latency (expert-major) mode ---------------------------------------------------------
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return 0  # accepted for compatibility: backends size their own buffers
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        self._alive()  # nothing to clean: no state survives a call
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token ``x[T, H]`` (bf16) to the ranks of its experts, one copy per (token, expert).
+
+        ``T <= num_max_dispatch_tokens_per_rank``; ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
+        Returns ``(recv_x, recv_count, handle, None (event), hook)``: ``recv_x[L, C, H]`` with
+        ``C = R * num_max_dispatch_tokens_per_rank`` (or, with ``use_fp8``, ``(x_fp8 [L, C, H],
+        scales [L, C, H / 128] float32)``), slots past ``recv_count[l]`` zero; ``recv_count [L]`` int32;
+        ``hook`` a no-op callable when ``return_recv_hook`` (the rows have arrived), else None.
+        ``cumulative_local_expert_recv_stats [L]`` int32, if given, gets ``recv_count`` added.
+        """
+        from .torch import dispatch
+
+        self._alive()
+        if round_scale or use_ue8m0:
+            raise UnsupportedError(self.backend, "power-of-two / UE8M0 fp8 scales (round_scale, use_ue8m0)")
+        T = int(topk_idx.shape[0]) if topk_idx.dim() else 0
+        if T > num_max_dispatch_tokens_per_rank:
+            raise InputError(f"{T} tokens but num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        moved = quantize_fp8(x) if use_fp8 else x
+        ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        d = dispatch(moved, topk_idx, ones, num_experts=num_experts, group=self.group,
+                     capacity=self.group_size * num_max_dispatch_tokens_per_rank, layout=Layout.EXPERT_MAJOR,
+                     backend=self.backend)
+        count = d.num_recv_tokens_per_expert
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
+        return d.recv_x, count, d.handle, None, (_no_hook if return_recv_hook else None)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None, combine_wait_recv_cost_stats=None):
+        """``out[t] = sum_k topk_weights[t, k] * x[copy (t, k)]`` (fp32, k ascending, one rounding) for
+        ``x[L, C, H]`` laid out as :meth:`low_latency_dispatch` returned it. Returns ``(combined_x [T, H],
+        None (event), hook or None)``; with ``out`` the result is written there too."""
+        from .torch import combine
+
+        self._alive()
+        if use_logfmt:
+            raise UnsupportedError(self.backend, "LogFMT combine (use_logfmt)")
+        if not isinstance(handle, Handle) or handle.config.layout != Layout.EXPERT_MAJOR:
+            raise InputError("low_latency_combine needs the handle returned by low_latency_dispatch")
+        if tuple(topk_idx.shape) != tuple(handle.topk_idx.shape) or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+            raise InputError(f"topk_idx {tuple(topk_idx.shape)} / topk_weights {tuple(topk_weights.shape)} must "
+                             f"match the dispatch's {tuple(handle.topk_idx.shape)}")
+        combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
+        if out is not None:
+            out.copy_(combined)
+            combined = out
+        return combined, None, (_no_hook if return_recv_hook else None)
+
+
+def _no_hook() -> None:
+    """DeepEP's receive hook: here the rows have arrived when the call returns, so there is nothing to do."""
+
+
+def quantize_fp8(x: torch.Tensor, block: int = 128) -> tuple:
+    """DeepEP's low-latency fp8 cast: per token and ``block`` channels, ``scale = max(amax, 1e-4) / 448``,
+    ``x_fp8 = float8_e4m3fn(x / scale)``. Returns ``(x_fp8 [T, H], scales [T, H / block] float32)``."""
+    T, H = x.shape
+    if H % block:
+        raise InputError(f"use_fp8 needs hidden % {block} == 0, got {H}")
+    xf = x.to(torch.float32).reshape(T, H // block, block)
+    scales = xf.abs().amax(dim=-1).clamp(min=1e-4) / 448.0
+    x8 = (xf / scales.unsqueeze(-1)).reshape(T, H).to(torch.float8_e4m3fn)
+    return x8, scales.contiguous()

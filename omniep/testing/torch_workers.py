@@ -212,6 +212,34 @@ def buffer_job(rank: int, job: dict) -> dict:
     return res
 
 
+def buffer_ll_job(rank: int, job: dict) -> dict:
+    """DeepEP-style low-latency use of :class:`omniep.torch.Buffer` (bf16 and fp8 dispatch, weighted
+    combine into ``out=``, the receive-count statistics); results for the parent to compare."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import torch as ep
+
+    case = job["case"]
+    x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
+    L = case.num_experts // case.num_ranks
+    buf = ep.Buffer(dist.group.WORLD, 0, int(1e6), low_latency_mode=True, num_qps_per_rank=L)
+    stats = torch.zeros(L, dtype=torch.int32, device=x.device)
+    recv_x, count, handle, event, hook = buf.low_latency_dispatch(
+        x, idx, job["max_tokens"], case.num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=False,
+        return_recv_hook=True)
+    hook()
+    res = {"dispatch": [to_numpy(recv_x), to_numpy(count), event], "stats": to_numpy(stats)}
+    (x8, scales), count8, _, _, no_hook = buf.low_latency_dispatch(x, idx, job["max_tokens"], case.num_experts)
+    res["fp8"] = [to_numpy(x8), to_numpy(scales), to_numpy(count8), no_hook]
+    y = to_torch(job["y"][rank])
+    out = torch.empty((x.shape[0], x.shape[1]), dtype=y.dtype, device=y.device)
+    combined, event, _ = buf.low_latency_combine(y, idx, w, handle, out=out)
+    res["combine"] = [to_numpy(combined), combined is out, event]
+    buf.destroy()
+    return res
+
+
 def _raises(fn, exc_type) -> str:
     try:
         fn()
@@ -236,6 +264,8 @@ def collective_session(rank: int, world: int, port: int, jobs: dict, transport: 
                         result = golden_job(rank, *item)
                     elif key == "opcheck":
                         result = opcheck_job(rank, item)
+                    elif key == "buffer_ll":
+                        result = buffer_ll_job(rank, item)
                     else:
                         result = buffer_job(rank, item)
                 except Exception as exc:
