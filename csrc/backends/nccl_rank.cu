@@ -33,6 +33,15 @@ void check_nccl(ncclResult_t status, const char* what, ncclComm_t comm = nullptr
 // Registered sizes: whole 2 MiB granules (the symmetric-window granularity on the GPUs we target).
 size_t granule(size_t bytes) { return (bytes + (size_t{1} << 21) - 1) >> 21 << 21; }
 
+// The loaded libnccl has the device API (windows, ncclDevComm) these ranks are built on.
+void require_device_api() {
+  const int v = NcclRank::runtime_version();
+  if (v < kMinNcclVersion) {
+    throw std::runtime_error("omniep: NCCL " + std::to_string(v) + " has no device API (need >= " +
+                             std::to_string(kMinNcclVersion) + ")");
+  }
+}
+
 bool force_remote() {
   const char* v = std::getenv("OMNIEP_FORCE_REMOTE");
   return v && std::strcmp(v, "1") == 0;
@@ -133,15 +142,18 @@ void NcclRank::adopt() {
   launcher_ = std::make_unique<OneRankLauncher>(device_, rank_, num_ranks_);
 }
 
+void NcclRank::open_windows() {
+  alloc_workspace();
+  register_workspace();
+  create_dev_comm();
+}
+
 NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns) : timeout_ns_(timeout_ns) {
   if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
     throw std::invalid_argument("omniep: rank " + std::to_string(rank) + " of " + std::to_string(num_ranks) +
                                 ": need 0 <= rank < num_ranks <= " + std::to_string(kMaxRanks));
   }
-  if (runtime_version() < kMinNcclVersion) {
-    throw std::runtime_error("omniep: NCCL " + std::to_string(runtime_version()) + " has no device API (need >= " +
-                             std::to_string(kMinNcclVersion) + ")");
-  }
+  require_device_api();
   ncclUniqueId id;
   if (uid.size() != sizeof(id)) throw std::invalid_argument("omniep: NCCL unique id has the wrong size");
   std::memcpy(&id, uid.data(), sizeof(id));
@@ -153,9 +165,7 @@ NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t tim
     ncclCommDestroy(comm_);
     throw;
   }
-  alloc_workspace();
-  register_workspace();
-  create_dev_comm();
+  open_windows();
 }
 
 NcclRank::NcclRank(uintptr_t borrowed_comm, uint64_t timeout_ns)
@@ -164,10 +174,7 @@ NcclRank::NcclRank(uintptr_t borrowed_comm, uint64_t timeout_ns)
     throw std::invalid_argument("omniep: the process group has no NCCL communicator yet (run one collective "
                                 "on it first, or pass device_id to init_process_group)");
   }
-  if (runtime_version() < kMinNcclVersion) {
-    throw std::runtime_error("omniep: NCCL " + std::to_string(runtime_version()) + " has no device API (need >= " +
-                             std::to_string(kMinNcclVersion) + ")");
-  }
+  require_device_api();
   int comm_device = -1;
   check_nccl(ncclCommCuDevice(comm_, &comm_device), "ncclCommCuDevice", comm_);
   check_cuda(cudaGetDevice(&device_), "cudaGetDevice");
@@ -176,9 +183,7 @@ NcclRank::NcclRank(uintptr_t borrowed_comm, uint64_t timeout_ns)
                                 " but the current device is " + std::to_string(device_));
   }
   adopt();
-  alloc_workspace();
-  register_workspace();
-  create_dev_comm();
+  open_windows();
 }
 
 NcclRank::~NcclRank() {
@@ -290,10 +295,7 @@ NcclLocalGroup::NcclLocalGroup(const std::vector<int>& devices, uint64_t timeout
   const int n = static_cast<int>(devices.size());
   if (n < 1 || n > kMaxRanks) throw std::invalid_argument("omniep: a local NCCL group needs 1.." +
                                                           std::to_string(kMaxRanks) + " devices");
-  if (NcclRank::runtime_version() < kMinNcclVersion) {
-    throw std::runtime_error("omniep: NCCL " + std::to_string(NcclRank::runtime_version()) +
-                             " has no device API (need >= " + std::to_string(kMinNcclVersion) + ")");
-  }
+  require_device_api();
   std::vector<ncclComm_t> comms(n, nullptr);
   ncclUniqueId id;
   check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");

@@ -76,6 +76,7 @@ class NcclRank : public OneRankOps<NcclRank> {
   NcclRank(ncclComm_t comm, int device, uint64_t timeout_ns);  // comm made by the caller
   void adopt();                // rank, size, the LSA check, the launcher
   // The collective steps, split so that NcclLocalGroup can run each for all its ranks in one group.
+  void open_windows();         // one rank by itself: the three steps below (collective)
   void alloc_workspace();      // local: ncclMemAlloc + zero
   void register_workspace();   // collective
   void create_dev_comm();      // collective
