@@ -12,19 +12,10 @@
 #include "ffi/jax_handlers.h"
 #include "ffi/jax_rank.h"
 #include "python/jax_targets.h"
+#include "python/rank_args.h"
 
 namespace py = pybind11;
 using omniep::JaxRank;
-
-namespace {
-
-std::vector<std::string> handles(const std::vector<py::bytes>& in) {
-  std::vector<std::string> out;
-  for (const auto& b : in) out.push_back(std::string(b));
-  return out;
-}
-
-}  // namespace
 
 PYBIND11_MODULE(_native_jax, m) {
   m.doc() = "omniep native core for JAX: XLA FFI handlers over the p2p transport (CUDA IPC peers, or peer access in one process)";
@@ -44,7 +35,7 @@ PYBIND11_MODULE(_native_jax, m) {
       .def("workspace_handle", [](const JaxRank& s) { s.activate(); return py::bytes(s.ipc().workspace_handle()); })
       .def("open_workspaces", [](JaxRank& s, const std::vector<py::bytes>& h) {
             s.activate();
-            s.ipc().open_workspaces(handles(h));
+            s.ipc().open_workspaces(omniep_py::handle_strings(h));
           })
       .def("close_peer_data", [](JaxRank& s) { s.activate(); s.ipc().close_peer_data(); })
       .def("close_peer_workspaces", [](JaxRank& s) { s.activate(); s.ipc().close_peer_workspaces(); })
@@ -53,7 +44,7 @@ PYBIND11_MODULE(_native_jax, m) {
       .def("data_handle", [](const JaxRank& s) { s.activate(); return py::bytes(s.ipc().data_handle()); })
       .def("open_data", [](JaxRank& s, const std::vector<py::bytes>& h) {
             s.activate();
-            s.ipc().open_data(handles(h));
+            s.ipc().open_data(omniep_py::handle_strings(h));
           })
       .def("synchronize", &JaxRank::synchronize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("local_size", [](const JaxRank&) { return 1; }, "Ranks in this process: 1.")

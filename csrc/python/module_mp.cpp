@@ -11,16 +11,6 @@
 namespace py = pybind11;
 using omniep::IpcRank;
 
-namespace {
-
-std::vector<std::string> handles(const std::vector<py::bytes>& in) {
-  std::vector<std::string> out;
-  for (const auto& b : in) out.push_back(std::string(b));
-  return out;
-}
-
-}  // namespace
-
 // One source, two modules: omniep._native_mp (CUDA build) and omniep._native_hip (HIP build,
 // cmake/hip.cmake: compiled with -DOMNIEP_HIP_HOST, IpcRank over hipIpc* handles).
 #if defined(OMNIEP_HIP_HOST)
@@ -35,11 +25,11 @@ PYBIND11_MODULE(_native_mp, m) {
   py::class_<IpcRank> c(m, "IpcRank", "This process's rank of an EP group over CUDA IPC peers.");
   c.def(py::init<int, int, uint64_t>(), py::arg("rank"), py::arg("num_ranks"), py::arg("timeout_ns"))
       .def("workspace_handle", [](const IpcRank& g) { return py::bytes(g.workspace_handle()); })
-      .def("open_workspaces", [](IpcRank& g, const std::vector<py::bytes>& h) { g.open_workspaces(handles(h)); })
+      .def("open_workspaces", [](IpcRank& g, const std::vector<py::bytes>& h) { g.open_workspaces(omniep_py::handle_strings(h)); })
       .def("close_peer_data", &IpcRank::close_peer_data)
       .def("close_peer_workspaces", &IpcRank::close_peer_workspaces)
       .def("allocate_data", &IpcRank::allocate_data, "Free + allocate my data buffer (synchronises).")
       .def("data_handle", [](const IpcRank& g) { return py::bytes(g.data_handle()); })
-      .def("open_data", [](IpcRank& g, const std::vector<py::bytes>& h) { g.open_data(handles(h)); });
+      .def("open_data", [](IpcRank& g, const std::vector<py::bytes>& h) { g.open_data(omniep_py::handle_strings(h)); });
   omniep_py::bind_rank_ops(c);
 }

@@ -13,6 +13,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/args.h"
 #include "kernels/em_args.h"
@@ -64,6 +65,13 @@ class Fields {
 };
 
 inline cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+// IPC handles all-gathered by Python (bytes, one per rank) as the C++ classes take them.
+inline std::vector<std::string> handle_strings(const std::vector<py::bytes>& in) {
+  std::vector<std::string> out;
+  for (const auto& b : in) out.push_back(std::string(b));
+  return out;
+}
 
 template <typename G>
 omniep::LayoutArgs layout_args(const G& g, const py::dict& d) {
