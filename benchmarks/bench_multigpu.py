@@ -112,28 +112,27 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     res["recv_bytes"] = recv_bytes
     y = recv_x.clone()
 
-    def t(name, fn, modes=("dev", "e2e")):
+    def t(name, fn, modes=("dev", "e2e"), state=st):
+        """Time ``fn`` under ``name``; ``state``'s device barrier releases the ranks (dev mode)."""
         for mode in modes:
-            res[f"{name}|{mode}"] = _timed(torch, dist, cpu, st, fn, iters, mode, sleep_cycles)
+            res[f"{name}|{mode}"] = _timed(torch, dist, cpu, state, fn, iters, mode, sleep_cycles)
 
-    t("native prepare", lambda: nat.prepare(idx, cfg))
-    t("native dispatch", lambda: nat.dispatch(x, w, handle))
-    t("native dispatch fp8", lambda: nat.dispatch((x8, s8), w, handle))
-    t("native cached dispatch", lambda: nat.dispatch(x, None, full))
-    t("native combine", lambda: nat.combine(y, full))
+    def time_ops(label, be, h, done, state):
+        """prepare, dispatch (bf16, fp8, cached with the completed handle ``done``) and combine of ``be``."""
+        t(f"{label} prepare", lambda: be.prepare(idx, cfg), state=state)
+        t(f"{label} dispatch", lambda: be.dispatch(x, w, h), state=state)
+        t(f"{label} dispatch fp8", lambda: be.dispatch((x8, s8), w, h), state=state)
+        t(f"{label} cached dispatch", lambda: be.dispatch(x, None, done), state=state)
+        t(f"{label} combine", lambda: be.combine(y, done), state=state)
+
+    time_ops("native", nat, handle, full, st)
     if args["nccl"]:  # the same ops over the NCCL device API, timed around its own device barrier
         from omniep.backends.nccl_ep.torch_backend import NcclEpTorch
 
         nc = NcclEpTorch()
         nh = nc.prepare(idx, cfg)
         _, nfull = nc.dispatch(x, w, nh)
-        nst = nc._state(x.device)
-        for name, fn in (("prepare", lambda: nc.prepare(idx, cfg)), ("dispatch", lambda: nc.dispatch(x, w, nh)),
-                         ("dispatch fp8", lambda: nc.dispatch((x8, s8), w, nh)),
-                         ("cached dispatch", lambda: nc.dispatch(x, None, nfull)),
-                         ("combine", lambda: nc.combine(y, nfull))):
-            for mode in ("dev", "e2e"):
-                res[f"nccl_ep {name}|{mode}"] = _timed(torch, dist, cpu, nst, fn, iters, mode, sleep_cycles)
+        time_ops("nccl_ep", nc, nh, nfull, nc._state(x.device))
     for blocks in args["sweep_blocks"]:  # kernel blocks of dispatch / combine (default: 24)
         st._impl.set_blocks(blocks)
         t(f"native dispatch @{blocks} blocks", lambda: nat.dispatch(x, w, handle), modes=("dev",))
