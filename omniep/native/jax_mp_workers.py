@@ -73,6 +73,26 @@ def golden_names(R: int) -> list:
     return names
 
 
+def gpu_session_env(backend: str) -> dict:
+    """Environment of the children of a JAX GPU session over ``backend``."""
+    return {"OMNIEP_BACKEND": backend, "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
+            "JAX_PLATFORMS": "cuda"}
+
+
+def check_session_results(results: list, world: int, cases: list, names: list, *availability: str) -> None:
+    """Parent-side checks of a session's results (one per process): every case, golden file and the fp8
+    check ran on every rank the process addresses (all ``world`` of them for one process, its own rank
+    for one process per rank), and each process's backend reason contains every ``availability`` text."""
+    for proc, res in enumerate(results):
+        assert res["process"] == proc
+        for text in availability:
+            assert text in res["availability"], res["availability"]
+        ranks = list(range(world)) if len(results) == 1 else [proc]
+        assert res["cases"] == [ranks] * len(cases), res["cases"]
+        assert [n for n, _ in res["golden"]] == names and all(r == ranks for _, r in res["golden"]), res["golden"]
+        assert res["fp8"] == ranks, res["fp8"]
+
+
 def _init(rank: int, world: int, port: int, per_gpu: bool):
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from omniep.native.jax_mp_workers import golden_names, session_cases
+from omniep.native.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
 from omniep.testing.procs import gpu_count, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -42,16 +42,11 @@ def test_two_jax_processes_match_reference_bitwise(per_gpu):
     if per_gpu and gpu_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, {gpu_count()} visible")
     cases, names = session_cases(WORLD), golden_names(WORLD)
-    assert names, "no rank-major golden file for two ranks"
-    env = {"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
-           "JAX_PLATFORMS": "cuda"}
-    results = run_ranks(jax_native_session, WORLD, args=(cases, names, per_gpu), timeout=200, env=env)
-    for proc, res in enumerate(results):
-        assert res["process"] == proc
-        assert "CUDA IPC" in res["availability"], res["availability"]
-        assert res["cases"] == [[proc]] * len(cases), res["cases"]
-        assert [n for n, _ in res["golden"]] == names and all(r == [proc] for _, r in res["golden"])
-        assert res["fp8"] == [proc], res["fp8"]
+    assert names, "no golden file for two ranks"
+    results = run_ranks(jax_native_session, WORLD, args=(cases, names, per_gpu), timeout=200,
+                        env=gpu_session_env("cuda_nvshmem"))
+    assert len(results) == WORLD
+    check_session_results(results, WORLD, cases, names, "CUDA IPC")
 
 
 def test_single_controller_two_gpus_bitwise():
@@ -61,10 +56,7 @@ def test_single_controller_two_gpus_bitwise():
     if gpu_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, {gpu_count()} visible")
     cases, names = session_cases(WORLD), golden_names(WORLD)
-    env = {"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
-           "JAX_PLATFORMS": "cuda"}
-    (res,) = run_ranks(jax_single_controller_session, 1, args=(cases, names, WORLD), timeout=300, env=env)
-    assert "one process driving its 2 GPUs" in res["availability"], res["availability"]
-    assert res["cases"] == [list(range(WORLD))] * len(cases), res["cases"]
-    assert [n for n, _ in res["golden"]] == names and all(r == list(range(WORLD)) for _, r in res["golden"])
-    assert res["fp8"] == list(range(WORLD)), res["fp8"]
+    results = run_ranks(jax_single_controller_session, 1, args=(cases, names, WORLD), timeout=300,
+                        env=gpu_session_env("cuda_nvshmem"))
+    assert len(results) == 1
+    check_session_results(results, WORLD, cases, names, "one process driving its 2 GPUs")

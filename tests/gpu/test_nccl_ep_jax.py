@@ -19,15 +19,14 @@ import importlib.util
 
 import pytest
 
-from omniep.native.jax_mp_workers import golden_names, session_cases
+from omniep.native.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
 from omniep.testing.procs import gpu_count, run_ranks
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("jax")
 
 WORLD = 2
-ENV = {"OMNIEP_BACKEND": "nccl_ep", "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
-       "JAX_PLATFORMS": "cuda"}
+ENV = gpu_session_env("nccl_ep")
 
 if importlib.util.find_spec("omniep._native_nccl") is None:
     pytest.skip("omniep._native_nccl not built (-DOMNIEP_NCCL=ON)", allow_module_level=True)
@@ -35,25 +34,13 @@ if gpu_count() < WORLD:
     pytest.skip(f"nccl_ep needs {WORLD} GPUs (NCCL refuses two ranks on one GPU)", allow_module_level=True)
 
 
-def _check(results: list, processes: int, cases: list, names: list) -> None:
-    assert len(results) == processes
-    for proc, res in enumerate(results):
-        assert res["process"] == proc
-        assert "NCCL" in res["availability"], res["availability"]
-        # Every case checked on every rank this process addresses.
-        ranks = list(range(WORLD)) if processes == 1 else [proc]
-        assert res["cases"] == [ranks] * len(cases), res["cases"]
-        assert [n for n, _ in res["golden"]] == names and all(r == ranks for _, r in res["golden"])
-        assert res["fp8"] == ranks, res["fp8"]
-
-
 def test_single_controller_two_gpus_bitwise():
     from omniep.native.jax_mp_workers import jax_single_controller_session
 
     cases, names = session_cases(WORLD), golden_names(WORLD)
     results = run_ranks(jax_single_controller_session, 1, args=(cases, names, WORLD), timeout=300, env=ENV)
-    assert "driving its 2 GPUs" in results[0]["availability"], results[0]["availability"]
-    _check(results, 1, cases, names)
+    assert len(results) == 1
+    check_session_results(results, WORLD, cases, names, "NCCL", "driving its 2 GPUs")
 
 
 def test_one_process_per_gpu_bitwise():
@@ -61,5 +48,5 @@ def test_one_process_per_gpu_bitwise():
 
     cases, names = session_cases(WORLD), golden_names(WORLD)
     results = run_ranks(jax_native_session, WORLD, args=(cases, names, True), timeout=300, env=ENV)
-    assert all("one GPU each" in r["availability"] for r in results), [r["availability"] for r in results]
-    _check(results, WORLD, cases, names)
+    assert len(results) == WORLD
+    check_session_results(results, WORLD, cases, names, "NCCL", "one GPU each")
