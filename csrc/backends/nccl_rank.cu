@@ -77,10 +77,11 @@ class DeviceGuard {
 };
 
 // Freed after the windows are gone (teardown) and before the communicator is destroyed (if it is ours).
-void free_and_destroy(ncclComm_t& comm, bool owned, RankWorkspace*& ws, void*& data) {
+void free_and_destroy(ncclComm_t& comm, bool owned, RankWorkspace*& ws, void*& data, void*& mirrors) {
   if (data) ncclMemFree(data);
+  if (mirrors) ncclMemFree(mirrors);
   if (ws) ncclMemFree(ws);
-  data = nullptr;
+  data = mirrors = nullptr;
   ws = nullptr;
   if (comm && owned) {
     ncclCommFinalize(comm);
@@ -90,14 +91,6 @@ void free_and_destroy(ncclComm_t& comm, bool owned, RankWorkspace*& ws, void*& d
 }
 
 }  // namespace
-
-// Never launched: makes nvcc emit the GIN hooks of NcclDevTransport, so that the compile check covers
-// the GIN path that no kernel calls yet (it has not run: no network cards on our test machines).
-__global__ void nccl_gin_compile_check(NcclDevTransport tr, int peer, uint64_t* out) {
-  tr.gin_put_warp(tr.workspaces.p[tr.me]->counts, tr.workspaces.p[tr.me]->counts, sizeof(int32_t), peer);
-  tr.gin_signal_add(static_cast<uint32_t>(tr.me), 1, peer);
-  *out = tr.gin_signal_value(static_cast<uint32_t>(peer));
-}
 
 std::string NcclRank::unique_id() {
   ncclUniqueId id;
@@ -129,14 +122,12 @@ void NcclRank::adopt() {
     throw std::invalid_argument("omniep: " + std::to_string(num_ranks_) + " ranks; at most " +
                                 std::to_string(kMaxRanks));
   }
-  const ncclTeam_t lsa = ncclTeamLsa(comm_);
-  if (lsa.nRanks != num_ranks_ || force_remote()) {
-    // The GIN hooks of NcclDevTransport would serve these peers; no kernel calls them yet.
-    throw std::runtime_error(
-        "omniep: nccl_ep rank " + std::to_string(rank_) + ": " +
-        (force_remote() ? std::string("OMNIEP_FORCE_REMOTE=1 asks for the GIN path")
-                        : std::to_string(num_ranks_ - lsa.nRanks) + " peers are outside the LSA team (no NVLink)") +
-        "; the GIN put + signal path needs put-based kernels, not implemented yet");
+  // Peers outside my LSA team (no load/store path: other nodes) go through GIN; OMNIEP_FORCE_REMOTE=1
+  // (on every rank) sends every peer there, to run the internode algorithm inside one node.
+  const ncclTeam_t lsa = ncclTeamLsa(comm_), world = ncclTeamWorld(comm_);
+  remote_mask_ = 0;
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r != rank_ && (force_remote() || !ncclTeamRankIsMember(lsa, world, r))) remote_mask_ |= 1u << r;
   }
   DeviceGuard guard(device_);
   launcher_ = std::make_unique<OneRankLauncher>(device_, rank_, num_ranks_);
@@ -146,6 +137,7 @@ void NcclRank::open_windows() {
   alloc_workspace();
   register_workspace();
   create_dev_comm();
+  require_gin();
 }
 
 NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns) : timeout_ns_(timeout_ns) {
@@ -193,7 +185,7 @@ NcclRank::~NcclRank() {
   } catch (...) {  // a destructor must not throw; the process is likely exiting
   }
   DeviceGuard guard(device_);
-  free_and_destroy(comm_, owns_comm_, workspace_, data_);
+  free_and_destroy(comm_, owns_comm_, workspace_, data_, mirrors_);
 }
 
 void NcclRank::alloc_workspace() {
@@ -218,28 +210,51 @@ void NcclRank::create_dev_comm() {
     dev_comm_ = std::make_unique<NcclDevCommBox>();
     ncclDevCommRequirements reqs;
     std::memset(&reqs, 0, sizeof(reqs));
-    // LSA only: our barriers are kernels/sync.cuh over the workspace window (with timeouts), so no
-    // NCCL barrier resources. A GIN team would ask for one signal per source rank here.
-    check_nccl(ncclDevCommCreate(comm_, &reqs, &dev_comm_->comm), "ncclDevCommCreate", comm_);
+    // Our barriers are kernels/sync.cuh (with timeouts), so no NCCL barrier resources. GIN peers: one
+    // context, and one signal per source rank (signal s counts the barriers s signalled to me).
+    if (remote_mask_ != 0) {
+      reqs.ginForceEnable = true;
+      reqs.ginContextCount = 1;
+      reqs.ginSignalCount = num_ranks_;
+    }
+    check_nccl(ncclDevCommCreate(comm_, &reqs, &dev_comm_->comm), dev_comm_what(), comm_);
   });
+}
+
+const char* NcclRank::dev_comm_what() const {
+  return remote_mask_ ? "ncclDevCommCreate with GIN (peers outside the LSA team need a network with GPU-initiated "
+                        "networking)"
+                      : "ncclDevCommCreate";
+}
+
+void NcclRank::require_gin() const {
+  if (remote_mask_ != 0 && dev_comm_->comm.ginContextCount < 1) {
+    throw std::runtime_error("omniep: nccl_ep rank " + std::to_string(rank_) + ": peers outside the LSA team need "
+                             "GIN, but NCCL gave the device communicator no GIN context (no GIN-capable network)");
+  }
 }
 
 void NcclRank::release_data() {
   on_device([&] {
     if (data_window_) check_nccl(ncclCommWindowDeregister(comm_, data_window_), "ncclCommWindowDeregister", comm_);
-    data_window_ = nullptr;
+    if (mirror_window_) check_nccl(ncclCommWindowDeregister(comm_, mirror_window_), "ncclCommWindowDeregister", comm_);
+    data_window_ = mirror_window_ = nullptr;
   });
 }
 
 void NcclRank::alloc_data(size_t bytes) {
   on_device([&] {
     if (data_) check_nccl(ncclMemFree(data_), "ncclMemFree (data)", comm_);
-    data_ = nullptr;
+    if (mirrors_) check_nccl(ncclMemFree(mirrors_), "ncclMemFree (mirrors)", comm_);
+    data_ = mirrors_ = nullptr;
     data_bytes_ = 0;
     if (bytes == 0) return;
     check_nccl(ncclMemAlloc(&data_, granule(bytes)), "ncclMemAlloc (data)", comm_);
     data_bytes_ = granule(bytes);
     check_cuda(cudaMemset(data_, 0, data_bytes_), "zeroing the data buffer");
+    if (remote_mask_ != 0) {
+      check_nccl(ncclMemAlloc(&mirrors_, data_bytes_ * num_ranks_), "ncclMemAlloc (remote-path mirrors)", comm_);
+    }
     check_cuda(cudaDeviceSynchronize(), "zeroing the data buffer");
   });
 }
@@ -249,6 +264,10 @@ void NcclRank::register_data() {
     if (!data_) return;
     check_nccl(ncclCommWindowRegister(comm_, data_, data_bytes_, &data_window_, NCCL_WIN_COLL_SYMMETRIC),
                "ncclCommWindowRegister (data)", comm_);
+    if (mirrors_) {
+      check_nccl(ncclCommWindowRegister(comm_, mirrors_, data_bytes_ * num_ranks_, &mirror_window_,
+                                        NCCL_WIN_COLL_SYMMETRIC), "ncclCommWindowRegister (mirrors)", comm_);
+    }
   });
 }
 
@@ -265,8 +284,9 @@ void NcclRank::teardown() {
     if (dev_comm_) check_nccl(ncclDevCommDestroy(comm_, &dev_comm_->comm), "ncclDevCommDestroy", comm_);
     dev_comm_.reset();
     if (data_window_) check_nccl(ncclCommWindowDeregister(comm_, data_window_), "ncclCommWindowDeregister", comm_);
+    if (mirror_window_) check_nccl(ncclCommWindowDeregister(comm_, mirror_window_), "ncclCommWindowDeregister", comm_);
     if (ws_window_) check_nccl(ncclCommWindowDeregister(comm_, ws_window_), "ncclCommWindowDeregister", comm_);
-    data_window_ = ws_window_ = nullptr;
+    data_window_ = mirror_window_ = ws_window_ = nullptr;
   });
 }
 
@@ -282,7 +302,10 @@ NcclDevTransport NcclRank::transport() const {
   tr.ws_window = ws_window_;
   tr.data_window = data_window_;
   tr.data_base = static_cast<const char*>(data_);
-  tr.gin = 0;  // the constructor refused non-LSA peers
+  tr.remote_mask = remote_mask_;
+  tr.mirror_window = mirror_window_;
+  tr.mirrors = static_cast<char*>(mirrors_);
+  tr.data_bytes = static_cast<int64_t>(data_bytes_);
   tr.dev_comm = dev_comm_->comm;
   return tr;
 }
@@ -311,7 +334,8 @@ NcclLocalGroup::NcclLocalGroup(const std::vector<int>& devices, uint64_t timeout
   for (int i = 0; i < n; ++i) ranks_.emplace_back(new NcclRank(comms[i], devices[i], timeout_ns));
   for (auto& r : ranks_) r->alloc_workspace();
   grouped(ranks_, "grouped ncclCommWindowRegister (workspace)", [](NcclRank& r) { r.register_workspace(); });
-  grouped(ranks_, "grouped ncclDevCommCreate", [](NcclRank& r) { r.create_dev_comm(); });
+  grouped(ranks_, ranks_[0]->dev_comm_what(), [](NcclRank& r) { r.create_dev_comm(); });
+  for (auto& r : ranks_) r->require_gin();  // the devComms are filled in once the group has ended
 }
 
 NcclLocalGroup::~NcclLocalGroup() {
@@ -321,7 +345,7 @@ NcclLocalGroup::~NcclLocalGroup() {
   }
   for (auto& r : ranks_) {
     DeviceGuard guard(r->device_);
-    free_and_destroy(r->comm_, r->owns_comm_, r->workspace_, r->data_);
+    free_and_destroy(r->comm_, r->owns_comm_, r->workspace_, r->data_, r->mirrors_);
   }
 }
 

@@ -9,9 +9,11 @@
 //     collective step (window registration, devComm creation, re-allocation, teardown) for all of
 //     its ranks inside one NCCL group, as NCCL requires when one thread drives several ranks.
 // The workspace and the data buffer come from ncclMemAlloc and are registered as symmetric windows;
-// the kernels reach LSA peers through window pointers. Every peer must be in the LSA team
-// (NVLink, the same node); a group with other peers (or OMNIEP_FORCE_REMOTE=1) is refused: the GIN
-// hooks of the transport exist, but no kernel calls them yet.
+// the kernels reach LSA peers through window pointers. Peers outside the LSA team (other nodes, or
+// every peer with OMNIEP_FORCE_REMOTE=1 on every rank) are reached through GIN (remote_mask(): the
+// devComm then asks for a GIN context and one signal per rank, and the data buffer gets its
+// registered mirrors, R x its size); the expert-major ops are refused for such groups (GIN has no gets
+// and no remote atomics). The GIN path has NOT run on a network: our GPU machines have no NICs.
 // The ops are IpcRank's and NvshmemRank's (OneRankOps; python/rank_args.h binds all three). Host-only header.
 #pragma once
 
@@ -54,6 +56,7 @@ class NcclRank : public OneRankOps<NcclRank> {
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
   void set_blocks(int n);
+  uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r is reached through GIN
   size_t data_bytes() const { return data_bytes_; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
   // Collective (every rank, same bytes): deregister, free, allocate and register the data buffer.
@@ -74,12 +77,14 @@ class NcclRank : public OneRankOps<NcclRank> {
   NcclDevTransport transport() const;  // the kernels' view of this rank (transports/nccl_dev.cuh)
   RankWorkspace* my_workspace() const { return workspace_; }
   NcclRank(ncclComm_t comm, int device, uint64_t timeout_ns);  // comm made by the caller
-  void adopt();                // rank, size, the LSA check, the launcher
+  void adopt();                // rank, size, the peers outside the LSA team, the launcher
   // The collective steps, split so that NcclLocalGroup can run each for all its ranks in one group.
   void open_windows();         // one rank by itself: the three steps below (collective)
   void alloc_workspace();      // local: ncclMemAlloc + zero
   void register_workspace();   // collective
   void create_dev_comm();      // collective
+  const char* dev_comm_what() const;  // its name in error messages (says GIN when GIN is asked for)
+  void require_gin() const;    // after create_dev_comm (and its group): GIN peers got a GIN context
   void release_data();         // collective (deregister) + local free
   void alloc_data(size_t bytes);  // local
   void register_data();        // collective
@@ -96,6 +101,9 @@ class NcclRank : public OneRankOps<NcclRank> {
   void* data_ = nullptr;
   size_t data_bytes_ = 0;
   ncclWindow_t data_window_ = nullptr;
+  uint32_t remote_mask_ = 0;
+  void* mirrors_ = nullptr;  // with GIN peers: R x data_bytes_, registered
+  ncclWindow_t mirror_window_ = nullptr;
   std::unique_ptr<NcclDevCommBox> dev_comm_;
   std::unique_ptr<OneRankLauncher> launcher_;
 };

@@ -59,7 +59,7 @@ NvshmemRank::NvshmemRank(int rank, int num_ranks, const std::string& uid, uint64
   // symmetric (across nodes every PE has remote peers) and OMNIEP_FORCE_REMOTE must be the same on
   // every rank (omniep.native.ipc_rank.NvshmemRankState checks that before constructing).
   if (remote_mask_ != 0) {
-    // Combine's staging: one stage per warp of every block a launch may have (resident limit: at
+    // Expert-major staging: one stage per warp of every block a launch may have (resident limit: at
     // most 2048 threads per SM, so 2048 / kCombineThreads blocks per SM). Same size on every PE
     // (same GPU model), as nvshmem_malloc needs.
     int sms = 0;
@@ -76,6 +76,7 @@ NvshmemRank::~NvshmemRank() {
   cudaDeviceSynchronize();
   nvshmem_barrier_all();
   if (data_) nvshmem_free(data_);
+  if (mirrors_) nvshmem_free(mirrors_);
   if (scratch_) nvshmem_free(scratch_);
   if (workspace_) nvshmem_free(workspace_);
   nvshmem_finalize();
@@ -87,7 +88,9 @@ void NvshmemRank::allocate_data(size_t bytes) {
   check_cuda(cudaDeviceSynchronize(), "synchronising before re-allocating the data buffer");
   nvshmem_barrier_all();  // nobody still reads or writes the old buffer
   if (data_) nvshmem_free(data_);
+  if (mirrors_) nvshmem_free(mirrors_);
   data_ = nullptr;
+  mirrors_ = nullptr;
   data_bytes_ = 0;
   if (bytes == 0) return;
   data_ = nvshmem_malloc(bytes);
@@ -95,6 +98,12 @@ void NvshmemRank::allocate_data(size_t bytes) {
                                        "(raise NVSHMEM_SYMMETRIC_SIZE)");
   data_bytes_ = bytes;
   check_cuda(cudaMemset(data_, 0, bytes), "zeroing the data buffer");
+  if (remote_mask_ != 0) {  // every PE has remote peers or none (see the constructor): collective
+    const size_t mirror_bytes = bytes * static_cast<size_t>(num_ranks_);
+    mirrors_ = static_cast<uint8_t*>(nvshmem_malloc(mirror_bytes));
+    if (!mirrors_) throw std::runtime_error("omniep: nvshmem_malloc of the remote-path mirrors (" +
+                                            std::to_string(mirror_bytes) + " bytes) failed (raise NVSHMEM_SYMMETRIC_SIZE)");
+  }
   check_cuda(cudaDeviceSynchronize(), "zeroing the data buffer");
 }
 
@@ -107,6 +116,9 @@ NvshmemTransport NvshmemRank::transport() const {
   tr.remote_mask = remote_mask_;
   tr.scratch = scratch_;
   tr.scratch_bytes = scratch_bytes_;
+  tr.data_base = static_cast<const uint8_t*>(data_);
+  tr.mirrors = mirrors_;
+  tr.data_bytes = static_cast<int64_t>(data_bytes_);
   return tr;
 }
 

@@ -5,8 +5,10 @@
 // nvshmem_malloc (collective, same size on every PE), so a buffer at the same offset is symmetric;
 // the kernels reach a peer through nvshmem_ptr (loads/stores: NVLink / same GPU) or, where it has no
 // pointer or OMNIEP_FORCE_REMOTE=1 (set on EVERY rank) says to, through puts, gets and signals (the
-// remote path of transports/nvshmem.cuh; remote_mask() says which). With some remote peer a
-// symmetric scratch area (combine's staging) is allocated as well, collectively.
+// remote path of transports/nvshmem.cuh; remote_mask() says which). With some remote peer two more
+// symmetric areas are allocated, collectively: the mirrors of the data buffer (R x its size, grown
+// with it: where the rank-major kernels stage rows for remote peers and receive rows back), and the
+// expert-major kernels' per-warp staging scratch.
 // The ops are IpcRank's and NcclRank's (OneRankOps; python/rank_args.h binds all three). Host-only header.
 #pragma once
 
@@ -65,7 +67,8 @@ class NvshmemRank : public OneRankOps<NvshmemRank> {
   void* data_ = nullptr;
   size_t data_bytes_ = 0;
   uint32_t remote_mask_ = 0;
-  uint8_t* scratch_ = nullptr;  // symmetric, only with remote peers: combine's per-warp staging
+  uint8_t* scratch_ = nullptr;  // symmetric, only with remote peers: expert-major per-warp staging
+  uint8_t* mirrors_ = nullptr;  // symmetric, only with remote peers: R x data_bytes_
   int64_t scratch_bytes_ = 0;
   std::unique_ptr<OneRankLauncher> launcher_;
 };

@@ -75,14 +75,28 @@ class OneRankLauncher {
     check_cuda(cudaGetLastError(), "copy_rows_except");
   }
 
+  // After the host zeroed the workspace: the transport's own signal counters too (GIN's).
+  template <typename Tr>
+  void reset_remote_signals(const Tr& tr) {
+    if constexpr (Tr::kHasRemote) {
+      if (tr.any_remote()) {
+        reset_remote_signals_kernel<<<1, 1>>>(tr);
+        check_cuda(cudaGetLastError(), "resetting the remote signals");
+        check_cuda(cudaDeviceSynchronize(), "resetting the remote signals");
+      }
+    }
+  }
+
   template <typename Tr>
   void em_layout(const EMLayoutArgs& a, const Tr& tr, cudaStream_t stream) {
+    require_gets(tr, "expert-major prepare");
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
     launch(em_layout_kernel<Tr>, 1, kLayoutThreads, checked_smem(a), stream, a, tr, "expert-major layout");
   }
 
   template <typename Tr>
   void em_dispatch(EMDispatchArgs a, const Tr& tr, cudaStream_t stream) {
+    require_gets(tr, "expert-major dispatch");
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
     const size_t smem = checked_smem(a);
     set_copy_units(a, rank_, 1, num_ranks_);
@@ -91,6 +105,7 @@ class OneRankLauncher {
 
   template <typename Tr>
   void em_combine(const EMCombineArgs& a, const Tr& tr, cudaStream_t stream) {
+    require_gets(tr, "expert-major combine");
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
     const size_t smem = checked_smem(a);
     const char* what = "expert-major combine";
@@ -100,6 +115,7 @@ class OneRankLauncher {
 
   template <typename Tr>
   void em_combine_bwd(const EMCombineBwdArgs& a, const Tr& tr, cudaStream_t stream) {
+    require_gets(tr, "expert-major combine_bwd");
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
     const size_t smem = checked_smem(a);
     const char* what = "expert-major combine_bwd";
@@ -108,6 +124,19 @@ class OneRankLauncher {
   }
 
  private:
+  // The expert-major kernels reach remote peers with one-sided gets and atomics (kHasGets); a
+  // transport without them (nccl_dev's GIN) cannot run them for a group with remote peers.
+  template <typename Tr>
+  static void require_gets(const Tr& tr, const char* what) {
+    if constexpr (Tr::kHasRemote && !Tr::kHasGets) {
+      if (tr.any_remote()) {
+        throw std::runtime_error(std::string("omniep: ") + what + " with peers outside the load/store domain "
+                                 "needs one-sided gets and remote atomics, which GIN does not have; use the "
+                                 "rank-major layout (dispatch / combine) for this group");
+      }
+    }
+  }
+
   // Cooperative: all blocks of the rank are co-resident or the launch fails, so the rank's own
   // blocks can wait on each other at a barrier without deadlock.
   template <typename Kernel, typename Args, typename Tr>
@@ -260,6 +289,7 @@ void OneRankOps<Rank>::reset() {
     check_cuda(cudaMemset(self().my_workspace(), 0, sizeof(RankWorkspace)), "reset");
     check_cuda(cudaDeviceSynchronize(), "reset");
   });
+  run([&](OneRankLauncher& l, const auto& tr) { l.reset_remote_signals(tr); });
 }
 
 }  // namespace omniep

@@ -35,7 +35,7 @@ typedef struct {
   int32_t code;
   int32_t rank;
   int32_t peer;
-  int32_t phase; /* 1/2 layout exchange/done, 3/4 dispatch start/done, 5/6 combine start/done */
+  int32_t phase; /* 1/2 layout exchange/done, 3/4 dispatch start/done, 5/6 combine start/done, 7 barrier, 8 combine remote rows */
 } omniep_error_record;
 
 typedef struct {

@@ -7,10 +7,12 @@
 // With with_topk_grad (dispatch_bwd) the same pass reads back g_topk_weights[t, k] from the slot
 // that carried it: g_recv_topk_weights of the owning rank, or 0 when not routed or dropped.
 //
-// Remote ranks (a transport with kHasRemote: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
-// warp GETS each chunk of the row it needs into its stage in the transport's symmetric scratch
-// (blocking) and reads it from there; the sum is the same, in the same order (bitwise unchanged).
-// On p2p those branches compile away.
+// Remote ranks (a transport with kHasRemote: nvshmem or GIN across nodes, OMNIEP_FORCE_REMOTE=1) are
+// not read: they PUT my rows back. At the start barrier I put (first slot, rows kept) of mine to each
+// remote rank r (its push_rows[me]); after it, a second barrier (kPhaseCombinePush) in which r puts
+// that block of its y (and of g_recv_topk_weights) into my mirror for r, at the same slots
+// (omniep/transport.h). I then read r's rows from my mirror: the sum is the same, in the same order
+// (bitwise unchanged). On p2p those branches compile away.
 //
 // A rank's own rows come from a.own_y when given (the caller's y; the copy-in skipped them).
 //
@@ -26,32 +28,23 @@ namespace omniep {
 
 inline constexpr int kCombineThreads = 512;
 inline constexpr int kPacks = 4;  // packs per lane per step (loads in flight per rank)
-// Remote path: bytes of one rank's chunk of a row in a warp's stage (16-byte packs), and a warp's
-// stage (two ranks per round). The host sizes the transport's scratch as blocks * warps * this.
+// Expert-major remote path (em_combine.cuh, em_dispatch.cuh): bytes of one chunk of a row in a warp's
+// stage (16-byte packs), and a warp's stage (two chunks). The host sizes the transport's scratch as
+// blocks * (kCombineThreads / warp size) * this.
 inline constexpr int kCombineChunkBytes = gpu::kWarpSize * kPacks * 16;
 inline constexpr int kCombineStageBytesPerWarp = 2 * kCombineChunkBytes;
 
 // Rank r's y as this rank reads it: my own rows from the caller's y when given (the copy-in skipped
-// them), everything else from the symmetric buffer.
+// them), a remote rank's from my mirror for it (it put them there), everything else from the
+// symmetric buffer.
 template <typename Tr>
 OMNIEP_DEVICE const void* y_of(const Tr& tr, const CombineArgs& a, int r) {
   const void* own = r == tr.rank() ? tr.local(a.own_y) : nullptr;
-  return own != nullptr ? own : tr.peer(a.y, r);
-}
-
-// Packs of row `slot` of rank r's y, indexable by pack number p in [base, base + kWarpSize * kPacks):
-// through r's pointer, or (a remote rank) after the warp GETS that chunk into `stage` (this warp's
-// staging area in the transport's symmetric scratch). Warp-uniform arguments: all lanes call it.
-template <typename Pack, typename Scalar, typename Tr>
-OMNIEP_DEVICE const Pack* y_row(const Tr& tr, const CombineArgs& a, int r, int64_t slot, int H,
-                                int base, int num_packs, Pack* stage) {
+  if (own != nullptr) return own;
   if constexpr (Tr::kHasRemote) {
-    if (tr.is_remote(r)) {
-      const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + slot * H);
-      return get_packs(tr, mine, r, base, min(num_packs - base, gpu::kWarpSize * kPacks), stage);
-    }
+    if (tr.is_remote(r)) return tr.mirror(tr.local(a.y), r);
   }
-  return reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r)) + slot * H);
+  return tr.peer(a.y, r);
 }
 
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
@@ -61,20 +54,48 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
   using Cvt = Elem<Scalar>;
 
+  __shared__ int s_first[kMaxRanks];  // remote path: my first slot at rank r (send_offset)
+  __shared__ int s_rows[kMaxRanks];   // remote path (block 0): my rows that remote rank r keeps
+
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
-  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true)) return;
-
   const int32_t* send_pos = tr.local(a.send_pos);
   const int32_t* send_offset = tr.local(a.send_offset);
+  bool any_remote = false;
+  if constexpr (Tr::kHasRemote) {
+    any_remote = tr.any_remote();
+    if (any_remote && blockIdx.x == 0) {
+      if (static_cast<int>(threadIdx.x) < R) s_first[threadIdx.x] = send_offset[threadIdx.x];
+      remote_send_rows(tr, send_pos, s_first, T, C, s_rows);  // syncs block 0 first
+    }
+  }
+  RankWorkspace* my_ws = tr.workspace(me);
+  // Remote rank r learns where my rows are in its y (its push_rows[me]) ...
+  const auto tell = [&](int r) {
+    if constexpr (Tr::kHasRemote) {
+      tr.put_i32(&my_ws->push_rows[2 * me], s_first[r], r);
+      tr.put_i32(&my_ws->push_rows[2 * me + 1], s_rows[r], r);
+    }
+  };
+  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, tell)) return;
+  // ... and puts them into my mirror for it, as I put theirs into their mirrors for me.
+  if constexpr (Tr::kHasRemote) {
+    const auto push = [&](int s) {
+      const int64_t first = my_ws->push_rows[2 * s], rows = my_ws->push_rows[2 * s + 1];
+      const int64_t y_row = static_cast<int64_t>(H) * sizeof(Scalar);
+      const uint8_t* y = static_cast<const uint8_t*>(tr.local(a.y)) + first * y_row;
+      tr.put_block(const_cast<uint8_t*>(tr.mirror(y, me)), y, static_cast<size_t>(rows * y_row), s);
+      if (a.with_topk_grad) {
+        const float* g = tr.local(a.g_recv_topk_weights) + first * K;
+        tr.put_block(const_cast<float*>(tr.mirror(g, me)), g, static_cast<size_t>(rows * K) * sizeof(float), s);
+      }
+    };
+    if (any_remote && !rank_barrier(tr, kPhaseCombinePush, /*all_wait=*/true, push)) return;
+  }
+
   Scalar* out = static_cast<Scalar*>(tr.local(a.out));
   const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
   const int num_packs = H / Vec;
-  Pack* stage = nullptr;  // remote path: this warp's two chunks in the transport's scratch
-  if constexpr (Tr::kHasRemote) {
-    stage = reinterpret_cast<Pack*>(tr.scratch + (static_cast<int64_t>(blockIdx.x) * warps + warp) *
-                                                     kCombineStageBytesPerWarp);
-  }
 
   for (int t = blockIdx.x * warps + warp; t < T; t += gridDim.x * warps) {
     if (lane < R) {
@@ -99,9 +120,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
         if (slot0 < 0 && slot1 < 0) continue;
         Pack v0[kPacks], v1[kPacks];
         if (slot0 >= 0) {
-          const Pack* y = Tr::kHasRemote
-                              ? y_row<Pack, Scalar>(tr, a, r, slot0, H, base, num_packs, stage)
-                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r)) + slot0 * H);
+          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r)) + slot0 * H);
 #pragma unroll
           for (int j = 0; j < kPacks; ++j) {
             const int p = base + lane + j * gpu::kWarpSize;
@@ -109,10 +128,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
           }
         }
         if (slot1 >= 0) {
-          const Pack* y = Tr::kHasRemote
-                              ? y_row<Pack, Scalar>(tr, a, r + 1, slot1, H, base, num_packs,
-                                                    stage + kCombineChunkBytes / sizeof(Pack))
-                              : reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r + 1)) + slot1 * H);
+          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r + 1)) + slot1 * H);
 #pragma unroll
           for (int j = 0; j < kPacks; ++j) {
             const int p = base + lane + j * gpu::kWarpSize;
@@ -168,11 +184,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
           if (slot >= 0) {
             bool far = false;
             if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
-            if (!far) {
-              g = tr.peer(a.g_recv_topk_weights, r)[slot * K + k];
-            } else if constexpr (Tr::kHasRemote) {
-              g = tr.get_f32(tr.local(a.g_recv_topk_weights) + slot * K + k, r);
-            }
+            g = copy_of(tr, a.g_recv_topk_weights, r, far)[slot * K + k];  // far: my mirror for r
           }
         }
         g_w[static_cast<int64_t>(t) * K + k] = g;

@@ -10,10 +10,14 @@
 // shared memory and adds them to the receiver's counters once at the end; the receiver zeroed those
 // counters before the start barrier and reads them after the end barrier.
 //
-// Remote receivers (a transport with kHasRemote, e.g. nvshmem across nodes or OMNIEP_FORCE_REMOTE=1):
-// the warp PUTS the row, the scales row and the routing entries to the same slot, and adds to the
-// receiver's counters with the transport's atomics; the end barrier completes them (quiet) before
-// it signals. On p2p those branches compile away.
+// Remote receivers (a transport with kHasRemote: nvshmem or GIN across nodes, OMNIEP_FORCE_REMOTE=1):
+// the warp stores the row, the scales row and the routing entries into MY mirror for that receiver
+// at the same slot (omniep/transport.h: the data buffer's layout once per rank), and the block adds
+// its delivered pairs to my sent_expert counters. My rows at a receiver are contiguous (slots
+// [send_offset[r], + kept)), so at the end barrier the thread that signals receiver r first puts
+// each region's block of rows, then my sent_expert[r's experts] into r's remote_expert[me]: a few
+// bulk puts per peer, from registered memory, no atomics (GIN has none). The receiver adds those
+// counts to its expert_counter. On p2p those branches compile away.
 //
 // Barriers: start (receivers are ready: counters zeroed, earlier users of the buffers done), end
 // (all rows have arrived). The kernel completes on a rank only when its rows are all there, so
@@ -32,14 +36,20 @@ template <typename Tr>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs a, Tr tr) {
   extern __shared__ int s_delivered[];  // [E]: pairs this block delivered to each expert
   __shared__ int s_offset[kMaxRanks];
+  __shared__ int s_rows[kMaxRanks];  // remote path (block 0): my rows that remote rank r keeps
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
   const bool routing = a.with_routing != 0;
   RankWorkspace* my_ws = tr.workspace(me);
 
+  bool any_remote = false;
+  if constexpr (Tr::kHasRemote) any_remote = tr.any_remote();
   if (routing && blockIdx.x == 0) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) my_ws->expert_counter[l] = 0;
+    if (any_remote) {
+      for (int e = threadIdx.x; e < E; e += blockDim.x) my_ws->sent_expert[e] = 0;
+    }
   }
   if (routing) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_delivered[e] = 0;
@@ -67,38 +77,19 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
       const int64_t slot = static_cast<int64_t>(s_offset[lane]) + pos;
       sent = pos >= 0 && slot < C;  // slot >= C: dropped, past the receiver's capacity
       if constexpr (Tr::kHasRemote) remote = sent && tr.is_remote(lane);
-      if (sent && !remote) {
+      if (sent) {
         // My own rows go straight into my result when the caller gave one (no copy-out for them).
         uint8_t* own_x = lane == me ? tr.local(a.own_x) : nullptr;
         uint8_t* own_x2 = lane == me ? tr.local(a.own_x2) : nullptr;
-        dst_x = (own_x ? own_x : tr.peer(a.recv_x, lane)) + slot * a.row_bytes;
-        if (a.row2_bytes > 0) dst_x2 = (own_x2 ? own_x2 : tr.peer(a.recv_x2, lane)) + slot * a.row2_bytes;
+        dst_x = (own_x ? own_x : copy_of(tr, a.recv_x, lane, remote)) + slot * a.row_bytes;
+        if (a.row2_bytes > 0) dst_x2 = (own_x2 ? own_x2 : copy_of(tr, a.recv_x2, lane, remote)) + slot * a.row2_bytes;
       }
     }
     const gpu::lane_mask_t dests = gpu::ballot(sent);
     if (dests == 0) continue;
-    gpu::lane_mask_t direct = dests;
-    if constexpr (Tr::kHasRemote) {
-      // Remote destinations: the warp puts the row (and the scales row) into the receiver's buffer at
-      // the same slot as a store would; the end barrier quiets the puts before it signals.
-      const gpu::lane_mask_t far = gpu::ballot(remote);
-      direct = dests & ~far;
-      for (gpu::lane_mask_t m = far; m; m &= m - 1) {
-        const int r = gpu::lowest_lane(m);
-        const int64_t slot = static_cast<int64_t>(s_offset[r]) + send_pos[static_cast<int64_t>(t) * R + r];
-        tr.put_warp(tr.local(a.recv_x) + slot * a.row_bytes, x + static_cast<int64_t>(t) * a.row_bytes,
-                    static_cast<size_t>(a.row_bytes), r);
-        if (a.row2_bytes > 0) {
-          tr.put_warp(tr.local(a.recv_x2) + slot * a.row2_bytes, x2 + static_cast<int64_t>(t) * a.row2_bytes,
-                      static_cast<size_t>(a.row2_bytes), r);
-        }
-      }
-    }
-    if (!Tr::kHasRemote || direct != 0) {
-      warp_copy_row_multi(dst_x, direct, x + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, a.unit);
-      if (a.row2_bytes > 0) {
-        warp_copy_row_multi(dst_x2, direct, x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
-      }
+    warp_copy_row_multi(dst_x, dests, x + static_cast<int64_t>(t) * a.row_bytes, a.row_bytes, a.unit);
+    if (a.row2_bytes > 0) {
+      warp_copy_row_multi(dst_x2, dests, x2 + static_cast<int64_t>(t) * a.row2_bytes, a.row2_bytes, a.unit2);
     }
     if (routing) {
       for (gpu::lane_mask_t m = dests; m; m &= m - 1) {
@@ -107,19 +98,13 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
         const int64_t slot = static_cast<int64_t>(s_offset[r]) + pos;
         bool far = false;
         if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
-        // Remote rank: MY address of the symmetric buffers, the puts below name the rank.
-        int32_t* recv_idx = (far ? tr.local(a.recv_topk_idx) : tr.peer(a.recv_topk_idx, r)) + slot * K;
-        float* recv_w = (far ? tr.local(a.recv_topk_weights) : tr.peer(a.recv_topk_weights, r)) + slot * K;
+        int32_t* recv_idx = copy_of(tr, a.recv_topk_idx, r, far) + slot * K;
+        float* recv_w = copy_of(tr, a.recv_topk_weights, r, far) + slot * K;
         for (int k = lane; k < K; k += gpu::kWarpSize) {
           const int e = idx32[static_cast<int64_t>(t) * K + k];
           const bool mine = e >= 0 && e / L == r;
-          if (!far) {
-            recv_idx[k] = mine ? e - r * L : -1;
-            recv_w[k] = mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f;
-          } else if constexpr (Tr::kHasRemote) {
-            tr.put_i32(recv_idx + k, mine ? e - r * L : -1, r);
-            tr.put_f32(recv_w + k, mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f, r);
-          }
+          recv_idx[k] = mine ? e - r * L : -1;
+          recv_w[k] = mine ? weights[static_cast<int64_t>(t) * K + k] : 0.0f;
           if (mine) atomicAdd(&s_delivered[e], 1);
         }
       }
@@ -149,21 +134,43 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       if (s_delivered[e] == 0) continue;
-      if constexpr (Tr::kHasRemote) {
-        if (tr.is_remote(e / L)) {  // remote receiver: an atomic add through the transport
-          tr.atomic_add_i32(&tr.workspace(me)->expert_counter[e % L], s_delivered[e], e / L);
-          continue;
-        }
+      bool far = false;
+      if constexpr (Tr::kHasRemote) far = tr.is_remote(e / L);
+      if (far) {
+        atomicAdd(&my_ws->sent_expert[e], s_delivered[e]);  // put to the receiver at the end barrier
+      } else {
+        gpu::add_relaxed_sys(&tr.workspace(e / L)->expert_counter[e % L], s_delivered[e]);
       }
-      gpu::add_relaxed_sys(&tr.workspace(e / L)->expert_counter[e % L], s_delivered[e]);
     }
   }
-  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false) || blockIdx.x != 0) return;
+  if constexpr (Tr::kHasRemote) {
+    if (any_remote && blockIdx.x == 0) remote_send_rows(tr, send_pos, s_offset, T, C, s_rows);
+  }
+  // The thread that signals remote rank r puts my rows there first: each region's block of rows
+  // (slots [s_offset[r], + s_rows[r]), staged in my mirror for r) and my pairs for its experts.
+  const auto puts = [&](int r) {
+    if constexpr (Tr::kHasRemote) {
+      const int64_t first = s_offset[r], rows = s_rows[r];
+      put_rows(tr, tr.local(a.recv_x), a.row_bytes, first, rows, r);
+      if (a.row2_bytes > 0) put_rows(tr, tr.local(a.recv_x2), a.row2_bytes, first, rows, r);
+      if (routing) {
+        put_rows(tr, tr.local(a.recv_topk_idx), K * 4, first, rows, r);
+        put_rows(tr, tr.local(a.recv_topk_weights), K * 4, first, rows, r);
+        tr.put_block(&my_ws->remote_expert[me * kMaxLocalExperts], &my_ws->sent_expert[r * L], L * sizeof(int32_t), r);
+      }
+    }
+  };
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false, puts) || blockIdx.x != 0) return;
 
   if (routing) {
     const int align = a.expert_alignment;
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      const int n = gpu::load_acquire_sys(&my_ws->expert_counter[l]);
+      int n = gpu::load_acquire_sys(&my_ws->expert_counter[l]);
+      if constexpr (Tr::kHasRemote) {
+        for (int r = 0; r < R && any_remote; ++r) {
+          if (tr.is_remote(r)) n += my_ws->remote_expert[r * kMaxLocalExperts + l];
+        }
+      }
       tr.local(a.num_recv_tokens_per_expert)[l] = (n + align - 1) / align * align;
     }
   }

@@ -14,7 +14,7 @@
 // independent loads per lane in flight for each copy.
 // Barriers: start (every rank's y is complete), end (peers finished reading my y).
 //
-// Remote ranks (a transport with kHasRemote: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
+// Remote ranks (a transport with kHasGets: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
 // warp GETS each chunk of a copy's row into its stage in the transport's symmetric scratch and reads
 // it from there, and gets g_recv_topk_weights one value at a time; the sum is the same, in the same
 // order (bitwise unchanged). On p2p and nccl_dev those branches compile away.
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
   const int num_packs = H / Vec;
   constexpr int kChunk = gpu::kWarpSize * kEMPacks;  // packs per work item
   Pack* stage = nullptr;  // remote path: this warp's area of the transport's scratch
-  if constexpr (Tr::kHasRemote) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
+  if constexpr (Tr::kHasGets) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
   const int chunks = num_packs > 0 ? (num_packs + kChunk - 1) / kChunk : 1;  // H = 0: still one item (g_w)
 
   for (int64_t item = first_warp; item < static_cast<int64_t>(T) * chunks; item += all_warps) {
@@ -82,11 +82,11 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
         const int r = e / L, l = e - r * L;
         const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
         bool far = false;
-        if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+        if constexpr (Tr::kHasGets) far = tr.is_remote(r);
         const Pack* y = nullptr;
         if (!far) {
           y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row);
-        } else if constexpr (Tr::kHasRemote) {
+        } else if constexpr (Tr::kHasGets) {
           const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
           y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);
         }
@@ -132,10 +132,10 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
           const int r = e / L;
           const int64_t at = static_cast<int64_t>(e - r * L) * C + slot;
           bool far = false;
-          if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+          if constexpr (Tr::kHasGets) far = tr.is_remote(r);
           if (!far) {
             g = tr.peer(a.g_recv_topk_weights, r)[at];
-          } else if constexpr (Tr::kHasRemote) {
+          } else if constexpr (Tr::kHasGets) {
             g = tr.get_f32(tr.local(a.g_recv_topk_weights) + at, r);
           }
         }

@@ -14,7 +14,7 @@
 // Barriers: start (receivers done with earlier users of the buffers; their y is complete), end
 // (every row has arrived, and peers finished reading my y). No host synchronisation.
 //
-// Remote receivers (a transport with kHasRemote: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1):
+// Remote receivers (a transport with kHasGets: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1):
 // dispatch PUTS the row, the scales row and the slot's routing entries; combine_bwd computes each
 // chunk of the g_y row into the warp's stage in the transport's symmetric scratch and puts it from
 // there (quieted before the stage is rewritten), reading y's chunk with a get. The values and the
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispa
     const int64_t row = static_cast<int64_t>(l) * C + slot;
     const int64_t t = i / K;
     bool far = false;
-    if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+    if constexpr (Tr::kHasGets) far = tr.is_remote(r);
     if (!far) {
       warp_copy_row(tr.peer(a.recv_x, r) + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
       if (a.row2_bytes > 0) {
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispa
         tr.peer(a.recv_topk_idx, r)[row] = l;
         tr.peer(a.recv_topk_weights, r)[row] = weights[i];
       }
-    } else if constexpr (Tr::kHasRemote) {  // MY addresses of the symmetric buffers; the end barrier quiets
+    } else if constexpr (Tr::kHasGets) {  // MY addresses of the symmetric buffers; the end barrier quiets
       tr.put_warp(tr.local(a.recv_x) + row * a.row_bytes, x + t * a.row_bytes, static_cast<size_t>(a.row_bytes), r);
       if (a.row2_bytes > 0) {
         tr.put_warp(tr.local(a.recv_x2) + row * a.row2_bytes, x2 + t * a.row2_bytes,
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
   const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
   const int num_packs = H / Vec;
   Pack* stage = nullptr;  // remote path: this warp's area of the transport's scratch
-  if constexpr (Tr::kHasRemote) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
+  if constexpr (Tr::kHasGets) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
   constexpr int kChunk = gpu::kWarpSize * kPacks;  // packs per remote chunk: at most kCombineChunkBytes
 
   const int64_t n = static_cast<int64_t>(T) * K;
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
     const float w = weights[i];
     const Pack* g = reinterpret_cast<const Pack*>(g_out + (i / K) * H);
     bool far = false;
-    if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+    if constexpr (Tr::kHasGets) far = tr.is_remote(r);
     float dot = 0.0f;
     if (!far) {
       Pack* dst = reinterpret_cast<Pack*>(static_cast<Scalar*>(tr.peer(a.g_y, r)) + row);
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
       for (int p = lane; p < num_packs; p += gpu::kWarpSize) {
         dot = scale_pack<Scalar, Vec>(g[p], w, dst + p, y != nullptr ? y + p : nullptr, dot);
       }
-    } else if constexpr (Tr::kHasRemote) {
+    } else if constexpr (Tr::kHasGets) {
       // Chunks of whole warps of packs: each lane meets the same packs in the same order as above.
       Scalar* dst = static_cast<Scalar*>(tr.local(a.g_y)) + row;  // MY address of r's row
       const Pack* y_mine =

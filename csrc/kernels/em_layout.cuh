@@ -39,10 +39,10 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
   for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) {
     const int r = static_cast<int>(j / E), e = static_cast<int>(j % E);
     bool remote = false;
-    if constexpr (Tr::kHasRemote) remote = tr.is_remote(r);
+    if constexpr (Tr::kHasGets) remote = tr.is_remote(r);
     if (!remote) {
       tr.workspace(r)->expert_counts[me * E + e] = per_expert[e];
-    } else if constexpr (Tr::kHasRemote) {  // same offset in r's workspace; the barrier quiets the puts
+    } else if constexpr (Tr::kHasGets) {  // same offset in r's workspace; the barrier quiets the puts
       tr.put_i32(&tr.workspace(me)->expert_counts[me * E + e], per_expert[e], r);
     }
   }

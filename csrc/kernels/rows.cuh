@@ -102,7 +102,48 @@ OMNIEP_DEVICE void warp_zero_row(void* dst, int64_t bytes, int unit) {
   }
 }
 
-// Remote path (a transport with kHasRemote; call only inside `if constexpr (Tr::kHasRemote)`): the
+// ---- remote path of the rank-major kernels (call only inside `if constexpr (Tr::kHasRemote)`) ----
+
+// Rank r's copy of the symmetric buffer `a` as this rank reaches it: through r's pointer, or (a
+// remote peer) my mirror for r, where rows bound for r are staged and rows from r arrive.
+template <typename Tr, typename T>
+OMNIEP_DEVICE T* copy_of(const Tr& tr, const PerRank<T>& a, int r, bool remote) {
+  if constexpr (Tr::kHasRemote) {
+    if (remote) return tr.mirror(tr.local(a), r);
+  }
+  return tr.peer(a, r);
+}
+
+// Block 0, every thread: s_rows[r] = how many of my rows remote rank r keeps. send_pos is an ordered
+// prefix count, so I send r (largest entry of column r) + 1 rows, kept up to r's capacity C from my
+// first slot there, first[r]. 0 for the other ranks.
+template <typename Tr>
+__device__ void remote_send_rows(const Tr& tr, const int32_t* send_pos, const int* first, int T, int C, int* s_rows) {
+  const int R = tr.num_ranks();
+  if (static_cast<int>(threadIdx.x) < R) s_rows[threadIdx.x] = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * R; i += blockDim.x) {
+    const int r = static_cast<int>(i % R);
+    if (tr.is_remote(r) && send_pos[i] >= 0) atomicMax(&s_rows[r], send_pos[i] + 1);
+  }
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    const int room = C - first[r] > 0 ? C - first[r] : 0;
+    s_rows[r] = s_rows[r] < room ? s_rows[r] : room;
+  }
+  __syncthreads();
+}
+
+// Puts rows [first, first + rows) of the symmetric region at my address `base` (rows of `row_bytes`)
+// from my mirror for rank r into r's copy of the region (one thread; non-blocking).
+template <typename Tr, typename T>
+OMNIEP_DEVICE void put_rows(const Tr& tr, T* base, int64_t row_bytes, int64_t first, int64_t rows, int r) {
+  uint8_t* dst = reinterpret_cast<uint8_t*>(base) + first * row_bytes;
+  tr.put_block(dst, tr.mirror(dst, r), static_cast<size_t>(rows * row_bytes), r);
+}
+
+// Expert-major remote path (a transport with kHasGets; call only inside `if constexpr (Tr::kHasGets)`): the
 // whole warp GETS packs [base, base + n) of peer r's copy of a symmetric row (`mine`: MY address of
 // it) into `stage` (this warp's area of the transport's symmetric scratch) and returns a pointer
 // indexable by pack number p in [base, base + n). Blocking: the packs are there when it returns.

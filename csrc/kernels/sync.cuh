@@ -7,8 +7,12 @@
 //      signals[me] in s's workspace) and waits until its own signals[s] reaches expected[s] + 1;
 //   3. block 0 bumps the rank's `release` generation; the other blocks (if they must wait) spin on it.
 // Release cumulativity carries every block's writes (to local or peer memory) to the peers that
-// acquire the signal. On a transport with a remote path every thread first completes its own puts
-// (quiet), and a remote peer is signalled with the transport's signal op (signal_peer).
+// acquire the signal. A remote peer (omniep/transport.h) is signalled with the transport's signal
+// op, by the thread that first issued this barrier's puts to it (the `puts` hook: rows the blocks
+// staged in the mirror before arriving), so the peer sees the rows once it sees the signal; that
+// thread then waits until its puts have read their sources (quiet), which the rank may rewrite
+// after the barrier. On a transport with one-sided gets and atomics (the expert-major kernels'
+// remote path, kHasGets) every thread first completes its own puts and atomics (quiet).
 // Every wait has a timeout; the first failure is written into the rank's ErrorRecord (naming the
 // rank, the peer and the phase) and from then on the rank skips its work
 // and waits, so a missing peer turns into an error, never into a hang.
@@ -38,46 +42,67 @@ OMNIEP_DEVICE void record_error(RankWorkspace* ws, int32_t code, int rank, int p
 }
 
 // Add 1 to signals[me] in `peer`'s workspace: a release add through its pointer, or, for a peer the
-// transport reaches only by puts (remote path), a signal op after a fence. Either way whatever this
-// rank wrote to the peer before (ordered to this thread by the barrier; remote puts were completed
-// by each issuing thread's quiet() at the top of rank_barrier) is visible once the peer sees it.
+// transport reaches only by puts (remote path), the transport's signal op, ordered after this
+// thread's puts to the peer. Either way whatever this rank wrote to the peer before (ordered to this
+// thread by the barrier) is visible once the peer sees it.
 template <typename Tr>
 OMNIEP_DEVICE void signal_peer(const Tr& tr, int peer, int me) {
+  gpu::fence_acq_rel_sys();
   if constexpr (Tr::kHasRemote) {
     if (tr.is_remote(peer)) {
-      gpu::fence_acq_rel_sys();
-      tr.signal_add(&tr.workspace(me)->signals[me], uint64_t{1}, peer);  // my address, PE `peer`'s copy
+      tr.signal_remote(peer);
       return;
     }
   }
-  gpu::fence_acq_rel_sys();
   gpu::add_release_sys(&tr.workspace(peer)->signals[me], uint64_t{1});
 }
 
-// Poll `*counter` until it reaches `target` (compared as a signed difference so the counter may
+// Poll `load()` until it reaches `target` (compared as a signed difference so the counter may
 // wrap). Returns false on timeout.
-template <typename U>
-OMNIEP_DEVICE bool wait_at_least(const U* counter, U target, uint64_t timeout_ns) {
+template <typename U, typename Load>
+OMNIEP_DEVICE bool wait_for(Load load, U target, uint64_t timeout_ns) {
   using S = typename std::conditional<sizeof(U) == 8, int64_t, int32_t>::type;
-  if (static_cast<S>(gpu::load_acquire_sys(counter) - target) >= 0) return true;
+  if (static_cast<S>(load() - target) >= 0) return true;
   const uint64_t start = gpu::global_timer_ns();
   while (true) {
-    if (static_cast<S>(gpu::load_acquire_sys(counter) - target) >= 0) return true;
+    if (static_cast<S>(load() - target) >= 0) return true;
     if (gpu::global_timer_ns() - start > timeout_ns) return false;
   }
 }
 
+template <typename U>
+OMNIEP_DEVICE bool wait_at_least(const U* counter, U target, uint64_t timeout_ns) {
+  return wait_for([counter] { return gpu::load_acquire_sys(counter); }, target, timeout_ns);
+}
+
+// My count of the barriers peer s has signalled: my workspace's counter, or the transport's for a
+// remote peer (GIN keeps its signals outside window memory).
+template <typename Tr>
+OMNIEP_DEVICE uint64_t signals_from(const Tr& tr, const RankWorkspace* ws, int s) {
+  if constexpr (Tr::kHasRemote) {
+    if (tr.is_remote(s)) return tr.remote_signals(ws, s);
+  }
+  return gpu::load_acquire_sys(&ws->signals[s]);
+}
+
+// The default `puts` hook of rank_barrier: nothing to send.
+struct NoPuts {
+  OMNIEP_DEVICE void operator()(int) const {}
+};
+
 // The barrier described above. `all_wait`: every block leaves only after the peers signalled
 // (use before reading peer data); otherwise only block 0 waits for the peers (use at the end of a
 // kernel: the kernel completes only when block 0 does). Returns false if this rank is in error.
-// Must be called by every thread of every block of the rank.
-template <typename Tr>
-__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
+// `puts(peer)`: called for each REMOTE peer by the thread that signals it, after every block arrived
+// and before the signal (the barrier's bulk puts to that peer). Must be called by every thread of
+// every block of the rank.
+template <typename Tr, typename Puts = NoPuts>
+__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{}) {
   __shared__ int s_ok;
   __shared__ uint32_t s_gen;
   const int me = tr.rank();
   RankWorkspace* ws = tr.workspace(me);
-  if constexpr (Tr::kHasRemote) {
+  if constexpr (Tr::kHasGets) {
     if (tr.any_remote()) tr.quiet();  // this thread's puts / atomics to remote peers have landed
   }
   __syncthreads();
@@ -102,10 +127,16 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
     const int R = tr.num_ranks();
     if (s_ok && static_cast<int>(threadIdx.x) < R) {
       const int peer = threadIdx.x;
+      bool far = false;
+      if constexpr (Tr::kHasRemote) far = tr.is_remote(peer);
+      if (far) puts(peer);
       signal_peer(tr, peer, me);
+      if constexpr (Tr::kHasRemote) {
+        if (far) tr.quiet();  // my puts have read their sources: the rank may rewrite them afterwards
+      }
       const uint64_t target = ws->expected[peer] + 1;
       ws->expected[peer] = target;
-      if (!wait_at_least(&ws->signals[peer], target, tr.timeout_ns())) {
+      if (!wait_for([&] { return signals_from(tr, ws, peer); }, target, tr.timeout_ns())) {
         record_error(ws, kErrPeerTimeout, me, peer, phase);
         s_ok = 0;  // benign race: every writer stores 0
       }
@@ -126,6 +157,17 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait) {
   }
   __syncthreads();
   return s_ok != 0;
+}
+
+// One thread: zero the transport's counters of signals from remote peers (after a reset of the
+// workspace; GIN keeps them outside it).
+template <typename Tr>
+__global__ void reset_remote_signals_kernel(Tr tr) {
+  if constexpr (Tr::kHasRemote) {
+    for (int s = 0; s < tr.num_ranks(); ++s) {
+      if (tr.is_remote(s)) tr.reset_remote_signals(s);
+    }
+  }
 }
 
 // A bare barrier over the group, one block per rank: on return of the kernel every rank has reached

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "capi/omniep.h"
+#include "omniep/transport.h"  // phase_name
 
 namespace py = pybind11;
 
@@ -166,17 +167,6 @@ omniep_em_combine_bwd_args em_combine_bwd_args(const py::dict& d) {
 #undef PTR
 #undef I32
 
-const char* phase_name(int phase) {
-  switch (phase) {
-    case 1: return "prepare (count exchange)";
-    case 2: return "prepare (end)";
-    case 3: return "dispatch (start)";
-    case 4: return "dispatch (end)";
-    case 5: return "combine (start)";
-    case 6: return "combine (end)";
-    default: return "communication";
-  }
-}
 
 class Group {
  public:
@@ -219,7 +209,7 @@ class Group {
       if (e.code == OMNIEP_ERROR_NONE) continue;
       py::object cls = py::module_::import("omniep.ep_core.errors").attr("PeerTimeoutError");
       const char* what = e.code == OMNIEP_ERROR_LOCAL_TIMEOUT ? "barrier of its own blocks (not co-resident?)"
-                                                              : phase_name(e.phase);
+                                                              : omniep::phase_name(e.phase);
       py::object peer = e.peer < 0 ? py::object(py::none()) : py::object(py::int_(e.peer));
       py::object exc = cls(e.rank, peer,
                            static_cast<double>(timeout_ns_) * 1e-9, std::string(what));

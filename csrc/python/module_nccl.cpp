@@ -23,7 +23,7 @@ using omniep::NcclLocalGroup;
 using omniep::NcclRank;
 
 PYBIND11_MODULE(_native_nccl, m) {
-  m.doc() = "omniep native core over the NCCL device API (LSA windows; GIN compiled, not run)";
+  m.doc() = "omniep native core over the NCCL device API (LSA windows; GIN for other peers, not run on a network)";
   m.attr("MAX_RANKS") = omniep::kMaxRanks;
   m.attr("BUILD_NCCL_VERSION") = NCCL_VERSION_CODE;
   m.def("nccl_version", &NcclRank::runtime_version, "ncclGetVersion of the libnccl this module loaded.");
@@ -40,6 +40,7 @@ PYBIND11_MODULE(_native_nccl, m) {
            "Over an existing communicator (address of a ncclComm_t, e.g. a torch NCCL process group's), "
            "which stays its owner's.")
       .def_property_readonly("device", &NcclRank::device)
+      .def_property_readonly("remote_mask", &NcclRank::remote_mask, "Bit r: peer r is reached through GIN.")
       .def("allocate_data", &NcclRank::allocate_data, "Collective: re-allocate and register the data window.");
   omniep_py::bind_rank_ops(c);
 

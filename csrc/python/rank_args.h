@@ -234,18 +234,6 @@ omniep::EMCombineBwdArgs em_combine_bwd_args(const G& g, const py::dict& d) {
   return a;
 }
 
-inline const char* phase_name(int phase) {
-  switch (phase) {
-    case 1: return "prepare (count exchange)";
-    case 2: return "prepare (end)";
-    case 3: return "dispatch (start)";
-    case 4: return "dispatch (end)";
-    case 5: return "combine (start)";
-    case 6: return "combine (end)";
-    case 7: return "barrier";
-    default: return "communication";
-  }
-}
 
 // The methods every one-rank-per-process class shares (IpcRank, NvshmemRank, NcclRank): ops, errors, buffer.
 template <typename G>
@@ -294,7 +282,7 @@ void bind_rank_ops(py::class_<G>& c) {
             const auto e = g.read_error();
             if (e.code == omniep::kErrNone) return;
             py::object cls = py::module_::import("omniep.ep_core.errors").attr("PeerTimeoutError");
-            const char* what = e.code == omniep::kErrLocalTimeout ? "barrier of its own blocks" : phase_name(e.phase);
+            const char* what = e.code == omniep::kErrLocalTimeout ? "barrier of its own blocks" : omniep::phase_name(e.phase);
             py::object peer = e.peer < 0 ? py::object(py::none()) : py::object(py::int_(e.peer));
             py::object exc = cls(e.rank, peer, static_cast<double>(g.timeout_ns()) * 1e-9, std::string(what));
             PyErr_SetObject(cls.ptr(), exc.ptr());

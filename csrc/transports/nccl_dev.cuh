@@ -13,11 +13,14 @@
 //                   the LSA pointers, the same timeouts and ErrorRecord. (The NCCL LSA barrier is not
 //                   used: it has no timeout, and a missing peer must become an error, not a hang.)
 //
-// GIN (GPU-initiated networking, peers outside the LSA team): gin_put_warp() / gin_signal_add() /
-// gin_signal_value() below are compiled against ncclGin and selected (`gin` true) when the team has
-// non-LSA peers. They have NOT run anywhere: the machines we test on have no network cards, and
-// today's kernels move rows only with stores through peer(). The host refuses a group with non-LSA
-// peers until kernels that call these hooks exist.
+// GIN (GPU-initiated networking) serves the peers outside the LSA team (other nodes; every peer with
+// OMNIEP_FORCE_REMOTE=1): bit r of `remote_mask`. For them the kernels take the remote path of
+// omniep/transport.h: put_block / put_i32 become ncclGin put / putValue on context 0 of the world
+// team (window + offset of MY addresses: the workspace, the data buffer, or the mirrors, all
+// registered), signal_remote is an ncclGin signal add on GIN signal `me` of the peer (signal s counts
+// the barriers of source s, read by remote_signals), quiet is ncclGin flush. GIN has no gets and no
+// remote atomics on window memory (kHasGets false): expert-major ops with remote peers are refused on
+// the host. THIS PATH HAS NOT RUN ON A NETWORK: our GPU machines have no NICs (see NcclRank).
 // Launches run one rank per process or per device (gridDim.y == 1).
 #pragma once
 
@@ -33,11 +36,8 @@ namespace omniep {
 inline constexpr int kMinNcclVersion = 22800;
 
 struct NcclDevTransport {
-  // Kernels' remote branches (`if constexpr (Tr::kHasRemote)`: put_i32, get_warp, atomic_add_i32, ...
-  // on MY address of a symmetric buffer) assume NVSHMEM's one-sided model. GIN has window-to-window
-  // puts and dedicated signals, but no gets and no remote atomics on window memory, so nccl_dev does
-  // not claim that contract: its remote branches compile away, and the GIN hooks below are its own.
-  static constexpr bool kHasRemote = false;
+  static constexpr bool kHasRemote = true;  // GIN peers (remote_mask); a pure LSA team tests one bit
+  static constexpr bool kHasGets = false;
 
   int me;           // my EP rank == my rank in the NCCL communicator
   int group_size;   // R == communicator size
@@ -46,8 +46,11 @@ struct NcclDevTransport {
   ncclWindow_t ws_window;             // the workspace, registered symmetric
   ncclWindow_t data_window;           // the data buffer, registered symmetric (null before allocation)
   const char* data_base;              // my local address of data_window's offset 0
-  int gin;                            // 1: some peer is outside the LSA team (GIN hooks below)
-  ncclDevComm dev_comm;               // for GIN contexts and signals
+  uint32_t remote_mask;               // bit r: peer r is outside the LSA team, reached through GIN
+  ncclWindow_t mirror_window;         // the mirrors (remote peers only), registered symmetric
+  char* mirrors;                      // R x data_bytes: the data buffer's layout once per rank
+  int64_t data_bytes;
+  ncclDevComm dev_comm;               // GIN contexts and signals
 
   OMNIEP_DEVICE int rank() const { return me; }
   OMNIEP_DEVICE int num_ranks() const { return group_size; }
@@ -67,44 +70,61 @@ struct NcclDevTransport {
     if (r == me) return workspaces.p[me];
     return static_cast<RankWorkspace*>(ncclGetPeerPointer(ws_window, 0, r));
   }
-  OMNIEP_DEVICE bool is_remote(int) const { return false; }  // the host admits LSA peers only
 
-  // ---- GIN path (peers outside the LSA team); compiled, never run here, no kernel calls it yet ----
-  // Window and offset of my address `p` inside the workspace or the data buffer.
+  // ---- remote path over GIN (omniep/transport.h); compiled, NOT run on a network here ----
+  OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
+  OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
+  template <typename T>
+  OMNIEP_DEVICE T* mirror(T* p, int r) const {
+    return reinterpret_cast<T*>(mirrors + r * data_bytes + (reinterpret_cast<const char*>(p) - data_base));
+  }
+  // Window and offset of my address `p` inside the workspace, the data buffer or the mirrors.
   OMNIEP_DEVICE void window_of(const void* p, ncclWindow_t* win, size_t* offset) const {
     const char* c = static_cast<const char*>(p);
     const char* ws = reinterpret_cast<const char*>(workspaces.p[me]);
     if (c >= ws && c < ws + sizeof(RankWorkspace)) {
       *win = ws_window;
       *offset = c - ws;
+    } else if (c >= mirrors && c < mirrors + group_size * data_bytes) {
+      *win = mirror_window;
+      *offset = c - mirrors;
     } else {
       *win = data_window;
       *offset = c - data_base;
     }
   }
-  // The whole warp copies `bytes` from my symmetric `src` (in the workspace or the data buffer: GIN
-  // reads only registered memory) to rank r's copy of my symmetric `dst`. Non-blocking; lane 0 posts it.
-  OMNIEP_DEVICE void gin_put_warp(void* dst, const void* src, size_t bytes, int r) const {
-    if ((threadIdx.x & (gpu::kWarpSize - 1)) == 0) {
-      ncclWindow_t dst_win, src_win;
-      size_t dst_off, src_off;
-      window_of(dst, &dst_win, &dst_off);
-      window_of(src, &src_win, &src_off);
-      ncclGin net{dev_comm, 0};
-      net.put(ncclTeamWorld(dev_comm), r, dst_win, dst_off, src_win, src_off, bytes);
-    }
-    __syncwarp();
-  }
-  // Adds `v` to rank r's GIN signal number `index` after my earlier puts to r on this context
-  // (GIN orders a signal after the payloads before it). Signals are GIN's, not workspace memory:
-  // a wait reads them with gin_signal_value().
-  OMNIEP_DEVICE void gin_signal_add(uint32_t index, uint64_t v, int r) const {
+  OMNIEP_DEVICE void put_block(void* dst, const void* src, size_t bytes, int r) const {
+    if (bytes == 0) return;
+    ncclWindow_t dst_win, src_win;
+    size_t dst_off, src_off;
+    window_of(dst, &dst_win, &dst_off);
+    window_of(src, &src_win, &src_off);
     ncclGin net{dev_comm, 0};
-    net.signal(ncclTeamWorld(dev_comm), r, ncclGin_SignalAdd{index, v});
+    net.put(ncclTeamWorld(dev_comm), r, dst_win, dst_off, src_win, src_off, bytes);
   }
-  OMNIEP_DEVICE uint64_t gin_signal_value(uint32_t index) const {
+  OMNIEP_DEVICE void put_i32(int32_t* dst, int32_t v, int r) const {
+    ncclWindow_t win;
+    size_t off;
+    window_of(dst, &win, &off);
     ncclGin net{dev_comm, 0};
-    return net.readSignal(index);
+    net.putValue(ncclTeamWorld(dev_comm), r, win, off, v);
+  }
+  // GIN orders a signal after this context's earlier puts to the same peer.
+  OMNIEP_DEVICE void signal_remote(int r) const {
+    ncclGin net{dev_comm, 0};
+    net.signal(ncclTeamWorld(dev_comm), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(me), uint64_t{1}});
+  }
+  OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace*, int s) const {
+    ncclGin net{dev_comm, 0};
+    return net.readSignal(static_cast<ncclGinSignal_t>(s));
+  }
+  OMNIEP_DEVICE void reset_remote_signals(int s) const {
+    ncclGin net{dev_comm, 0};
+    net.resetSignal(static_cast<ncclGinSignal_t>(s));
+  }
+  OMNIEP_DEVICE void quiet() const {
+    ncclGin net{dev_comm, 0};
+    net.flush(ncclCoopThread{});
   }
 };
 

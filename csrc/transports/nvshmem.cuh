@@ -5,8 +5,9 @@
 // A PerRank<T> table needs only entry [me]: my address of a SYMMETRIC buffer (same offset in every
 // PE's heap). peer(a, r) asks NVSHMEM for PE r's copy (nvshmem_ptr) and is only used for peers whose
 // bit in `remote_mask` is clear; for the others the kernels (csrc/kernels, `if constexpr
-// (Tr::kHasRemote)` branches) pass MY address of the symmetric buffer plus the PE to the put / get /
-// signal operations below. The choice is per peer and made at run time by the host (NvshmemRank
+// (Tr::kHasRemote)` branches) pass MY address of the symmetric buffer plus the PE to the put /
+// signal operations below (the expert-major kernels also to the gets and atomics: kHasGets). The
+// rank-major kernels stage rows for remote peers in `mirrors` (omniep/transport.h). The choice is per peer and made at run time by the host (NvshmemRank
 // fills remote_mask). Launches run one rank per process (gridDim.y == 1).
 // Builds only with nvcc -rdc=true and the nvidia-nvshmem wheel (cmake/nvshmem.cmake).
 #pragma once
@@ -21,14 +22,18 @@ namespace omniep {
 
 struct NvshmemTransport {
   static constexpr bool kHasRemote = true;
+  static constexpr bool kHasGets = true;  // the expert-major kernels' one-sided ops below
 
   int me;           // my PE == my EP rank
   int group_size;   // R == number of PEs
   uint64_t wait_timeout_ns;
   PerRank<RankWorkspace> workspaces;  // entry [me]: my symmetric workspace
   uint32_t remote_mask;  // bit r: peer r is reached by puts / gets / signals, never by loads/stores
-  uint8_t* scratch;      // symmetric staging area of the remote path (combine gets rows into it)
+  uint8_t* scratch;      // symmetric staging area of the expert-major remote path (gets land there)
   int64_t scratch_bytes;
+  const uint8_t* data_base;  // my data buffer (symmetric)
+  uint8_t* mirrors;          // symmetric, R x data_bytes: the data buffer's layout once per rank
+  int64_t data_bytes;
 
   OMNIEP_DEVICE int rank() const { return me; }
   OMNIEP_DEVICE int num_ranks() const { return group_size; }
@@ -42,15 +47,32 @@ struct NvshmemTransport {
   }
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const { return peer(workspaces, r); }
 
-  // ---- remote path: `dst` / `src` on the peer side are MY addresses of symmetric buffers ----
-  OMNIEP_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
-  OMNIEP_DEVICE bool any_remote() const { return remote_mask != 0; }
+  // ---- remote path (omniep/transport.h): peer-side addresses are MY addresses of symmetric buffers ----
+  OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
+  OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
+  template <typename T>
+  OMNIEP_DEVICE T* mirror(T* p, int r) const {
+    return reinterpret_cast<T*>(mirrors + r * data_bytes + (reinterpret_cast<const uint8_t*>(p) - data_base));
+  }
+  OMNIEP_DEVICE void put_block(void* dst, const void* src, size_t bytes, int r) const {
+    if (bytes > 0) nvshmem_putmem_nbi(dst, src, bytes, r);
+  }
+  OMNIEP_DEVICE void put_i32(int32_t* dst, int32_t v, int r) const { nvshmem_int32_p(dst, v, r); }
+  OMNIEP_DEVICE void signal_remote(int r) const {
+    nvshmem_fence();  // my puts to r before the signal
+    nvshmemx_signal_op(&workspaces.p[me]->signals[me], uint64_t{1}, NVSHMEM_SIGNAL_ADD, r);
+  }
+  OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace* ws, int s) const {
+    return gpu::load_acquire_sys(&ws->signals[s]);
+  }
+  // Signals from remote PEs are workspace memory: the host's reset zeroes them.
+  OMNIEP_DEVICE void reset_remote_signals(int) const {}
+  // ---- one-sided ops of the expert-major kernels (kHasGets) ----
   // The whole warp copies `bytes` from local `src` into PE r's copy of symmetric `dst`, non-blocking
   // (complete after quiet()).
   OMNIEP_DEVICE void put_warp(void* dst, const void* src, size_t bytes, int r) const {
     nvshmemx_putmem_nbi_warp(dst, src, bytes, r);
   }
-  OMNIEP_DEVICE void put_i32(int32_t* dst, int32_t v, int r) const { nvshmem_int32_p(dst, v, r); }
   OMNIEP_DEVICE void put_f32(float* dst, float v, int r) const { nvshmem_float_p(dst, v, r); }
   OMNIEP_DEVICE void atomic_add_i32(int32_t* dst, int32_t v, int r) const { nvshmem_int_atomic_add(dst, v, r); }
   // The whole warp copies `bytes` of PE r's copy of symmetric `src` into local symmetric `dst`;
@@ -61,11 +83,6 @@ struct NvshmemTransport {
   OMNIEP_DEVICE float get_f32(const float* src, int r) const { return nvshmem_float_g(src, r); }
   // Completes this thread's outstanding puts and atomics (to every PE).
   OMNIEP_DEVICE void quiet() const { nvshmem_quiet(); }
-  // Orders my earlier puts to PE r before adding `v` to PE r's copy of symmetric `signal`.
-  OMNIEP_DEVICE void signal_add(uint64_t* signal, uint64_t v, int r) const {
-    nvshmem_fence();
-    nvshmemx_signal_op(signal, v, NVSHMEM_SIGNAL_ADD, r);
-  }
 };
 
 }  // namespace omniep

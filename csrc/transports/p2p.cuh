@@ -18,6 +18,7 @@ struct P2PTransport {
   // Every peer is reached by loads/stores: no put path, so kernels compile their remote branches out
   // (`if constexpr (Tr::kHasRemote)`) and p2p code generation is what it was before that path existed.
   static constexpr bool kHasRemote = false;
+  static constexpr bool kHasGets = false;
 
   int first_rank;   // rank of blockIdx.y == 0
   int group_size;   // R

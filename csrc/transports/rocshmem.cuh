@@ -29,14 +29,18 @@ namespace omniep {
 
 struct RocshmemTransport {
   static constexpr bool kHasRemote = true;
+  static constexpr bool kHasGets = true;  // the expert-major kernels' one-sided ops below
 
   int me;           // my PE == my EP rank
   int group_size;   // R == number of PEs
   uint64_t wait_timeout_ns;
   PerRank<RankWorkspace> workspaces;  // entry [me]: my symmetric workspace (rocshmem_malloc)
   uint32_t remote_mask;  // bit r: peer r is reached by puts / gets / signals, never by loads/stores
-  uint8_t* scratch;      // symmetric staging area of the remote path
+  uint8_t* scratch;      // symmetric staging area of the expert-major remote path
   int64_t scratch_bytes;
+  const uint8_t* data_base;  // my data buffer (symmetric)
+  uint8_t* mirrors;          // symmetric, R x data_bytes: the data buffer's layout once per rank
+  int64_t data_bytes;
 
   OMNIEP_DEVICE int rank() const { return me; }
   OMNIEP_DEVICE int num_ranks() const { return group_size; }
@@ -51,8 +55,27 @@ struct RocshmemTransport {
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const { return peer(workspaces, r); }
 
   // ---- remote path: `dst` / `src` on the peer side are MY addresses of symmetric buffers ----
-  OMNIEP_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
-  OMNIEP_DEVICE bool any_remote() const { return remote_mask != 0; }
+  OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
+  OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
+  template <typename T>
+  OMNIEP_DEVICE T* mirror(T* p, int r) const {
+    return reinterpret_cast<T*>(mirrors + r * data_bytes + (reinterpret_cast<const uint8_t*>(p) - data_base));
+  }
+  OMNIEP_DEVICE void put_block(void* dst, const void* src, size_t bytes, int r) const {
+    if (bytes > 0) rocshmem::rocshmem_putmem_nbi(dst, src, bytes, r);
+  }
+  // After my puts to PE r: a zero-byte put with a signal add on signals[me] of r's workspace.
+  OMNIEP_DEVICE void signal_remote(int r) const {
+    uint64_t* signal = &workspaces.p[me]->signals[me];
+    rocshmem::rocshmem_fence();
+    rocshmem::rocshmem_putmem_signal_nbi(signal, signal, 0, signal, uint64_t{1}, rocshmem::ROCSHMEM_SIGNAL_ADD, r);
+  }
+  OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace* ws, int s) const {
+    return gpu::load_acquire_sys(&ws->signals[s]);
+  }
+  // Signals from remote PEs are workspace memory: the host's reset zeroes them.
+  OMNIEP_DEVICE void reset_remote_signals(int) const {}
+  // ---- one-sided ops of the expert-major kernels (kHasGets) ----
   // The whole wavefront copies `bytes` from local `src` into PE r's copy of symmetric `dst`,
   // non-blocking (complete after quiet()); all 64 lanes pass the same arguments.
   OMNIEP_DEVICE void put_warp(void* dst, const void* src, size_t bytes, int r) const {
@@ -72,12 +95,6 @@ struct RocshmemTransport {
   }
   // Completes this thread's outstanding puts and atomics (to every PE).
   OMNIEP_DEVICE void quiet() const { rocshmem::rocshmem_quiet(); }
-  // Orders my earlier puts to PE r before adding `v` to PE r's copy of symmetric `signal` (a
-  // zero-byte put with a signal: rocSHMEM's documented put-with-signal op).
-  OMNIEP_DEVICE void signal_add(uint64_t* signal, uint64_t v, int r) const {
-    rocshmem::rocshmem_fence();
-    rocshmem::rocshmem_putmem_signal_nbi(signal, signal, 0, signal, v, rocshmem::ROCSHMEM_SIGNAL_ADD, r);
-  }
 };
 
 }  // namespace omniep

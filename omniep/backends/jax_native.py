@@ -52,7 +52,8 @@ class KvExchange:
 
 
 _PHASES = {1: "prepare (count exchange)", 2: "prepare (end)", 3: "dispatch (start)",
-           4: "dispatch (end)", 5: "combine (start)", 6: "combine (end)"}  # csrc transport.h Phase
+           4: "dispatch (end)", 5: "combine (start)", 6: "combine (end)", 7: "barrier",
+           8: "combine (remote rows)"}  # csrc/include/omniep/transport.h phase_name
 
 
 def raise_for_error(record: tuple, timeout_s: float) -> None:

@@ -124,24 +124,26 @@ def assert_results(res: dict, exp: dict, job: dict, r: int, what: str, autograd:
 
 
 def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False, pg_backend: str = "gloo",
-                timeout_job: bool = True) -> tuple:
+                timeout_job: bool = True, layouts: tuple = LAYOUTS) -> tuple:
     """Run every job on ``world`` processes (one per GPU if ``per_gpu``, else all on GPU 0) with
     ``env`` (``OMNIEP_BACKEND`` and transport variables) in a ``pg_backend`` process group (gloo, or
     nccl with one GPU per rank). Returns ``(world, jobs, results)``. ``on_cpu``: CPU tensors and no
     missing-peer job (the suite itself checked against a backend that serves CPU tensors:
-    ``collective``); ``timeout_job=False``: no missing-peer job either."""
+    ``collective``); ``timeout_job=False``: no missing-peer job either. ``layouts``: the layouts whose
+    cases run (a transport may serve only some: GIN has no expert-major path)."""
     from .mp_workers import native_session
 
     n = 12 if world == 2 else 4
-    cases = draw_cases(world, n) + edge_cases(world)
-    jobs = dict(frontend=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
+    cases = [c for c in draw_cases(world, n) + edge_cases(world) if c.layout in layouts]
+    jobs = dict(layouts=tuple(layouts), frontend=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
     statics = [c for c in cases if c.capacity is not None]
     statics.append(make_case(40, num_ranks=world, num_experts=world, num_topk=2, hidden=16, num_tokens=6,
                              skew="one_rank", capacity=5, dtype="float16"))  # overflows: rows dropped
     statics.append(make_case(41, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=16, num_tokens=6,
                              skew="one_expert", capacity=3, dtype="bfloat16", layout=EM))  # copies dropped
+    statics = [c for c in statics if c.layout in layouts]
     jobs["backend"] = [make_job(c, 100 + i, 1) for i, c in enumerate(statics)]
-    jobs["golden"] = golden_jobs(world)
+    jobs["golden"] = [j for j in golden_jobs(world) if j["case"].layout in layouts]
     jobs["timeout"] = [] if on_cpu or not timeout_job else [dict(case=make_case(50, num_ranks=world, num_experts=2 * world, num_topk=2,
                                                              hidden=8, num_tokens=4, capacity=4 * world),
                                               silent=world - 1)]
@@ -173,7 +175,7 @@ def check_backend_static_capacity(session) -> None:
     (expert-major) dropped and counted; fp8 dispatched again with the completed handle moves the same
     bytes."""
     world, jobs, results = session
-    dropped = {layout: 0 for layout in LAYOUTS}
+    dropped = {layout: 0 for layout in jobs["layouts"]}
     for i, job in enumerate(jobs["backend"]):
         exp = expected(job)
         for r in range(world):
@@ -190,7 +192,7 @@ def check_backend_static_capacity(session) -> None:
 def check_golden_vectors(session) -> None:
     """The golden vectors of both layouts, through the backend and (where nothing overflows) the frontend."""
     world, jobs, results = session
-    assert {job["case"].layout for job in jobs["golden"]} == set(LAYOUTS), f"golden files for {world} ranks"
+    assert {job["case"].layout for job in jobs["golden"]} == set(jobs["layouts"]), f"golden files for {world} ranks"
     n_front, n_back = len(jobs["frontend"]), len(jobs["backend"])
     for g_i, job in enumerate(jobs["golden"]):
         want = golden.load(golden.GOLDEN_DIR / f"{job['name']}.npz").expected

@@ -4,9 +4,10 @@
 layout, same copies, the kernels of ``csrc/kernels`` unchanged) on an :class:`NcclRank` whose NCCL
 communicator is the torch NCCL process group's own when there is one, else made from rank 0's
 ``ncclUniqueId`` all-gathered through ``torch.distributed`` (gloo); the workspace and data buffer are
-``ncclMemAlloc`` memory registered as symmetric NCCL windows. Peers must be in the LSA team (NVLink, one node); the
-native constructor refuses anything else (GIN is compiled but no kernel uses it yet). Growing the
-data buffer and destroying the state are collective, as for NVSHMEM.
+``ncclMemAlloc`` memory registered as symmetric NCCL windows. Peers in the LSA team (NVLink, one node)
+are reached by loads and stores; the others (``remote_mask``) through GIN puts and signals (rank-major
+ops only; not run on a network here). Growing the data buffer and destroying the state are
+collective, as for NVSHMEM.
 """
 
 from __future__ import annotations

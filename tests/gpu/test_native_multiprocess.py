@@ -8,8 +8,9 @@ through the backend (rows dropped and counted), the rank-major golden vectors, a
 arrives (PeerTimeoutError naming it). With ``omniep._native_nvshmem`` built, every session repeats
 over the NVSHMEM transport (``OMNIEP_TRANSPORT=nvshmem``: nvshmem_ptr loads/stores) and once more with
 ``OMNIEP_FORCE_REMOTE=1`` (``nvshmem_remote``: every peer, even on the same GPU, through the internode
-path: warp puts of rows and routing + signals in dispatch and the count exchange, warp gets into a
-staging area in combine), bit for bit against the same reference. The backend checks, in every rank,
+path: rank-major rows staged in the mirrors and put as one block per peer before the signal, combine's
+rows put back by the expert ranks; expert-major warp puts and gets), bit for bit against the same
+reference. The backend checks, in every rank,
 that the NVSHMEM rank really treats every peer as remote.
 """
 

@@ -8,8 +8,11 @@ backend, the rank-major golden vectors, a peer that never arrives) with ``OMNIEP
 the kernels of csrc/kernels over the nccl_dev transport (NCCL windows, LSA pointers).
 The cases and checks are :mod:`omniep.native.mp_suite`'s, shared with that module.
 A second session runs the same jobs in a torch NCCL process group, whose communicator nccl_ep then
-reuses (its windows and devComm registered on torch's ncclComm). A third test drives both GPUs from ONE process (NcclLocalGroup, grouped NCCL init): a bare barrier
-on both ranks, then no recorded error.
+reuses (its windows and devComm registered on torch's ncclComm). A third test drives both GPUs from
+ONE process (NcclLocalGroup, grouped NCCL init): a bare barrier on both ranks, then no recorded error.
+A fourth sends every peer through GIN (``OMNIEP_FORCE_REMOTE=1``): where NCCL has a GIN-capable network
+the session's cases run bit for bit over GIN puts and signals; where it has none (our machines: no
+NICs) the ranks must refuse to start, naming GIN, before any kernel runs.
 """
 
 from __future__ import annotations
@@ -82,3 +85,27 @@ def test_single_process_local_group_barrier():
     group.allocate_data(1 << 21)
     assert all(group.rank(i).data_bytes >= 1 << 21 for i in range(2))
     del group
+
+
+def test_force_remote_takes_the_gin_path(monkeypatch):
+    """OMNIEP_FORCE_REMOTE=1: every peer is outside the load/store path, so the ranks ask NCCL for GIN."""
+    import omniep._native_nccl as native
+
+    monkeypatch.setenv("OMNIEP_FORCE_REMOTE", "1")
+    try:
+        group = native.NcclLocalGroup([0, 1], int(10e9))
+    except RuntimeError as exc:  # no GIN-capable network: refused before any kernel, naming GIN
+        assert "GIN" in str(exc), exc
+        return
+    assert [group.rank(i).remote_mask for i in range(2)] == [0b10, 0b01]
+    streams = [torch.cuda.Stream(device=d) for d in (0, 1)]
+    for i in range(2):
+        group.rank(i).barrier(int(streams[i].cuda_stream))  # signals through GIN
+    for i in range(2):
+        assert group.rank(i).error() == (0, 0, 0, 0), group.rank(i).error()
+    del group
+    gin = mp_suite.run_session(WORLD, True, {"OMNIEP_BACKEND": "nccl_ep", "OMNIEP_FORCE_REMOTE": "1"},
+                               timeout_job=False, layouts=(mp_suite.RM,))  # GIN: rank-major only
+    mp_suite.check_frontend_cases(gin)
+    mp_suite.check_backend_static_capacity(gin)
+    mp_suite.check_golden_vectors(gin)

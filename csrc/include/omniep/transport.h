@@ -13,18 +13,38 @@
 //   RankWorkspace* Tr::workspace(int r) const  rank r's workspace, reachable like a peer buffer
 //   uint64_t Tr::timeout_ns() const  how long a wait on a peer may take before it is an error
 //   static constexpr bool Tr::kHasRemote   whether some peer may lack a load/store path
-//   bool Tr::is_remote(int r) const        peer r is reached by puts / gets / signals only
+//   bool Tr::is_remote(int r) const        peer r is reached by puts and signals only
 //
-// Transports with kHasRemote (nvshmem) also provide the remote path that kernels use, inside
-// `if constexpr (Tr::kHasRemote)` branches, for peers with is_remote(r): put_warp, put_i32, put_f32,
-// atomic_add_i32, get_warp, get_f32, quiet, signal_add, any_remote() and a symmetric `scratch`
-// staging area (transports/nvshmem.cuh). Peer-side addresses there are MY address of the symmetric
-// buffer plus the peer's rank. p2p has kHasRemote = false: those branches compile away.
+// The remote path (transports with kHasRemote: nvshmem, nccl_dev's GIN, rocshmem), inside
+// `if constexpr (Tr::kHasRemote)` branches, for peers with is_remote(r). Peer-side addresses are MY
+// address of the symmetric buffer plus the peer's rank. Every operation is issued by ONE thread, and
+// that thread's later signal to the same peer is ordered after its puts (NVSHMEM fence, GIN's
+// per-context order), so a peer that sees the signal sees the data:
+//   any_remote()                          some peer is remote (host and device)
+//   put_block(dst, src, bytes, r)         non-blocking put of `bytes` from my symmetric `src` (GIN
+//                                         reads only registered memory) to r's copy of `dst`
+//   put_i32(dst, v, r)                    a 4-byte value put
+//   signal_remote(r)                      after my puts to r: adds 1 to r's signal counter of source me
+//   remote_signals(ws, s)                 my counter of signals from remote peer s (a load, or GIN's)
+//   reset_remote_signals(s)               zero that counter (after the host zeroed the workspace)
+//   quiet()                               my puts have read their sources (they may be reused)
+//   mirror(p, r)                          MY copy of data-buffer address p reserved for peer r: the
+//                                         data buffer's layout repeated once per rank (R x its size),
+//                                         where rows bound to / coming back from remote peer r wait
+// The rank-major kernels need only these: dispatch stages rows for remote peers in the mirror and puts
+// each peer's rows as one block at the end barrier; combine has the expert ranks put the rows back
+// into the sources' mirrors (kernels/dispatch.cuh, kernels/combine.cuh).
+// The expert-major kernels still use NVSHMEM's one-sided model (kHasGets): put_warp, put_f32,
+// atomic_add_i32, get_warp, get_f32 and a symmetric `scratch` staging area (transports/nvshmem.cuh).
+// Transports without them (nccl_dev: GIN has no gets and no remote atomics) refuse expert-major ops
+// with remote peers on the host.
+// p2p has kHasRemote = false: those branches compile away.
 //
 // Signals and waits (kernels/sync.cuh) are built on these: a signal is a system-scope release add
-// on a counter in the PEER's workspace (a remote peer: a signal op after quiet + fence); a wait polls the local counter with acquire loads until it
-// reaches the expected count, or writes an ErrorRecord and gives up. Counters only grow, so no
-// reset is needed between calls (CUDA-graph safe: nothing on the host changes per call).
+// on a counter in the PEER's workspace (a remote peer: signal_remote); a wait polls the local counter
+// with acquire loads until it reaches the expected count, or writes an ErrorRecord and gives up.
+// Counters only grow, so no reset is needed between calls (CUDA-graph safe: nothing on the host
+// changes per call).
 #pragma once
 
 #include <stdint.h>
@@ -61,7 +81,23 @@ enum Phase : int32_t {
   kPhaseCombineStart = 5,
   kPhaseCombineDone = 6,
   kPhaseBarrier = 7,  // a bare barrier over the group (barrier_kernel: benchmarks align ranks with it)
+  kPhaseCombinePush = 8,  // combine's remote path: expert ranks put rows back to remote sources
 };
+
+// The phase as error messages name it (omniep/backends/jax_native.py keeps the same names).
+inline const char* phase_name(int phase) {
+  switch (phase) {
+    case kPhaseLayoutExchange: return "prepare (count exchange)";
+    case kPhaseLayoutDone: return "prepare (end)";
+    case kPhaseDispatchStart: return "dispatch (start)";
+    case kPhaseDispatchDone: return "dispatch (end)";
+    case kPhaseCombineStart: return "combine (start)";
+    case kPhaseCombineDone: return "combine (end)";
+    case kPhaseBarrier: return "barrier";
+    case kPhaseCombinePush: return "combine (remote rows)";
+    default: return "communication";
+  }
+}
 
 // The first error a rank hit. Sticky: once `code` is set the rank's kernels skip all work and all
 // waits until the host resets the workspace (its counters no longer agree with the peers').
@@ -86,6 +122,10 @@ struct alignas(128) RankWorkspace {
   // expert e (E = num_experts), the whole [R, E] matrix: every source writes its row into every
   // rank's workspace, so each rank reads what it needs locally (1 MiB at the largest R and E).
   int32_t expert_counts[kMaxRanks * kMaxExperts];
+  // Remote path of the rank-major kernels (kernels/dispatch.cuh, combine.cuh):
+  int32_t sent_expert[kMaxExperts];  // dispatch: my (token, k) pairs delivered to remote experts (mine only)
+  int32_t remote_expert[kMaxRanks * kMaxLocalExperts];  // [s * kMaxLocalExperts + l]: remote s's pairs for l
+  int32_t push_rows[kMaxRanks * 2];  // combine: remote source s's rows here are [push_rows[2s], + push_rows[2s+1])
 };
 
 }  // namespace omniep

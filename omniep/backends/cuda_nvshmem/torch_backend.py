@@ -162,21 +162,25 @@ class CudaNvshmemTorch(ExpertMajorTorch, TorchGroupBackend):
         return IpcRankState(self.group, timeout_s=timeout)
 
     def _nvshmem_state(self, timeout: float):
-        """The NVSHMEM rank state. Every rank must agree on OMNIEP_FORCE_REMOTE (the remote path's
-        symmetric scratch is allocated collectively); with it, every peer must be remote."""
-        import torch.distributed as dist
-
         from ...native.ipc_rank import NvshmemRankState
+
+        return self._remote_checked(lambda: NvshmemRankState(self.group, timeout_s=timeout))
+
+    def _remote_checked(self, make):
+        """``make()``'s rank state (NVSHMEM, or NCCL with GIN) after checking that every rank agrees on
+        OMNIEP_FORCE_REMOTE (the remote path's symmetric areas are allocated collectively); with it,
+        every peer must be remote. The state's ``remote_mask`` says which peers take the put path."""
+        import torch.distributed as dist
 
         forced = [None] * self.world
         dist.all_gather_object(forced, force_remote(), group=self.group)
         if len(set(forced)) != 1:
             raise InputError(f"OMNIEP_FORCE_REMOTE=1 must be set on every rank or none (per rank: {forced})")
-        st = NvshmemRankState(self.group, timeout_s=timeout)
+        st = make()
         mask = int(st._g().remote_mask)
         if forced[0] and mask != ((1 << self.world) - 1) & ~(1 << self.rank):
             st.destroy()
-            raise RuntimeError(f"OMNIEP_FORCE_REMOTE=1 but the NVSHMEM rank reports remote peers {mask:#x}")
+            raise RuntimeError(f"OMNIEP_FORCE_REMOTE=1 but the native rank reports remote peers {mask:#x}")
         st.remote_mask = mask
         return st
 

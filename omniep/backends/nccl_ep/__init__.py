@@ -1,9 +1,10 @@
 """``nccl_ep``: the native kernels (csrc/kernels, unchanged) over the NCCL device API (NCCL >= 2.28).
 
 Transport ``nccl_dev`` (csrc/transports/nccl_dev.cuh): symmetric NCCL windows, LSA pointers for peers
-on NVLink, the barriers and timeouts of the shared kernels. GIN put/signal hooks for peers off the
-LSA team are compiled but have not run on a network here (no NICs on our machines) and no kernel
-uses them yet, so a group with such peers is refused. Optional module ``omniep._native_nccl``, built
+on NVLink, the barriers and timeouts of the shared kernels. Peers off the LSA team (other nodes, or
+every peer with ``OMNIEP_FORCE_REMOTE=1``) take the kernels' remote path over GIN (puts from
+registered memory and GIN signals; rank-major layout only: GIN has no gets). That path is compiled
+and selected for such peers but has NOT run on a network here (no NICs on our machines). Optional module ``omniep._native_nccl``, built
 with ``OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON`` from the
 ``nvidia-nccl-cu13`` wheel. NCCL refuses two ranks on one GPU: this backend needs a GPU per rank.
 """
@@ -19,6 +20,12 @@ BUILD_HINT = "OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIE
 
 def version_string(code: int) -> str:
     return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+def transport_summary(mod) -> str:
+    """What the loaded module runs over, for availability reasons and ``omniep info``."""
+    return (f"NCCL {version_string(mod.nccl_version())} device API (LSA peers over NVLink; peers off NVLink "
+            f"through GIN puts + signals, compiled and selected for them but NOT run on a network here)")
 
 
 def _wheel_nccl() -> tuple[Optional[str], Optional[int], bool]:

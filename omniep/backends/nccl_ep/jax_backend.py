@@ -23,7 +23,7 @@ from ...ep_core.errors import UnsupportedError
 from ...ep_core.types import Availability
 from ..cuda_nvshmem.jax_backend import CudaNvshmemJax, jax_gpu_reason
 from ..jax_native import kv_client
-from . import native_reason, version_string
+from . import native_reason, transport_summary
 from .jax_state import NcclJaxState
 
 
@@ -47,8 +47,7 @@ class NcclEpJax(CudaNvshmemJax):
         why = jax_gpu_reason()
         if why:
             return Availability(False, why)
-        nccl = (f"NCCL {version_string(mod.nccl_version())} device API (LSA peers over NVLink; GIN compiled, "
-                f"not run on a network here)")
+        nccl = transport_summary(mod)
         if _single_controller():
             return Availability(True, f"native kernels over the {nccl}, one process driving its "
                                       f"{jax.local_device_count()} GPUs")

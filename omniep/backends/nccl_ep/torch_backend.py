@@ -5,7 +5,9 @@ handles, same buffer layout, same kernels; results bit for bit :mod:`omniep.ep_c
 the per-group native state differs: an :class:`~omniep.native.nccl_rank.NcclRankState`, whose NCCL
 communicator is made from a unique id all-gathered through ``torch.distributed``. One state per
 ``(group, device)`` lives for the life of the process (created collectively at the group's first call).
-Both layouts (rank-major and expert-major). Peers must be on NVLink (the LSA team); the GIN path has not run.
+Both layouts (rank-major and expert-major) among peers on NVLink (the LSA team). Peers outside it (or
+every peer with ``OMNIEP_FORCE_REMOTE=1`` on every rank) are reached through GIN puts and signals, for
+the rank-major layout only; that path has not run on a network here (no NICs on our machines).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
 from ..cuda_nvshmem.torch_backend import MIN_CC, CudaNvshmemTorch
-from . import native_reason, version_string
+from . import native_reason, transport_summary
 
 _STATES: dict = {}  # (group_name, device index) -> NcclRankState
 
@@ -49,8 +51,7 @@ class NcclEpTorch(CudaNvshmemTorch):
 
         if not dist.is_available():
             return Availability(False, "torch was built without torch.distributed")
-        return Availability(True, f"native kernels over the NCCL {version_string(mod.nccl_version())} device API "
-                                  f"(LSA peers over NVLink; GIN compiled, not run on a network here)")
+        return Availability(True, f"native kernels over the {transport_summary(mod)}")
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -63,4 +64,4 @@ class NcclEpTorch(CudaNvshmemTorch):
     def _new_state(self, timeout: float):
         from ...native.nccl_rank import NcclRankState
 
-        return NcclRankState(self.group, timeout_s=timeout)
+        return self._remote_checked(lambda: NcclRankState(self.group, timeout_s=timeout))
