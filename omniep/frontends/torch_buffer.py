@@ -258,6 +258,8 @@ def quantize_fp8(x: torch.Tensor, block: int = 128) -> tuple:
     if H % block:
         raise InputError(f"use_fp8 needs hidden % {block} == 0, got {H}")
     xf = x.to(torch.float32).reshape(T, H // block, block)
-    scales = xf.abs().amax(dim=-1).clamp(min=1e-4) / 448.0
+    # Divide by a tensor: on CUDA torch turns division by a Python scalar into multiplication by its
+    # reciprocal, which rounds differently from the division the contract (and NumPy) does.
+    scales = xf.abs().amax(dim=-1).clamp(min=1e-4) / torch.full((), 448.0, device=x.device)
     x8 = (xf / scales.unsqueeze(-1)).reshape(T, H).to(torch.float8_e4m3fn)
     return x8, scales.contiguous()
