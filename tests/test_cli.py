@@ -16,10 +16,14 @@ def test_info_lists_vendor_and_every_backend_with_reason():
     out = res.stdout
     assert "vendor: cpu" in out or "vendor: nvidia" in out or "vendor: amd" in out
     for name in ("collective", "cuda_nvshmem", "nccl_ep", "rocm_rocshmem"):
-        rows = [line for line in out.splitlines() if line.strip().startswith(name)]
+        backends = out.split("not run on the hardware it is for:")[0]
+        rows = [line for line in backends.splitlines() if line.strip().startswith(name)]
         assert len(rows) == 2, out  # one per framework
         assert all(len(line.split(None, 3)) == 4 for line in rows), rows  # a reason on every row
     assert "collective     jax    available" in out
+    untested = out.split("not run on the hardware it is for:")[1].splitlines()
+    assert any(line.split()[0] == "nccl_ep" and "GIN" in line and "NOT run on a network" in line for line in untested if line.strip())
+    assert any(line.split()[0] == "rocm_rocshmem" for line in untested if line.strip())
 
 
 def test_bench_smoke_run_writes_table_json_and_plot(tmp_path):

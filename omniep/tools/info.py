@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 from ..ep_core import registry
@@ -20,6 +21,11 @@ def info_lines() -> list[str]:
         for fw, avail in per_fw.items():
             state = "available" if avail else "unavailable"
             lines.append(f"  {name:<14} {fw:<6} {state:<12} {avail.reason}")
+    lines.append("not run on the hardware it is for:")
+    for name in registry.report():
+        note = getattr(importlib.import_module(f"omniep.backends.{name}"), "NOT_RUN", "")
+        if note:
+            lines.append(f"  {name:<14} {note}")
     return lines
 
 

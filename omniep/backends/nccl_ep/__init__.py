@@ -14,6 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Optional
 
+# What has not run on the hardware it is for (``omniep info`` prints it).
+NOT_RUN = ("GIN (peers outside the NVLink/LSA team): compiled and selected for them, refused without a "
+           "GIN-capable NIC; it has NOT run on a network here")
 MIN_NCCL = 22800  # NCCL_VERSION_CODE of 2.28.0, the first release with nccl_device.h as used here
 BUILD_HINT = "OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON"
 

@@ -7,3 +7,6 @@ transport (csrc/transports/rocshmem.cuh) is written but has no launcher or modul
 been compiled. NOTHING HERE HAS RUN ON AMD HARDWARE: the kernels and the HIP IPC launcher are
 compile-checked for gfx90a / gfx940 with Debian's hipcc 5.2.3 (scripts/check_hip_compile.sh).
 """
+
+# What has not run on the hardware it is for (``omniep info`` prints it).
+NOT_RUN = "everything: compile-checked for gfx90a / gfx940 only, never run on AMD hardware; rocSHMEM never compiled"
