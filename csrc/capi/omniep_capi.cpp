@@ -39,6 +39,18 @@ void to_per_rank(omniep::PerRank<T>& dst, const uintptr_t (&src)[OMNIEP_MAX_RANK
   for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) dst.p[r] = reinterpret_cast<T*>(src[r]);
 }
 
+// a.unit / a.unit2 of a dispatch, rank-major (DispatchArgs) or expert-major (EMDispatchArgs): a unit
+// must suit every source row (x / x2) and every destination row (recv_x / recv_x2 of all ranks), since
+// any rank's rows may land in any other's.
+template <typename A, typename C>
+void set_copy_units(A& a, const C& c) {
+  uintptr_t addrs[2 * OMNIEP_MAX_RANKS];
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x[r]; addrs[2 * r + 1] = c.recv_x[r]; }
+  a.unit = omniep::row_copy_unit(c.row_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
+  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x2[r]; addrs[2 * r + 1] = c.recv_x2[r]; }
+  a.unit2 = omniep::row_copy_unit(c.row2_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
+}
+
 void require_group(const omniep_group* g, const void* args) {
   if (g == nullptr) throw std::invalid_argument("omniep: null group (destroyed?)");
   if (args == nullptr) throw std::invalid_argument("omniep: null argument struct");
@@ -85,12 +97,7 @@ omniep::DispatchArgs convert(const omniep_dispatch_args& c) {
   a.capacity = c.capacity;
   a.expert_alignment = c.expert_alignment;
   a.with_routing = c.with_routing;
-  // The copy unit must suit every source row (x) and every destination row (recv_x of all ranks).
-  uintptr_t addrs[2 * OMNIEP_MAX_RANKS];
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x[r]; addrs[2 * r + 1] = c.recv_x[r]; }
-  a.unit = omniep::row_copy_unit(c.row_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x2[r]; addrs[2 * r + 1] = c.recv_x2[r]; }
-  a.unit2 = omniep::row_copy_unit(c.row2_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
+  set_copy_units(a, c);
   return a;
 }
 
@@ -155,12 +162,7 @@ omniep::EMDispatchArgs convert(const omniep_em_dispatch_args& c) {
   a.num_topk = c.num_topk;
   a.num_experts = c.num_experts;
   a.capacity = c.capacity;
-  // As for rank-major rows: the unit must suit every source row and every destination row.
-  uintptr_t addrs[2 * OMNIEP_MAX_RANKS];
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x[r]; addrs[2 * r + 1] = c.recv_x[r]; }
-  a.unit = omniep::row_copy_unit(c.row_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) { addrs[2 * r] = c.x2[r]; addrs[2 * r + 1] = c.recv_x2[r]; }
-  a.unit2 = omniep::row_copy_unit(c.row2_bytes, addrs, 2 * OMNIEP_MAX_RANKS);
+  set_copy_units(a, c);
   return a;
 }
 
