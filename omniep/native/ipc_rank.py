@@ -84,6 +84,15 @@ class IpcRankState(ExpertMajorOps):
         """``module``: the native module holding ``IpcRank``: ``omniep._native_mp`` (CUDA IPC) or
         ``omniep._native_hip`` (the same class built for AMD, HIP IPC; torch's ROCm build names the
         device ``cuda`` too, so nothing else here differs)."""
+        self._setup(group, timeout_s, blocks,
+                    lambda timeout_ns: importlib.import_module(module).IpcRank(self.rank, self.world, timeout_ns))
+        self._impl.open_workspaces(self._all_gather(self._impl.workspace_handle()))
+
+    def _setup(self, group, timeout_s: float, blocks: int, bootstrap) -> None:
+        """What every rank state's construction shares: the torch handles, ``group``, ``rank``, ``world``,
+        ``device`` (the current CUDA device), ``timeout_s`` and ``marks``; then ``_impl =
+        bootstrap(timeout_ns)`` (the subclass's native rank, made once ``rank`` and ``world`` are set) and
+        its block count when ``blocks`` is given."""
         import torch
         import torch.distributed as dist
 
@@ -93,12 +102,14 @@ class IpcRankState(ExpertMajorOps):
         self.world = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = float(timeout_s)
-        native = importlib.import_module(module)
-        self._impl = native.IpcRank(self.rank, self.world, int(self.timeout_s * 1e9))
+        self.marks = None  # benchmarks: a list that collects (label, CUDA event) between an op's steps
+        self._impl = bootstrap(int(self.timeout_s * 1e9))
         if blocks:
             self._impl.set_blocks(int(blocks))
-        self._impl.open_workspaces(self._all_gather(self._impl.workspace_handle()))
-        self.marks = None  # benchmarks: a list that collects (label, CUDA event) between an op's steps
+
+    def _root_unique_id(self, native):
+        """Rank 0's ``native.unique_id()``, all-gathered through ``torch.distributed`` (collective)."""
+        return self._all_gather(native.unique_id() if self.rank == 0 else None)[0]
 
     def _mark(self, label: str) -> None:
         """Record a CUDA event named ``label`` on the current stream if a benchmark asked for marks."""
@@ -130,18 +141,25 @@ class IpcRankState(ExpertMajorOps):
     def reserve(self, nbytes: int) -> None:
         """Make the data buffer at least ``nbytes`` on every rank. Collective when it grows; every rank
         passes the same ``nbytes`` (sizes derive from agreed values only)."""
-        g = self._g()
-        if nbytes <= g.data_bytes:
+        if not self._must_grow(nbytes):
             return
-        if self._torch.cuda.is_current_stream_capturing():
-            raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
-                             f"run the same call once eagerly before capturing")
+        g = self._g()
         new = grown_size(nbytes, g.data_bytes)
         self._torch.cuda.synchronize()
         g.close_peer_data()
         self._all_gather(None)  # nobody maps anyone's old buffer any more
         g.allocate_data(new)
         g.open_data(self._all_gather(g.data_handle()))
+
+    def _must_grow(self, nbytes: int) -> bool:
+        """Whether the data buffer is smaller than ``nbytes``; raises InputError when it is and a CUDA
+        graph is being captured (growing synchronises with the host)."""
+        if nbytes <= self._g().data_bytes:
+            return False
+        if self._torch.cuda.is_current_stream_capturing():
+            raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
+                             f"run the same call once eagerly before capturing")
+        return True
 
     def barrier(self) -> None:
         """A bare device-side barrier over the group on the current stream (collective, in op order).
@@ -321,21 +339,11 @@ class NvshmemRankState(IpcRankState):
 peer with ``OMNIEP_FORCE_REMOTE=1``) take the kernels' put + signal path."""
 
     def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0):
-        import torch
-        import torch.distributed as dist
+        def bootstrap(timeout_ns: int):
+            native = importlib.import_module("omniep._native_nvshmem")
+            return native.NvshmemRank(self.rank, self.world, self._root_unique_id(native), timeout_ns)
 
-        self._torch, self._dist = torch, dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout_s = float(timeout_s)
-        native = importlib.import_module("omniep._native_nvshmem")
-        uid = self._all_gather(native.unique_id() if self.rank == 0 else None)[0]
-        self._impl = native.NvshmemRank(self.rank, self.world, uid, int(self.timeout_s * 1e9))
-        self.marks = None
-        if blocks:
-            self._impl.set_blocks(int(blocks))
+        self._setup(group, timeout_s, blocks, bootstrap)
 
     def destroy(self) -> None:
         if self._impl is not None:
@@ -343,10 +351,7 @@ peer with ``OMNIEP_FORCE_REMOTE=1``) take the kernels' put + signal path."""
             self._impl = None  # the destructor frees (collectively) and finalises NVSHMEM
 
     def reserve(self, nbytes: int) -> None:
-        g = self._g()
-        if nbytes <= g.data_bytes:
+        if not self._must_grow(nbytes):
             return
-        if self._torch.cuda.is_current_stream_capturing():
-            raise InputError(f"the native buffer must grow to {nbytes} bytes during CUDA graph capture; "
-                             f"run the same call once eagerly before capturing")
+        g = self._g()
         g.allocate_data(grown_size(nbytes, g.data_bytes))  # collective inside (nvshmem_malloc)

@@ -51,25 +51,14 @@ class NcclRankState(NvshmemRankState):
     the bootstrap differs."""
 
     def __init__(self, group, *, timeout_s: float = 30.0, blocks: int = 0, reuse_group: bool = True):
-        import torch
-        import torch.distributed as dist
-
-        self._torch, self._dist = torch, dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.timeout_s = float(timeout_s)
-        native = importlib.import_module("omniep._native_nccl")
-        comm = torch_group_comm(group) if reuse_group else 0
-        # Every rank must take the same road (both are collective): agree on it.
-        if all(self._all_gather(bool(comm))):
-            self.comm_source = "torch process group"
-            self._impl = native.NcclRank(comm, int(self.timeout_s * 1e9))
-        else:
+        def bootstrap(timeout_ns: int):
+            native = importlib.import_module("omniep._native_nccl")
+            comm = torch_group_comm(group) if reuse_group else 0
+            # Every rank must take the same road (both are collective): agree on it.
+            if all(self._all_gather(bool(comm))):
+                self.comm_source = "torch process group"
+                return native.NcclRank(comm, timeout_ns)
             self.comm_source = "own"
-            uid = self._all_gather(native.unique_id() if self.rank == 0 else None)[0]
-            self._impl = native.NcclRank(self.rank, self.world, uid, int(self.timeout_s * 1e9))
-        self.marks = None
-        if blocks:
-            self._impl.set_blocks(int(blocks))
+            return native.NcclRank(self.rank, self.world, self._root_unique_id(native), timeout_ns)
+
+        self._setup(group, timeout_s, blocks, bootstrap)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
+from ...ep_core.types import Availability
 from ..cuda_nvshmem.torch_backend import MIN_CC, CudaNvshmemTorch
 from . import native_reason, transport_summary
 
@@ -29,7 +29,8 @@ def destroy_states() -> None:
 
 
 class NcclEpTorch(CudaNvshmemTorch):
-    """prepare / dispatch / combine / backward passes for ONE rank of a group, over NCCL windows."""
+    """prepare / dispatch / combine / backward passes for ONE rank of a group, over NCCL windows.
+    ``capabilities()`` is :class:`CudaNvshmemTorch`'s (the same ops, layouts and limits)."""
 
     name = "nccl_ep"
     _states = _STATES
@@ -52,14 +53,6 @@ class NcclEpTorch(CudaNvshmemTorch):
         if not dist.is_available():
             return Availability(False, "torch was built without torch.distributed")
         return Availability(True, f"native kernels over the {transport_summary(mod)}")
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(
-            dtypes=("bfloat16", "float16", "float32"), fp8=True, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
-            max_ranks=16, intranode=True, internode=False, process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,),
-            frameworks=("torch",), cuda_graph_safe=True, hidden_multiple=1, devices=("gpu",),
-        )
 
     def _new_state(self, timeout: float):
         from ...native.nccl_rank import NcclRankState
