@@ -3,6 +3,7 @@
 #include "ffi/jax_handlers.h"
 
 #include "backends/ipc_rank.h"
+#include "ffi/jax_local_ranks_impl.h"
 #include "ffi/jax_ops.h"
 #include "ffi/jax_rank.h"
 
@@ -36,66 +37,50 @@ void JaxRank::destroy() {
   impl_.reset();  // ~IpcRank: synchronise, unmap peers, free my buffers
 }
 
+template class JaxLocalRanks<IpcRank>;
+
 JaxLocalIpcGroup::JaxLocalIpcGroup(const std::vector<int>& devices, uint64_t timeout_ns) : devices_(devices) {
   const int R = static_cast<int>(devices.size());
   int prev = 0;
   jax_ffi::check_runtime(cudaGetDevice(&prev), "cudaGetDevice");
   for (int r = 0; r < R; ++r) {
     jax_ffi::check_runtime(cudaSetDevice(devices[r]), "selecting the rank's device");
-    ranks_.push_back(std::make_unique<IpcRank>(r, R, timeout_ns));
+    owned_.push_back(std::make_unique<IpcRank>(r, R, timeout_ns));
   }
-  std::vector<IpcRank*> raw;
-  for (auto& r : ranks_) raw.push_back(r.get());
-  IpcRank::link_workspaces(raw);
-  for (int r = 0; r < R; ++r) group_.add(devices[r], ranks_[r].get());
+  for (int r = 0; r < R; ++r) add_rank(devices[r], owned_[r].get());
+  IpcRank::link_workspaces(ranks());
   jax_ffi::check_runtime(cudaSetDevice(prev), "cudaSetDevice");
 }
 
 JaxLocalIpcGroup::~JaxLocalIpcGroup() { destroy(); }
 
-void JaxLocalIpcGroup::set_blocks(int n) {
-  for (auto& r : ranks_) r->set_blocks(n);
-}
-
-void JaxLocalIpcGroup::synchronize() const {
-  for (const auto& r : ranks_) {
-    jax_ffi::check_runtime(cudaSetDevice(r->device()), "selecting the rank's device");
-    jax_ffi::check_runtime(cudaDeviceSynchronize(), "synchronising the device");
-  }
-}
-
 void JaxLocalIpcGroup::allocate_data(size_t bytes) {
-  if (!alive()) throw std::runtime_error("omniep: the cuda_nvshmem JAX state was used after destroy()");
-  synchronize();  // executables already enqueued may still use the old buffers
-  for (auto& r : ranks_) r->close_peer_data();
-  for (auto& r : ranks_) {
+  prepare_reallocation("cuda_nvshmem");
+  for (IpcRank* r : ranks()) r->close_peer_data();
+  for (IpcRank* r : ranks()) {
     jax_ffi::check_runtime(cudaSetDevice(r->device()), "selecting the rank's device");
     r->allocate_data(bytes);
   }
-  std::vector<IpcRank*> raw;
-  for (auto& r : ranks_) raw.push_back(r.get());
-  IpcRank::link_data(raw);
+  IpcRank::link_data(ranks());
 }
 
 ErrorRecord JaxLocalIpcGroup::error(int i) const {
-  if (i < 0 || i >= local_size()) throw std::out_of_range("omniep: no local rank " + std::to_string(i));
-  jax_ffi::check_runtime(cudaSetDevice(ranks_[i]->device()), "selecting the rank's device");
-  return ranks_[i]->read_error();
+  IpcRank& r = local_rank(i);
+  jax_ffi::check_runtime(cudaSetDevice(r.device()), "selecting the rank's device");
+  return r.read_error();
 }
 
 void JaxLocalIpcGroup::destroy() {
-  if (!alive()) return;
-  group_.retire();  // an executable that still names this state gets an FFI error from now on
-  synchronize();
-  for (auto& r : ranks_) {
+  if (!retire_ranks()) return;
+  for (auto& r : owned_) {
     r->close_peer_data();
     r->close_peer_workspaces();
   }
-  for (auto& r : ranks_) {  // ~IpcRank frees on the current device: make it the rank's
+  for (auto& r : owned_) {  // ~IpcRank frees on the current device: make it the rank's
     cudaSetDevice(r->device());
     r.reset();
   }
-  ranks_.clear();
+  owned_.clear();
 }
 
 }  // namespace omniep

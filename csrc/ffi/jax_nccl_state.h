@@ -16,36 +16,28 @@
 #include <vector>
 
 #include "backends/nccl_rank.h"
-#include "ffi/jax_group.h"
+#include "ffi/jax_local_ranks.h"
 
 namespace omniep {
 
-class JaxNcclState {
+extern template class JaxLocalRanks<NcclRank>;  // instantiated in ffi/jax_nccl_handlers.cpp
+
+// handle(), the accessors, set_blocks and synchronize are JaxLocalRanks' (ffi/jax_local_ranks.h).
+class JaxNcclState : public JaxLocalRanks<NcclRank> {
  public:
   JaxNcclState(const std::vector<int>& devices, uint64_t timeout_ns);
   JaxNcclState(int rank, int num_ranks, const std::string& unique_id, int device, uint64_t timeout_ns);
   ~JaxNcclState();
-  JaxNcclState(const JaxNcclState&) = delete;
-  JaxNcclState& operator=(const JaxNcclState&) = delete;
 
-  int64_t handle() const { return group_.handle(); }  // the FFI `state` attribute
-  bool alive() const { return !ranks_.empty(); }
-  int local_size() const { return static_cast<int>(ranks_.size()); }
-  NcclRank& local_rank(int i) const;  // the i-th rank of this process (EP rank order)
-  size_t data_bytes() const { return alive() ? ranks_.front()->data_bytes() : 0; }
-  void set_blocks(int n);
   // Collective over the group: waits for every local device, then re-allocates and registers every
   // local rank's data window with `bytes`.
   void allocate_data(size_t bytes);
-  void synchronize() const;  // every local device
   // Collective: synchronise, tear down devComms, windows and communicators; the object stays.
   void destroy();
 
  private:
-  std::vector<NcclRank*> ranks_;          // local ranks in EP rank order (owned below)
   std::unique_ptr<NcclLocalGroup> local_;  // single-controller
   std::unique_ptr<NcclRank> single_;       // one process per GPU
-  JaxGroup<NcclRank> group_;
 };
 
 }  // namespace omniep

@@ -20,8 +20,11 @@
 
 #include "backends/ipc_rank.h"
 #include "ffi/jax_group.h"
+#include "ffi/jax_local_ranks.h"
 
 namespace omniep {
+
+extern template class JaxLocalRanks<IpcRank>;  // instantiated in ffi/jax_handlers.cpp
 
 class JaxRank {
  public:
@@ -54,31 +57,22 @@ class JaxRank {
 // JaxLocalIpcGroup: every rank of a cuda_nvshmem JAX EP group, all in THIS process (single-controller
 // jit(shard_map) over the local GPUs): rank i on devices[i], the peers' buffers reached through their
 // device pointers with peer access enabled (IpcRank::link_*: the p2p transport in one process, no IPC
-// handles). handle() is a JaxGroup keyed by device, like JaxNcclState's, and the Python side treats
-// both alike (omniep/backends/jax_native.py LocalJaxState).
-class JaxLocalIpcGroup {
+// handles). handle(), the accessors, set_blocks and synchronize are JaxLocalRanks' (ffi/jax_local_ranks.h),
+// like JaxNcclState's.
+class JaxLocalIpcGroup : public JaxLocalRanks<IpcRank> {
  public:
   JaxLocalIpcGroup(const std::vector<int>& devices, uint64_t timeout_ns);
   ~JaxLocalIpcGroup();
-  JaxLocalIpcGroup(const JaxLocalIpcGroup&) = delete;
-  JaxLocalIpcGroup& operator=(const JaxLocalIpcGroup&) = delete;
 
-  int64_t handle() const { return group_.handle(); }  // the FFI `state` attribute
-  bool alive() const { return !ranks_.empty(); }
-  int local_size() const { return static_cast<int>(ranks_.size()); }
-  size_t data_bytes() const { return alive() ? ranks_.front()->data_bytes() : 0; }
-  void set_blocks(int n);
   // Waits for every device, then re-allocates every rank's data buffer with `bytes` and links them.
   void allocate_data(size_t bytes);
-  void synchronize() const;  // every device
   ErrorRecord error(int i) const;  // rank i's record; synchronises its device
   // Synchronise, free every rank's buffers; the object stays (stale executables get an FFI error).
   void destroy();
 
  private:
   std::vector<int> devices_;
-  std::vector<std::unique_ptr<IpcRank>> ranks_;
-  JaxGroup<IpcRank> group_;
+  std::vector<std::unique_ptr<IpcRank>> owned_;  // the ranks, in EP rank order
 };
 
 }  // namespace omniep
