@@ -301,10 +301,10 @@ NcclDevTransport NcclRank::transport() const {
   tr.workspaces.p[rank_] = workspace_;
   tr.ws_window = ws_window_;
   tr.data_window = data_window_;
-  tr.data_base = static_cast<const char*>(data_);
+  tr.data_base = static_cast<const uint8_t*>(data_);
   tr.remote_mask = remote_mask_;
   tr.mirror_window = mirror_window_;
-  tr.mirrors = static_cast<char*>(mirrors_);
+  tr.mirrors = static_cast<uint8_t*>(mirrors_);
   tr.data_bytes = static_cast<int64_t>(data_bytes_);
   tr.dev_comm = dev_comm_->comm;
   return tr;

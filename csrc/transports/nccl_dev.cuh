@@ -28,6 +28,7 @@
 #include <nccl_device.h>
 
 #include "omniep/gpu.h"
+#include "omniep/remote_transport.h"
 #include "omniep/transport.h"
 
 namespace omniep {
@@ -35,35 +36,24 @@ namespace omniep {
 // First NCCL version with the device API (LSA windows, ncclDevComm, GIN) as used here.
 inline constexpr int kMinNcclVersion = 22800;
 
-struct NcclDevTransport {
+// me == my rank in the NCCL communicator, group_size == its size; workspaces.p[me] is the base of
+// ws_window, data_base data_window's offset 0, mirrors mirror_window's; bit r of remote_mask: peer r
+// is outside the LSA team, reached through GIN.
+struct NcclDevTransport : RemoteTransportBase {
   static constexpr bool kHasRemote = true;  // GIN peers (remote_mask); a pure LSA team tests one bit
   static constexpr bool kHasGets = false;
 
-  int me;           // my EP rank == my rank in the NCCL communicator
-  int group_size;   // R == communicator size
-  uint64_t wait_timeout_ns;
-  PerRank<RankWorkspace> workspaces;  // entry [me]: my workspace (base of ws_window)
   ncclWindow_t ws_window;             // the workspace, registered symmetric
   ncclWindow_t data_window;           // the data buffer, registered symmetric (null before allocation)
-  const char* data_base;              // my local address of data_window's offset 0
-  uint32_t remote_mask;               // bit r: peer r is outside the LSA team, reached through GIN
   ncclWindow_t mirror_window;         // the mirrors (remote peers only), registered symmetric
-  char* mirrors;                      // R x data_bytes: the data buffer's layout once per rank
-  int64_t data_bytes;
   ncclDevComm dev_comm;               // GIN contexts and signals
 
-  OMNIEP_DEVICE int rank() const { return me; }
-  OMNIEP_DEVICE int num_ranks() const { return group_size; }
-  OMNIEP_DEVICE uint64_t timeout_ns() const { return wait_timeout_ns; }
-
-  template <typename T>
-  OMNIEP_DEVICE T* local(const PerRank<T>& a) const { return a.p[me]; }
   // Rank r's copy of a symmetric data-buffer address (LSA peers only; r == me: my own).
   template <typename T>
   OMNIEP_DEVICE T* peer(const PerRank<T>& a, int r) const {
     T* mine = a.p[me];
     if (r == me || mine == nullptr) return mine;
-    const size_t offset = reinterpret_cast<const char*>(mine) - data_base;
+    const size_t offset = reinterpret_cast<const uint8_t*>(mine) - data_base;
     return static_cast<T*>(ncclGetPeerPointer(data_window, offset, r));
   }
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const {
@@ -72,16 +62,10 @@ struct NcclDevTransport {
   }
 
   // ---- remote path over GIN (omniep/transport.h); compiled, NOT run on a network here ----
-  OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
-  OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
-  template <typename T>
-  OMNIEP_DEVICE T* mirror(T* p, int r) const {
-    return reinterpret_cast<T*>(mirrors + r * data_bytes + (reinterpret_cast<const char*>(p) - data_base));
-  }
   // Window and offset of my address `p` inside the workspace, the data buffer or the mirrors.
   OMNIEP_DEVICE void window_of(const void* p, ncclWindow_t* win, size_t* offset) const {
-    const char* c = static_cast<const char*>(p);
-    const char* ws = reinterpret_cast<const char*>(workspaces.p[me]);
+    const uint8_t* c = static_cast<const uint8_t*>(p);
+    const uint8_t* ws = reinterpret_cast<const uint8_t*>(workspaces.p[me]);
     if (c >= ws && c < ws + sizeof(RankWorkspace)) {
       *win = ws_window;
       *offset = c - ws;

@@ -7,8 +7,9 @@
 // bit in `remote_mask` is clear; for the others the kernels (csrc/kernels, `if constexpr
 // (Tr::kHasRemote)` branches) pass MY address of the symmetric buffer plus the PE to the put /
 // signal operations below (the expert-major kernels also to the gets and atomics: kHasGets). The
-// rank-major kernels stage rows for remote peers in `mirrors` (omniep/transport.h). The choice is per peer and made at run time by the host (NvshmemRank
-// fills remote_mask). Launches run one rank per process (gridDim.y == 1).
+// rank-major kernels stage rows for remote peers in `mirrors` (omniep/remote_transport.h). The choice
+// is per peer and made at run time by the host (NvshmemRank fills remote_mask). Launches run one rank
+// per process (gridDim.y == 1).
 // Builds only with nvcc -rdc=true and the nvidia-nvshmem wheel (cmake/nvshmem.cmake).
 #pragma once
 
@@ -16,31 +17,19 @@
 #include <nvshmemx.h>
 
 #include "omniep/gpu.h"
+#include "omniep/remote_transport.h"
 #include "omniep/transport.h"
 
 namespace omniep {
 
-struct NvshmemTransport {
+// me == my PE, group_size == the number of PEs; remote peers are reached by puts / gets / signals.
+struct NvshmemTransport : RemoteTransportBase {
   static constexpr bool kHasRemote = true;
   static constexpr bool kHasGets = true;  // the expert-major kernels' one-sided ops below
 
-  int me;           // my PE == my EP rank
-  int group_size;   // R == number of PEs
-  uint64_t wait_timeout_ns;
-  PerRank<RankWorkspace> workspaces;  // entry [me]: my symmetric workspace
-  uint32_t remote_mask;  // bit r: peer r is reached by puts / gets / signals, never by loads/stores
   uint8_t* scratch;      // symmetric staging area of the expert-major remote path (gets land there)
   int64_t scratch_bytes;
-  const uint8_t* data_base;  // my data buffer (symmetric)
-  uint8_t* mirrors;          // symmetric, R x data_bytes: the data buffer's layout once per rank
-  int64_t data_bytes;
 
-  OMNIEP_DEVICE int rank() const { return me; }
-  OMNIEP_DEVICE int num_ranks() const { return group_size; }
-  OMNIEP_DEVICE uint64_t timeout_ns() const { return wait_timeout_ns; }
-
-  template <typename T>
-  OMNIEP_DEVICE T* local(const PerRank<T>& a) const { return a.p[me]; }
   template <typename T>
   OMNIEP_DEVICE T* peer(const PerRank<T>& a, int r) const {
     return r == me ? a.p[me] : static_cast<T*>(nvshmem_ptr(const_cast<void*>(static_cast<const void*>(a.p[me])), r));
@@ -48,12 +37,6 @@ struct NvshmemTransport {
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const { return peer(workspaces, r); }
 
   // ---- remote path (omniep/transport.h): peer-side addresses are MY addresses of symmetric buffers ----
-  OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
-  OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
-  template <typename T>
-  OMNIEP_DEVICE T* mirror(T* p, int r) const {
-    return reinterpret_cast<T*>(mirrors + r * data_bytes + (reinterpret_cast<const uint8_t*>(p) - data_base));
-  }
   OMNIEP_DEVICE void put_block(void* dst, const void* src, size_t bytes, int r) const {
     if (bytes > 0) nvshmem_putmem_nbi(dst, src, bytes, r);
   }

@@ -23,31 +23,20 @@
 #include <rocshmem/rocshmem.hpp>
 
 #include "omniep/gpu.h"
+#include "omniep/remote_transport.h"
 #include "omniep/transport.h"
 
 namespace omniep {
 
-struct RocshmemTransport {
+// me == my PE, group_size == the number of PEs, workspaces / data buffer / mirrors from rocshmem_malloc;
+// remote peers are reached by puts / gets / signals.
+struct RocshmemTransport : RemoteTransportBase {
   static constexpr bool kHasRemote = true;
   static constexpr bool kHasGets = true;  // the expert-major kernels' one-sided ops below
 
-  int me;           // my PE == my EP rank
-  int group_size;   // R == number of PEs
-  uint64_t wait_timeout_ns;
-  PerRank<RankWorkspace> workspaces;  // entry [me]: my symmetric workspace (rocshmem_malloc)
-  uint32_t remote_mask;  // bit r: peer r is reached by puts / gets / signals, never by loads/stores
   uint8_t* scratch;      // symmetric staging area of the expert-major remote path
   int64_t scratch_bytes;
-  const uint8_t* data_base;  // my data buffer (symmetric)
-  uint8_t* mirrors;          // symmetric, R x data_bytes: the data buffer's layout once per rank
-  int64_t data_bytes;
 
-  OMNIEP_DEVICE int rank() const { return me; }
-  OMNIEP_DEVICE int num_ranks() const { return group_size; }
-  OMNIEP_DEVICE uint64_t timeout_ns() const { return wait_timeout_ns; }
-
-  template <typename T>
-  OMNIEP_DEVICE T* local(const PerRank<T>& a) const { return a.p[me]; }
   template <typename T>
   OMNIEP_DEVICE T* peer(const PerRank<T>& a, int r) const {
     return r == me ? a.p[me] : static_cast<T*>(rocshmem::rocshmem_ptr(static_cast<const void*>(a.p[me]), r));
@@ -55,12 +44,6 @@ struct RocshmemTransport {
   OMNIEP_DEVICE RankWorkspace* workspace(int r) const { return peer(workspaces, r); }
 
   // ---- remote path: `dst` / `src` on the peer side are MY addresses of symmetric buffers ----
-  OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
-  OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
-  template <typename T>
-  OMNIEP_DEVICE T* mirror(T* p, int r) const {
-    return reinterpret_cast<T*>(mirrors + r * data_bytes + (reinterpret_cast<const uint8_t*>(p) - data_base));
-  }
   OMNIEP_DEVICE void put_block(void* dst, const void* src, size_t bytes, int r) const {
     if (bytes > 0) rocshmem::rocshmem_putmem_nbi(dst, src, bytes, r);
   }

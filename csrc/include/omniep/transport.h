@@ -34,6 +34,9 @@
 // The rank-major kernels need only these: dispatch stages rows for remote peers in the mirror and puts
 // each peer's rows as one block at the end barrier; combine has the expert ranks put the rows back
 // into the sources' mirrors (kernels/dispatch.cuh, kernels/combine.cuh).
+// What the remote transports share (rank(), local(), is_remote, any_remote, mirror and the members
+// behind them) is written once, in RemoteTransportBase (omniep/remote_transport.h, device-aware: this
+// header stays includable by host-only C++).
 // The expert-major kernels still use NVSHMEM's one-sided model (kHasGets): put_warp, put_f32,
 // atomic_add_i32, get_warp, get_f32 and a symmetric `scratch` staging area (transports/nvshmem.cuh).
 // Transports without them (nccl_dev: GIN has no gets and no remote atomics) refuse expert-major ops
