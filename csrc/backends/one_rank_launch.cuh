@@ -124,14 +124,14 @@ class OneRankLauncher {
   }
 
  private:
-  // The expert-major kernels reach remote peers with one-sided gets and atomics (kHasGets); a
+  // The expert-major kernels reach remote peers with one-sided gets (kHasGets); a
   // transport without them (nccl_dev's GIN) cannot run them for a group with remote peers.
   template <typename Tr>
   static void require_gets(const Tr& tr, const char* what) {
     if constexpr (Tr::kHasRemote && !Tr::kHasGets) {
       if (tr.any_remote()) {
         throw std::runtime_error(std::string("omniep: ") + what + " with peers outside the load/store domain "
-                                 "needs one-sided gets and remote atomics, which GIN does not have; use the "
+                                 "needs one-sided gets, which GIN does not have; use the "
                                  "rank-major layout (dispatch / combine) for this group");
       }
     }

@@ -11,8 +11,8 @@
 // op, by the thread that first issued this barrier's puts to it (the `puts` hook: rows the blocks
 // staged in the mirror before arriving), so the peer sees the rows once it sees the signal; that
 // thread then waits until its puts have read their sources (quiet), which the rank may rewrite
-// after the barrier. On a transport with one-sided gets and atomics (the expert-major kernels'
-// remote path, kHasGets) every thread first completes its own puts and atomics (quiet).
+// after the barrier. On a transport with one-sided gets (the expert-major kernels'
+// remote path, kHasGets) every thread first completes its own puts (quiet).
 // Every wait has a timeout; the first failure is written into the rank's ErrorRecord (naming the
 // rank, the peer and the phase) and from then on the rank skips its work
 // and waits, so a missing peer turns into an error, never into a hang.

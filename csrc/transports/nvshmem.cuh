@@ -6,7 +6,7 @@
 // PE's heap). peer(a, r) asks NVSHMEM for PE r's copy (nvshmem_ptr) and is only used for peers whose
 // bit in `remote_mask` is clear; for the others the kernels (csrc/kernels, `if constexpr
 // (Tr::kHasRemote)` branches) pass MY address of the symmetric buffer plus the PE to the put /
-// signal operations below (the expert-major kernels also to the gets and atomics: kHasGets). The
+// signal operations below (the expert-major kernels also to the gets: kHasGets). The
 // rank-major kernels stage rows for remote peers in `mirrors` (omniep/remote_transport.h). The choice
 // is per peer and made at run time by the host (NvshmemRank fills remote_mask). Launches run one rank
 // per process (gridDim.y == 1).
@@ -57,7 +57,6 @@ struct NvshmemTransport : RemoteTransportBase {
     nvshmemx_putmem_nbi_warp(dst, src, bytes, r);
   }
   OMNIEP_DEVICE void put_f32(float* dst, float v, int r) const { nvshmem_float_p(dst, v, r); }
-  OMNIEP_DEVICE void atomic_add_i32(int32_t* dst, int32_t v, int r) const { nvshmem_int_atomic_add(dst, v, r); }
   // The whole warp copies `bytes` of PE r's copy of symmetric `src` into local symmetric `dst`;
   // blocking (the data is there when every lane returns).
   OMNIEP_DEVICE void get_warp(void* dst, const void* src, size_t bytes, int r) const {

@@ -66,9 +66,6 @@ struct RocshmemTransport : RemoteTransportBase {
   }
   OMNIEP_DEVICE void put_i32(int32_t* dst, int32_t v, int r) const { rocshmem::rocshmem_int_p(dst, v, r); }
   OMNIEP_DEVICE void put_f32(float* dst, float v, int r) const { rocshmem::rocshmem_float_p(dst, v, r); }
-  OMNIEP_DEVICE void atomic_add_i32(int32_t* dst, int32_t v, int r) const {
-    rocshmem::rocshmem_int_atomic_add(dst, v, r);
-  }
   // The whole wavefront copies `bytes` of PE r's copy of symmetric `src` into local `dst`; blocking.
   OMNIEP_DEVICE void get_warp(void* dst, const void* src, size_t bytes, int r) const {
     rocshmem::rocshmem_getmem_wave(dst, src, bytes, r);

@@ -38,8 +38,8 @@
 // behind them) is written once, in RemoteTransportBase (omniep/remote_transport.h, device-aware: this
 // header stays includable by host-only C++).
 // The expert-major kernels still use NVSHMEM's one-sided model (kHasGets): put_warp, put_f32,
-// atomic_add_i32, get_warp, get_f32 and a symmetric `scratch` staging area (transports/nvshmem.cuh).
-// Transports without them (nccl_dev: GIN has no gets and no remote atomics) refuse expert-major ops
+// get_warp, get_f32 and a symmetric `scratch` staging area (transports/nvshmem.cuh).
+// Transports without them (nccl_dev: GIN has no gets) refuse expert-major ops
 // with remote peers on the host.
 // p2p has kHasRemote = false: those branches compile away.
 //
