@@ -26,13 +26,5 @@ def test_case_mix_has_both_layouts(session):
     assert any(job["case"].dtype == "float8_e4m3fn" and job["case"].layout == mp_suite.EM for job in jobs["backend"])
 
 
-def test_frontend_cases_bitwise(session):
-    mp_suite.check_frontend_cases(session)
-
-
-def test_backend_static_capacity_drops_counted(session):
-    mp_suite.check_backend_static_capacity(session)
-
-
-def test_golden_vectors(session):
-    mp_suite.check_golden_vectors(session)
+class TestSession(mp_suite.SessionChecks):
+    """The session checks on ``session`` except the missing peer (the CPU session has no missing-peer job)."""

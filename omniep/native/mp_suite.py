@@ -9,7 +9,8 @@ cases and edge cases through ``omniep.torch`` (autograd included), static-capaci
 backend (rows / copies dropped and counted, fp8 rows and scales moved unchanged), the golden vectors,
 and a peer that never arrives. The ``check_*`` functions assert on its result, bit for bit against
 :mod:`omniep.ep_core.reference` (the expert-major combine's weight gradient, a dot product over H, to
-a rounding bound: :mod:`omniep.testing.bounds`).
+a rounding bound: :mod:`omniep.testing.bounds`). :class:`SessionChecks` and
+:class:`SessionChecksWithMissingPeer` are those checks as test methods, written once for every test module.
 """
 
 from __future__ import annotations
@@ -217,3 +218,31 @@ def check_missing_peer(session) -> None:
             continue
         assert res["error"] == "PeerTimeoutError" and res["peer"] == silent and res["rank"] == r, res
         assert f"peer rank {silent}" in res["message"]
+
+
+class SessionChecks:
+    """The checks every :func:`run_session` result must pass, as pytest test methods.
+
+    A test module subclasses it as ``class TestSession(mp_suite.SessionChecks)`` and provides a
+    fixture named ``session`` returning :func:`run_session`'s result; pytest collects the inherited
+    methods once per ``session`` (per parameter, if the fixture is parametrized). This base has no
+    ``Test`` prefix, so pytest collects it only through such a subclass. For sessions without the
+    missing-peer job (``on_cpu`` or ``timeout_job=False``); :class:`SessionChecksWithMissingPeer`
+    adds that check.
+    """
+
+    def test_frontend_cases_bitwise(self, session):
+        check_frontend_cases(session)
+
+    def test_backend_static_capacity_drops_counted(self, session):
+        check_backend_static_capacity(session)
+
+    def test_golden_vectors(self, session):
+        check_golden_vectors(session)
+
+
+class SessionChecksWithMissingPeer(SessionChecks):
+    """:class:`SessionChecks` plus the missing-peer check, for sessions that ran the timeout job."""
+
+    def test_missing_peer_times_out_naming_it(self, session):
+        check_missing_peer(session)

@@ -17,10 +17,9 @@ from omniep.ep_core import reference as ref
 from omniep.ep_core.errors import CapacityError
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
-from omniep.testing import torch_bits
-from omniep.testing.bounds import assert_dots_close
-from omniep.testing.torch_bits import to_numpy
-from omniep.testing.cases import case_strategy, make_case, np_dtype
+from omniep.testing.torch_bits import assert_bits_equal
+from omniep.testing.cases import case_strategy, make_case
+from omniep.testing.virtual_rank_checks import check_golden_vector, run_and_compare, to_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -32,94 +31,9 @@ _AVAIL = native.availability()
 if not _AVAIL:
     pytest.skip(f"native core unavailable: {_AVAIL.reason}", allow_module_level=True)
 
-from omniep.native.virtual_ranks import VirtualRanks  # noqa: E402
-
 EM = Layout.EXPERT_MAJOR
-_GROUPS: dict = {}
-
-
-def group(num_ranks: int) -> VirtualRanks:
-    if num_ranks not in _GROUPS:
-        _GROUPS[num_ranks] = VirtualRanks(num_ranks, timeout_s=20.0)
-    return _GROUPS[num_ranks]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_groups():
-    yield
-    for g in _GROUPS.values():
-        g.destroy()
-    _GROUPS.clear()
-
-
-# ---- numpy <-> torch, bit-exact (bf16 / fp8 through same-width integers) ----
-def to_torch(a: np.ndarray):
-    return torch_bits.to_torch(a, "cuda")
-
-
-def assert_bits_equal(got, want, what: str) -> None:
-    want = np.asarray(want)
-    got = to_numpy(got) if not isinstance(got, np.ndarray) else got
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
-    w = want.view(f"u{want.dtype.itemsize}") if want.dtype.kind in "fV" else want
-    g = got.astype(want.dtype).view(w.dtype) if want.dtype.kind in "fV" else got.astype(want.dtype)
-    bad = np.nonzero(g.reshape(-1) != w.reshape(-1))[0]
-    assert bad.size == 0, f"{what}: {bad.size} elements differ, first at flat index {bad[0]}: " \
-                          f"got {got.reshape(-1)[bad[0]]} want {want.reshape(-1)[bad[0]]}"
-
-
-def randn(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(np.float32).astype(np_dtype(dtype))
-
-
-# ---- one full round on virtual ranks vs the reference ----
-def run_and_compare(case, capacity=None, *, seed=0, num_bias=1):
-    R, E = case.num_ranks, case.num_experts
-    assert case.layout == EM
-    vr = group(R)
-    plan = ref.make_plan(case.topk_idx, case.config(capacity))
-    want = ref.dispatch(case.x, case.topk_weights, plan)
-    handle = vr.prepare([to_torch(i) for i in case.topk_idx], E, capacity=capacity,
-                        expert_alignment=case.expert_alignment, layout="expert_major")
-    for r in range(R):
-        lay = plan.layouts[r]
-        assert_bits_equal(handle.copy_slot[r], plan.copy_slot[r].astype(np.int32), f"rank {r} copy_slot")
-        assert_bits_equal(handle.num_tokens_per_expert[r], lay.num_tokens_per_expert, f"rank {r} per expert sent")
-        assert_bits_equal(handle.send_pos[r], lay.send_pos, f"rank {r} send_pos")
-    got = vr.dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle)
-    for r in range(R):
-        d, g = want[r], got[r]
-        assert_bits_equal(g.recv_x, d.recv_x, f"rank {r} recv_x")
-        assert_bits_equal(g.recv_topk_idx, d.recv_topk_idx, f"rank {r} recv_topk_idx")
-        assert_bits_equal(g.recv_topk_weights, d.recv_topk_weights, f"rank {r} recv_topk_weights")
-        assert int(g.num_recv) == d.num_recv, f"rank {r} num_recv"
-        assert int(g.dropped) == d.dropped, f"rank {r} dropped"
-        assert_bits_equal(g.num_recv_tokens_per_expert, d.num_recv_tokens_per_expert, f"rank {r} per expert")
-
-    rng = np.random.default_rng(seed + 7)
-    ys = [randn(rng, d.recv_x.shape, case.dtype) for d in want]
-    biases = [tuple(randn(rng, x.shape, case.dtype) for _ in range(num_bias)) for x in case.x]
-    want_out = ref.combine(ys, plan, topk_weights=case.topk_weights, bias=biases if num_bias else None)
-    got_out = vr.combine([to_torch(y) for y in ys], handle,
-                         bias=[tuple(to_torch(b) for b in bs) for bs in biases] if num_bias else None)
-    for r in range(R):
-        assert_bits_equal(got_out[r], want_out[r], f"rank {r} combine out")
-
-    g_recv_x = [randn(rng, d.recv_x.shape, case.dtype) for d in want]
-    g_recv_w = [rng.standard_normal(d.recv_topk_weights.shape).astype(np.float32) for d in want]
-    want_gx, want_gw = ref.dispatch_bwd(g_recv_x, g_recv_w, plan)
-    got_gx, got_gw = vr.dispatch_bwd([to_torch(g) for g in g_recv_x], [to_torch(g) for g in g_recv_w], handle)
-    g_out = [randn(rng, x.shape, case.dtype) for x in case.x]
-    want_gy, want_gtw = ref.combine_bwd(g_out, plan, ys=ys, topk_weights=case.topk_weights)
-    got_gy, got_gtw = vr.combine_bwd([to_torch(g) for g in g_out], handle, y=[to_torch(y) for y in ys])
-    for r in range(R):
-        assert_bits_equal(got_gx[r], want_gx[r], f"rank {r} dispatch_bwd g_x")
-        assert_bits_equal(got_gw[r], want_gw[r], f"rank {r} dispatch_bwd g_topk_weights")
-        assert_bits_equal(got_gy[r], want_gy[r], f"rank {r} combine_bwd g_y")
-        assert_dots_close(got_gtw[r], want_gtw[r], g_out, ys, plan, r, f"rank {r} combine_bwd g_topk_weights")
-    return handle
-
-
+# ``group`` (tests/gpu/conftest.py) gives one VirtualRanks per size; run_and_compare and check_golden_vector
+# (omniep.testing.virtual_rank_checks) serve test_native_virtual_ranks.py (rank-major) too.
 CASES = [
     # (num_ranks, num_experts, num_topk, hidden, num_tokens, dtype, index_dtype, skew, capacity, align)
     (2, 4, 2, 8, 5, "bfloat16", "int32", "uniform", None, 1),
@@ -136,29 +50,29 @@ CASES = [
 
 
 @pytest.mark.parametrize("params", CASES, ids=lambda p: f"R{p[0]}_E{p[1]}_K{p[2]}_H{p[3]}_{p[5]}_{p[7]}_cap{p[8]}")
-def test_em_cases_bitwise(params):
+def test_em_cases_bitwise(params, group):
     R, E, K, H, T, dtype, index_dtype, skew, capacity, align = params
     case = make_case(R * 1000 + H, num_ranks=R, num_experts=E, num_topk=K, hidden=H, num_tokens=T,
                      dtype=dtype, index_dtype=index_dtype, skew=skew, expert_alignment=align, layout=EM)
-    run_and_compare(case, capacity, num_bias=2 if R == 4 else 1)
+    run_and_compare(group(case.num_ranks), case, capacity, num_bias=2 if R == 4 else 1)
 
 
-def test_em_same_expert_twice_in_a_row():
+def test_em_same_expert_twice_in_a_row(group):
     """A row naming one expert twice makes two copies, in k order (the reference's rule)."""
     case = make_case(17, num_ranks=4, num_experts=8, num_topk=3, hidden=16, num_tokens=11, layout=EM)
     for idx in case.topk_idx:
         idx[::2, 2] = idx[::2, 0]
-    run_and_compare(case, None)
-    run_and_compare(case, 3)
+    run_and_compare(group(case.num_ranks), case, None)
+    run_and_compare(group(case.num_ranks), case, 3)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
-def test_em_property_cases_bitwise(num_ranks):
+def test_em_property_cases_bitwise(num_ranks, group):
     from hypothesis import given
 
     @given(case_strategy(fixed_ranks=num_ranks, layouts=(EM,)))
     def check(case):
-        run_and_compare(case, case.capacity)
+        run_and_compare(group(case.num_ranks), case, case.capacity)
 
     check()
 
@@ -167,42 +81,22 @@ EM_GOLDEN = [p for p in golden.golden_files() if p.stem.startswith("em_")]
 
 
 @pytest.mark.parametrize("path", EM_GOLDEN, ids=lambda p: p.stem)
-def test_em_golden_vectors(path):
+def test_em_golden_vectors(path, group):
     g = golden.load(path)
-    case, inp, exp = g.case, g.inputs, g.expected
-    R = case.num_ranks
-    vr = group(R)
-    handle = vr.prepare([to_torch(i) for i in case.topk_idx], case.num_experts, capacity=golden.static_capacity(case),
-                        expert_alignment=case.expert_alignment, layout="expert_major")
-    got = vr.dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle)
-    out = vr.combine([to_torch(y) for y in inp["y"]], handle, bias=[(to_torch(b),) for b in inp["bias"]])
-    g_x, g_w = vr.dispatch_bwd([to_torch(a) for a in inp["g_recv_x"]], [to_torch(a) for a in inp["g_recv_w"]], handle)
-    g_y, _ = vr.combine_bwd([to_torch(a) for a in inp["g_out"]], handle, y=[to_torch(y) for y in inp["y"]])
-    for r in range(R):
-        assert_bits_equal(got[r].recv_x, exp["recv_x"][r], f"{g.name} rank {r} recv_x")
-        assert_bits_equal(got[r].recv_topk_idx, exp["recv_topk_idx"][r], f"{g.name} rank {r} recv_topk_idx")
-        assert_bits_equal(got[r].recv_topk_weights, exp["recv_topk_weights"][r], f"{g.name} rank {r} weights")
-        assert int(got[r].num_recv) == int(exp["num_recv"][r])
-        assert int(got[r].dropped) == int(exp["dropped"][r])
-        assert_bits_equal(got[r].num_recv_tokens_per_expert, exp["num_recv_tokens_per_expert"][r].astype(np.int32),
-                          f"{g.name} rank {r} per expert")
-        assert_bits_equal(out[r], exp["out"][r], f"{g.name} rank {r} combine out")
-        assert_bits_equal(g_x[r], exp["g_x"][r], f"{g.name} rank {r} g_x")
-        assert_bits_equal(g_w[r], exp["g_w"][r], f"{g.name} rank {r} g_w")
-        assert_bits_equal(g_y[r], exp["g_y"][r], f"{g.name} rank {r} g_y")
+    check_golden_vector(group(g.case.num_ranks), g)
 
 
-def test_em_overflow_counted_and_raised():
+def test_em_overflow_counted_and_raised(group):
     case = make_case(3, num_ranks=4, num_experts=8, num_topk=2, hidden=16, num_tokens=12, skew="one_expert",
                      layout=EM)
-    handle = run_and_compare(case, capacity=4)
+    handle = run_and_compare(group(case.num_ranks), case, capacity=4)
     assert sum(int(d) for d in handle.dropped) > 0
     with pytest.raises(CapacityError, match="capacity overflow on rank"):
         group(4).dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle,
                           raise_on_overflow=True)
 
 
-def test_em_fp8_rows_and_scales_move_unchanged():
+def test_em_fp8_rows_and_scales_move_unchanged(group):
     R, T, H = 4, 9, 256
     case = make_case(11, num_ranks=R, num_experts=8, num_topk=2, hidden=H, num_tokens=T, dtype="float8_e4m3fn",
                      layout=EM)
@@ -220,7 +114,7 @@ def test_em_fp8_rows_and_scales_move_unchanged():
         assert_bits_equal(got[r].recv_x_scales, want_s[r].recv_x, f"rank {r} recv_x_scales")
 
 
-def test_em_cuda_graph_replay():
+def test_em_cuda_graph_replay(group):
     """The static path (prepare, dispatch, combine) has no host synchronisation: it captures and replays."""
     R, E, cap = 2, 16, 24
     case = make_case(21, num_ranks=R, num_experts=E, num_topk=4, hidden=128, num_tokens=64, dtype="bfloat16",

@@ -40,20 +40,8 @@ def session():
     return mp_suite.run_session(WORLD, True, {"OMNIEP_BACKEND": "nccl_ep"})
 
 
-def test_frontend_cases_bitwise(session):
-    mp_suite.check_frontend_cases(session)
-
-
-def test_backend_static_capacity_drops_counted(session):
-    mp_suite.check_backend_static_capacity(session)
-
-
-def test_golden_vectors(session):
-    mp_suite.check_golden_vectors(session)
-
-
-def test_missing_peer_times_out_naming_it(session):
-    mp_suite.check_missing_peer(session)
+class TestSession(mp_suite.SessionChecksWithMissingPeer):
+    """The four session checks (frontend, backend static capacity, golden vectors, missing peer) on ``session``."""
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,29 @@
+"""Fixtures shared by the GPU tests."""
+
+from __future__ import annotations
+
+import pytest
+
+# Shared checks that live in the package: keep pytest's assertion messages there (before any import of it).
+pytest.register_assert_rewrite("omniep.testing.virtual_rank_checks")
+
+
+@pytest.fixture(scope="module")
+def group():
+    """``group(num_ranks)``: one VirtualRanks of that size per test module, created on first use.
+
+    Workspaces are reused across the module's tests (allocating them per test would dominate the run
+    time); every group is destroyed when the module's tests are done.
+    """
+    from omniep.native.virtual_ranks import VirtualRanks  # needs omniep._native: import only when used
+
+    groups: dict = {}
+
+    def get(num_ranks: int) -> VirtualRanks:
+        if num_ranks not in groups:
+            groups[num_ranks] = VirtualRanks(num_ranks, timeout_s=20.0)
+        return groups[num_ranks]
+
+    yield get
+    for g in groups.values():
+        g.destroy()
