@@ -231,13 +231,6 @@ void OneRankOps<Rank>::copy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, si
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::copy_counts(int32_t* dst, cudaStream_t stream) const {
-  const int R = self().num_ranks();
-  copy2d(reinterpret_cast<uintptr_t>(dst), sizeof(int32_t) * R, reinterpret_cast<uintptr_t>(self().my_workspace()->counts),
-         sizeof(int32_t) * kMaxRanks, sizeof(int32_t) * R, R, stream, "copying the count matrix");
-}
-
-template <typename Rank>
 void OneRankOps<Rank>::memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const {
   self().on_device([&] {
     check_cuda(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes,

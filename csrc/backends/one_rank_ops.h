@@ -41,10 +41,6 @@ class OneRankOps {
   // A bare barrier over the group on `stream` (every rank must call it, in the same order as the ops).
   void barrier(cudaStream_t stream);
 
-  // dst[R, R] int32 <- the count matrix of my workspace (tokens s -> r at [s, r]), async on stream.
-  // Valid right after layout() and before this rank's next dispatch (whose start barrier keeps the
-  // peers' next count writes behind it).
-  void copy_counts(int32_t* dst, cudaStream_t stream) const;
   // Async device-to-device copies on `stream` (into / out of the data buffer): `bytes`, or `height`
   // rows of `width` bytes at the given pitches.
   void memcpy(uintptr_t dst, uintptr_t src, size_t bytes, cudaStream_t stream) const;

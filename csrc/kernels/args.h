@@ -35,6 +35,7 @@ struct LayoutArgs {
   PerRank<int32_t> send_offset;            // out [R]: first row of my tokens in rank r's receive order
   PerRank<int32_t> num_recv;               // out []: min(sum(recv_counts), C)
   PerRank<int32_t> dropped;                // out []: sum(recv_counts) - num_recv
+  PerRank<int32_t> count_matrix;           // out [R, R] (optional): tokens s sends to r at [s, r]
   int num_tokens[kMaxRanks];
   int num_topk;
   int num_experts;

@@ -7,7 +7,9 @@
 // matrix (stores, or puts for a remote peer) and signals; after the barrier each rank knows all
 // counts, hence how many rows it receives and where its own rows start at every receiver (sum over
 // lower source ranks).
-// A second barrier keeps a fast peer's NEXT prepare from overwriting counts still being read.
+// A second barrier keeps a fast peer's NEXT prepare from overwriting counts still being read; the
+// whole matrix is copied out (count_matrix) before it, inside the kernel: once this kernel is done a
+// peer's next prepare may already be writing its new row here, so nothing may read it afterwards.
 #pragma once
 
 #include "kernels/args.h"
@@ -102,6 +104,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
     int offset = 0;
     for (int s = 0; s < me; ++s) offset += ws->counts[s * kMaxRanks + r];
     tr.local(a.send_offset)[r] = offset;
+  }
+  if (int32_t* matrix = tr.local(a.count_matrix)) {
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) matrix[i] = ws->counts[(i / R) * kMaxRanks + i % R];
   }
   if (threadIdx.x == 0) {
     int64_t total = 0;

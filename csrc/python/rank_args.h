@@ -86,6 +86,7 @@ omniep::LayoutArgs layout_args(const G& g, const py::dict& d) {
   f.local("send_offset", a.send_offset);
   f.local("num_recv", a.num_recv);
   f.local("dropped", a.dropped);
+  f.local("count_matrix", a.count_matrix);
   a.num_tokens[g.rank()] = f.template get<int32_t>("num_tokens", 0);
   a.num_topk = f.template get<int32_t>("num_topk", 0);
   a.num_experts = f.template get<int32_t>("num_experts", 0);
@@ -257,9 +258,6 @@ void bind_rank_ops(py::class_<G>& c) {
            [](G& g, const py::dict& d, uintptr_t s) { g.em_combine_bwd(em_combine_bwd_args(g, d), as_stream(s)); })
       .def("barrier", [](G& g, uintptr_t s) { g.barrier(as_stream(s)); },
            "A bare barrier over the group on stream s (collective, in op order; benchmarks align ranks).")
-      .def("copy_counts", [](const G& g, uintptr_t dst, uintptr_t s) {
-            g.copy_counts(reinterpret_cast<int32_t*>(dst), as_stream(s));
-          })
       .def("memcpy", [](const G& g, uintptr_t dst, uintptr_t src, size_t n, uintptr_t s) {
             g.memcpy(dst, src, n, as_stream(s));
           }, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"))

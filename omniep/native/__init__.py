@@ -17,6 +17,15 @@ from ..ep_core.types import Availability
 NAME = "native_p2p"
 MIN_COMPUTE_CAPABILITY = (9, 0)  # the module is built for CUDA_ARCHITECTURES 90
 
+def force_remote() -> bool:
+    """``OMNIEP_FORCE_REMOTE=1``: every peer takes the native kernels' remote path (puts + signals), even
+    where loads and stores would reach it; the native rank classes read the same variable. Every rank
+    of a group must agree (the remote path allocates symmetric areas and runs extra barriers)."""
+    import os
+
+    return os.environ.get("OMNIEP_FORCE_REMOTE", "") == "1"
+
+
 # Device error codes (csrc/include/omniep/transport.h ErrorCode).
 ERROR_NONE, ERROR_PEER_TIMEOUT, ERROR_LOCAL_TIMEOUT = 0, 1, 2
 

@@ -220,11 +220,9 @@ class IpcRankState(ExpertMajorOps):
             num_tokens_per_rank=lay.num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert=lay.num_tokens_per_expert.data_ptr(), recv_counts=lay.recv_counts.data_ptr(),
             send_offset=lay.send_offset.data_ptr(), num_recv=lay.num_recv.data_ptr(), dropped=lay.dropped.data_ptr(),
-            num_tokens=T, num_topk=K, num_experts=num_experts,
+            count_matrix=lay.counts.data_ptr(), num_tokens=T, num_topk=K, num_experts=num_experts,
             capacity=INT32_MAX if capacity is None else capacity, index_bytes=idx.element_size(),
         ), self._stream())
-        # Read the count matrix before this rank's next dispatch (see IpcRank::copy_counts).
-        g.copy_counts(lay.counts.data_ptr(), self._stream())
         self._mark("kernel")
         return lay
 

@@ -34,6 +34,7 @@ from .torch_expert_major import ExpertMajorTorch
 from ...ep_core.capacity import align_up
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
+from ...native import force_remote
 
 _STATES: dict = {}  # (group_name, device index) -> IpcRankState
 # Per-handle values the prepare kernels already computed (rank-major: send_offset [R], dropped [];
@@ -71,11 +72,6 @@ def transport() -> tuple[str, str]:
     if os.environ.get("OMNIEP_TRANSPORT", "") != "nvshmem":
         return "ipc", "omniep._native_nvshmem is built; OMNIEP_TRANSPORT=nvshmem selects it"
     return "nvshmem", "OMNIEP_TRANSPORT=nvshmem"
-
-
-def force_remote() -> bool:
-    """``OMNIEP_FORCE_REMOTE=1``: every peer goes through the NVSHMEM put + signal path (DESIGN §4)."""
-    return os.environ.get("OMNIEP_FORCE_REMOTE", "") == "1"
 
 
 def destroy_states() -> None:

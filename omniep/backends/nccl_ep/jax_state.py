@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Optional, Sequence
 
+from ...ep_core.errors import InputError
+from ...native import force_remote
 from ..jax_native import KvExchange, LocalJaxState, kv_client
 
 
@@ -35,5 +37,11 @@ class NcclJaxState(LocalJaxState):
         else:
             kv = KvExchange(kv_client(), group_key, rank, num_ranks, timeout_s=bootstrap_timeout_s, backend="nccl_ep")
             uid = kv.all_gather("unique-id", native.unique_id() if rank == 0 else b"")[0]
+            # Peers off the LSA team (every peer with OMNIEP_FORCE_REMOTE=1) take GIN, whose mirrors and
+            # extra barriers are collective: every process must agree.
+            forced = kv.all_gather("force-remote", b"1" if force_remote() else b"0")
+            if len(set(forced)) != 1:
+                raise InputError(f"OMNIEP_FORCE_REMOTE=1 must be set on every process or none (per rank: "
+                                 f"{[f.decode() for f in forced]})")
             impl = native.JaxNcclState(rank, num_ranks, uid, device, timeout_ns)
         super().__init__(impl, backend="nccl_ep", timeout_s=timeout_s, blocks=blocks)
