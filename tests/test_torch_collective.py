@@ -17,6 +17,7 @@ from omniep.testing import golden
 from omniep.testing.cases import case_strategy, draw, make_case, np_dtype
 from omniep.testing.jobs import make_job
 from omniep.testing.procs import run_ranks
+from omniep.native.mp_suite import assert_bits, expected
 from omniep.testing.torch_workers import collective_session
 
 pytest.importorskip("torch")
@@ -51,35 +52,6 @@ def edge_cases(world: int) -> list:
         make_case(11, num_experts=2 * R, num_tokens=uneven, num_topk=2, hidden=128, dtype="float8_e4m3fn",
                   num_ranks=R, layout=EM, capacity=2 * R * 8),
     ]
-
-
-def expected(job: dict) -> dict:
-    """Reference results of a job, per rank, plus the overflow the frontend must report."""
-    case = job["case"]
-    plan = ref.make_plan(case.topk_idx, case.config())
-    exp = dict(plan=plan, disp=ref.dispatch(case.x, case.topk_weights, plan), overflow=[])
-    if case.capacity is not None:
-        needed = plan.total if case.layout == RM else [int(c.max(initial=0)) for c in plan.expert_counts]
-        exp["overflow"] = [(r, int(n)) for r, n in enumerate(needed) if n > case.capacity]
-    if "x_scales" in job:
-        exp["scales"] = ref.dispatch(job["x_scales"], case.topk_weights, plan)
-        return exp
-    w = case.topk_weights
-    exp["out"] = ref.combine(job["y"], plan, topk_weights=w, bias=[tuple(b) for b in job["bias"]])
-    exp["g_x"], exp["g_w"] = ref.dispatch_bwd(job["g_recv_x"], job["g_recv_w"], plan)
-    exp["g_y"], exp["g_w_combine"] = ref.combine_bwd(job["g_out"], plan, ys=job["y"], topk_weights=w)
-    return exp
-
-
-def same_bits(got, want) -> bool:
-    got, want = np.asarray(got), np.asarray(want)
-    return got.shape == want.shape and got.dtype == want.dtype and got.tobytes() == want.tobytes()
-
-
-def assert_bits(got, want, what: str) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert same_bits(got, want), (f"{what}: got {got.dtype}{got.shape} {got.astype(np.float64).ravel()[:16]} "
-                                  f"want {want.dtype}{want.shape} {want.astype(np.float64).ravel()[:16]}")
 
 
 def assert_dispatch(res: dict, disp, what: str, scales=None) -> None:
