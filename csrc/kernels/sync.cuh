@@ -10,8 +10,8 @@
 // acquire the signal. A remote peer (omniep/transport.h) is signalled with the transport's signal
 // op, by the thread that first issued this barrier's puts to it (the `puts` hook: rows the blocks
 // staged in the mirror before arriving), so the peer sees the rows once it sees the signal; that
-// thread then waits until its puts have read their sources (quiet), which the rank may rewrite
-// after the barrier. On a transport with one-sided gets (the expert-major kernels'
+// thread then waits until those puts have read their sources (quiet; a barrier without a hook has
+// no such puts and skips it), which the rank may rewrite after the barrier. On a transport with one-sided gets (the expert-major kernels'
 // remote path, kHasGets) every thread first completes its own puts (quiet).
 // Every wait has a timeout; the first failure is written into the rank's ErrorRecord (naming the
 // rank, the peer and the phase) and from then on the rank skips its work
@@ -131,8 +131,8 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
       if constexpr (Tr::kHasRemote) far = tr.is_remote(peer);
       if (far) puts(peer);
       signal_peer(tr, peer, me);
-      if constexpr (Tr::kHasRemote) {
-        if (far) tr.quiet();  // my puts have read their sources: the rank may rewrite them afterwards
+      if constexpr (Tr::kHasRemote && !std::is_same<Puts, NoPuts>::value) {
+        if (far) tr.quiet();  // the hook's puts have read their sources: the rank may rewrite them afterwards
       }
       const uint64_t target = ws->expected[peer] + 1;
       ws->expected[peer] = target;

@@ -98,6 +98,7 @@ struct NcclDevTransport : RemoteTransportBase {
     ncclGin net{dev_comm, 0};
     net.signal(ncclTeamWorld(dev_comm), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(me), uint64_t{1}});
   }
+  // GIN's signals, not workspace memory (these hide RemoteTransportBase's).
   OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace*, int s) const {
     ncclGin net{dev_comm, 0};
     return net.readSignal(static_cast<ncclGinSignal_t>(s));

@@ -45,11 +45,6 @@ struct NvshmemTransport : RemoteTransportBase {
     nvshmem_fence();  // my puts to r before the signal
     nvshmemx_signal_op(&workspaces.p[me]->signals[me], uint64_t{1}, NVSHMEM_SIGNAL_ADD, r);
   }
-  OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace* ws, int s) const {
-    return gpu::load_acquire_sys(&ws->signals[s]);
-  }
-  // Signals from remote PEs are workspace memory: the host's reset zeroes them.
-  OMNIEP_DEVICE void reset_remote_signals(int) const {}
   // ---- one-sided ops of the expert-major kernels (kHasGets) ----
   // The whole warp copies `bytes` from local `src` into PE r's copy of symmetric `dst`, non-blocking
   // (complete after quiet()).

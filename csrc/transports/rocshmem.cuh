@@ -53,11 +53,6 @@ struct RocshmemTransport : RemoteTransportBase {
     rocshmem::rocshmem_fence();
     rocshmem::rocshmem_putmem_signal_nbi(signal, signal, 0, signal, uint64_t{1}, rocshmem::ROCSHMEM_SIGNAL_ADD, r);
   }
-  OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace* ws, int s) const {
-    return gpu::load_acquire_sys(&ws->signals[s]);
-  }
-  // Signals from remote PEs are workspace memory: the host's reset zeroes them.
-  OMNIEP_DEVICE void reset_remote_signals(int) const {}
   // ---- one-sided ops of the expert-major kernels (kHasGets) ----
   // The whole wavefront copies `bytes` from local `src` into PE r's copy of symmetric `dst`,
   // non-blocking (complete after quiet()); all 64 lanes pass the same arguments.

@@ -39,6 +39,12 @@ struct RemoteTransportBase {
 
   OMNIEP_HOST_DEVICE bool is_remote(int r) const { return (remote_mask >> r) & 1u; }
   OMNIEP_HOST_DEVICE bool any_remote() const { return remote_mask != 0; }
+  // Signals from remote peers as NVSHMEM and rocSHMEM keep them: workspace memory, which the host's
+  // reset zeroes. A transport whose signals live elsewhere (nccl_dev: GIN's) defines its own.
+  OMNIEP_DEVICE uint64_t remote_signals(const RankWorkspace* ws, int s) const {
+    return gpu::load_acquire_sys(&ws->signals[s]);
+  }
+  OMNIEP_DEVICE void reset_remote_signals(int) const {}
   // My copy of data-buffer address `p` reserved for peer r: p's offset in the data buffer, inside
   // the r-th repetition of its layout in `mirrors`.
   template <typename T>
