@@ -17,12 +17,13 @@ def info_lines() -> list[str]:
         lines.append(f"{fw}: {desc}")
     lines.append(f"OMNIEP_BACKEND={os.environ.get('OMNIEP_BACKEND', 'auto')}")
     lines.append("backends:")
-    for name, per_fw in registry.report().items():
+    report = registry.report()
+    for name, per_fw in report.items():
         for fw, avail in per_fw.items():
             state = "available" if avail else "unavailable"
             lines.append(f"  {name:<14} {fw:<6} {state:<12} {avail.reason}")
     lines.append("not run on the hardware it is for:")
-    for name in registry.report():
+    for name in report:
         note = getattr(importlib.import_module(f"omniep.backends.{name}"), "NOT_RUN", "")
         if note:
             lines.append(f"  {name:<14} {note}")
