@@ -9,6 +9,7 @@ from .errors import (
     InputError,
     OmniEPError,
     PeerTimeoutError,
+    RankMismatchError,
     UnsupportedError,
 )
 from .registry import backend_names, get_backend_class, report, select_backend
@@ -16,7 +17,7 @@ from .types import Availability, Capabilities, DispatchConfig, Dispatched, Handl
 
 __all__ = [
     "EPBackend", "align_up", "default_capacity", "BackendUnavailableError", "CapacityError",
-    "DestroyedError", "InputError", "OmniEPError", "PeerTimeoutError", "UnsupportedError",
+    "DestroyedError", "InputError", "OmniEPError", "PeerTimeoutError", "RankMismatchError", "UnsupportedError",
     "backend_names", "get_backend_class", "report", "select_backend", "Availability", "Capabilities",
     "DispatchConfig", "Dispatched", "Handle", "Layout", "ProcessModel",
 ]

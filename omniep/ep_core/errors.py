@@ -57,5 +57,17 @@ class PeerTimeoutError(OmniEPError, TimeoutError):
         self.peer = peer
 
 
+class RankMismatchError(OmniEPError, RuntimeError):
+    """The ranks of a group are not running the same op: a peer's op descriptor (op, sequence number,
+    num_experts, hidden size, dtype, layout, capacity, handle, num_topk) differs from this rank's.
+    ``ranks``: the ranks whose descriptor differs; ``fields``: the fields that differ."""
+
+    def __init__(self, message: str, *, rank: int | None = None, ranks=(), fields=()):
+        super().__init__(message)
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.fields = list(fields)
+
+
 class DestroyedError(OmniEPError, RuntimeError):
     """A buffer or backend object was used after ``destroy()``."""

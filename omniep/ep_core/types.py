@@ -145,6 +145,9 @@ class Dispatched:
     num_recv []: rows (copies) kept; dropped []: rows (copies) lost to capacity;
     num_recv_tokens_per_expert [L]: kept (token, local expert) pairs per expert, rounded up to
     expert_alignment. For fp8 input ``recv_x`` is a tuple ``(recv_x, recv_x_scales)``.
+    status [STATUS_WORDS] int32 (JAX): the op's status (:mod:`omniep.ep_core.descriptor`), all zero when
+    every rank agreed and every input was good; ``omniep.jax.check(status)`` raises what it reports.
+    ``None`` in PyTorch, which raises instead.
     """
 
     recv_x: Any
@@ -154,8 +157,9 @@ class Dispatched:
     num_recv_tokens_per_expert: Any
     dropped: Any
     handle: Handle
+    status: Any = None
 
     DATA_FIELDS = (
         "recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv",
-        "num_recv_tokens_per_expert", "dropped", "handle",
+        "num_recv_tokens_per_expert", "dropped", "handle", "status",
     )
