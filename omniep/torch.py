@@ -4,6 +4,9 @@
 ``Buffer``.
 """
 
-from .frontends.torch import Buffer, Dispatched, Handle, cached_dispatch, combine, dispatch
+from .frontends.torch import (Dispatched, Handle, cached_dispatch, check, combine, context, destroy, dispatch,
+                              synchronize)
+from .frontends.torch_buffer import Buffer
 
-__all__ = ["dispatch", "combine", "cached_dispatch", "Buffer", "Dispatched", "Handle"]
+__all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "destroy", "context", "Buffer",
+           "Dispatched", "Handle"]

@@ -1,21 +1,55 @@
-"""What every PyTorch backend shares: one rank of a ``torch.distributed`` process group."""
+"""What every PyTorch backend shares: one rank of a ``torch.distributed`` process group, opened once.
+
+A torch backend object is the **context** of one (group, backend) pair: the frontend resolves it at
+the group's first call (selection, bootstrap, workspace) and keeps it; every later op finds it by
+its integer ``id``, the ``ctx`` argument of the ``torch.library`` ops (so the ops see plain ints and
+tensors: CUDA graphs and ``torch.compile`` can take them). Two op families exist:
+
+* ``omniep::*``: backends written in Python (``collective``): the op's kernel calls the context's
+  ``op_*`` methods (:class:`PythonOps`);
+* ``omniep_native::*``: the native backends: the ops' CUDA and autograd kernels are C++
+  (``omniep._native_torch``) and look the context up in the C++ registry under the same ``id``.
+
+Op-level handle: ``(recv_topk_idx, recv_topk_weights, *backend_tensors)``; the first two are the
+dispatch's own outputs (rank-major ``[rows, K]``; expert-major ``[L, C]``), the rest is the
+backend's business, the first of them always ``topk_idx`` narrowed to int32 ``[T, K]``.
+"""
 
 from __future__ import annotations
 
+import itertools
+from typing import Optional
+
 from ..ep_core.backend import EPBackend
-from ..ep_core.errors import InputError
+from ..ep_core.descriptor import checks_mode, timeout_from_env
+from ..ep_core.errors import DestroyedError, InputError
+
+_BY_ID: dict = {}  # context id -> live context (every family)
+_IDS = itertools.count(1)
+
+
+def context_of(ctx_id: int):
+    """The live context with this id (the ops' ``ctx`` argument)."""
+    try:
+        return _BY_ID[ctx_id]
+    except KeyError:
+        raise DestroyedError(f"omniep: no live torch context {ctx_id}: it was destroyed (omniep.torch.destroy, "
+                             f"Buffer.destroy) or never opened in this process") from None
 
 
 class TorchGroupBackend(EPBackend):
     """An :class:`EPBackend` for one rank of ``group`` (a ``ProcessGroup``; ``None`` = the default group).
 
-    Sets ``self.group``, ``self.rank`` and ``self.world``; raises :class:`InputError` before anything
-    else if ``torch.distributed`` has not been initialised.
+    Sets ``group``, ``rank``, ``world``, ``id`` (registered for the ops), ``checks`` (``OMNIEP_CHECKS``:
+    ``"sync"`` raises every op's status at once) and ``timeout_s`` (``OMNIEP_TIMEOUT_S``), all read here,
+    once. Raises :class:`InputError` if ``torch.distributed`` has not been initialised.
     """
 
     framework = "torch"
+    ops_namespace = "omniep"  # omniep_native for the C++ ops
 
     def __init__(self, group=None):
+        import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -24,6 +58,82 @@ class TorchGroupBackend(EPBackend):
         super().__init__(group if group is not None else dist.group.WORLD)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        self.checks = checks_mode()
+        self.timeout_s = timeout_from_env()
+        self.ops = getattr(torch.ops, self.ops_namespace)
+        self.layouts = self.capabilities().layouts  # what the frontend checks per call
+        self.id = next(_IDS)
+        _BY_ID[self.id] = self
+
+    @classmethod
+    def open(cls, group=None) -> "TorchGroupBackend":
+        """The context of ``group`` for this backend (collective over the group where the backend
+        needs a bootstrap). The frontend calls it once per (group, backend)."""
+        return cls(group)
 
     def num_ranks(self) -> int:
         return self.world
+
+    @property
+    def alive(self) -> bool:
+        return self.id in _BY_ID
+
+    def destroy(self) -> None:
+        """Release the context; later ops on it raise :class:`DestroyedError`. Collective for backends
+        with native buffers (every rank calls it)."""
+        _BY_ID.pop(self.id, None)
+
+    def check(self) -> None:
+        """Raise what an earlier op of this group reported and has not been raised yet (DESIGN §9)."""
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued ops, then :meth:`check`."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        self.check()
+
+    # ---- what the shared fake kernels need from a backend (torch.compile, opcheck) ----
+    def fake_handle(self, topk_idx, num_experts: int, layout: int, rows) -> list:
+        """Fake tensors shaped like this backend's handle tensors (after recv_topk_idx / weights), for a
+        dispatch of ``topk_idx [T, K]`` with ``rows`` receive rows (rank-major) or slots per expert."""
+        raise NotImplementedError
+
+
+class PythonOps:
+    """The ``op_*`` methods a backend written in Python implements; the ``omniep::*`` ops call them.
+
+    Arguments after the tensors are the op's config: ``num_experts``, ``layout`` (0 rank-major, 1
+    expert-major), ``capacity`` (-1 = exact) and ``expert_alignment``; ``handle`` is the op-level handle
+    list (see the module docstring). Returns as the op schemas in :mod:`omniep.frontends.torch_ops`.
+    """
+
+    def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts: int, layout: int, capacity: int,
+                    expert_alignment: int) -> tuple:
+        raise NotImplementedError
+
+    def op_cached_dispatch(self, x, x_scales, handle: list, num_experts: int, layout: int, capacity: int,
+                           expert_alignment: int) -> tuple:
+        raise NotImplementedError
+
+    def op_combine(self, y, topk_weights, bias0, bias1, handle: list, num_experts: int, layout: int, capacity: int,
+                   expert_alignment: int):
+        raise NotImplementedError
+
+    def op_dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: list, num_experts: int, layout: int,
+                        capacity: int, expert_alignment: int) -> tuple:
+        raise NotImplementedError
+
+    def op_combine_bwd(self, g_out, topk_weights, y, handle: list, num_experts: int, layout: int, capacity: int,
+                       expert_alignment: int) -> tuple:
+        raise NotImplementedError
+
+
+def default_group(group: Optional[object]):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
+                         "before omniep.torch.dispatch/combine")
+    return group if group is not None else dist.group.WORLD

@@ -1,12 +1,17 @@
 """PyTorch frontend: autograd-aware ``dispatch`` / ``combine`` for one rank of a ``torch.distributed``
-EP group (DESIGN §5), and the DeepEP-compatible :class:`Buffer`.
+EP group (DESIGN §5). The DeepEP-compatible ``Buffer`` (:mod:`.torch_buffer`) is built on them.
 
-Both functions are eager and run the custom ops of :mod:`omniep.frontends.torch_ops`, so
-``torch.autograd`` differentiates through them (dispatch's adjoint is a combine, combine's a cached
-dispatch) and ``torch.compile`` traces them. They are collectives: every rank of the group must call them — and
-run their backward passes — in the same order, with the same ``requires_grad`` pattern (a rank whose
-loss ignores ``out`` still has to back-propagate through it, e.g. with ``(0 * out).sum()``).
-Example, inside a process of an initialized group::
+The hot path (DESIGN §5): the group's backend is resolved once per (group, backend) — selection,
+bootstrap, workspace, ``OMNIEP_BACKEND`` / ``OMNIEP_CHECKS`` read then — and kept; each call is a
+dictionary lookup, a few integer checks and ONE ``torch.library`` op (C++ for the native backends),
+so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture the static-shape ops. What
+only the other ranks can see (another op, another hidden size, a bad expert id on a peer) travels
+with the op's own data and is raised at the next host wait, :func:`check` or :func:`synchronize`,
+and at once with ``OMNIEP_CHECKS=sync`` (DESIGN §9).
+
+The functions are collectives: every rank of the group calls them — and runs their backward passes —
+in the same order (a rank whose loss ignores ``out`` still back-propagates through it, e.g. with
+``(0 * out).sum()``). Example, inside a process of an initialized group::
 
     from omniep import torch as ep
     d = ep.dispatch(x, topk_idx, topk_weights, num_experts=64)
@@ -16,37 +21,131 @@ Example, inside a process of an initialized group::
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import operator
+from typing import Any, Optional
 
 import torch
 
+from ..backends.torch_group import default_group
 from ..ep_core import registry
-from ..ep_core.capacity import check_expert_alignment, resolve_capacity
-from ..ep_core.errors import InputError
-from ..ep_core.types import Dispatched, Handle, Layout
-from ..ep_core.validation import FLOAT_DTYPES, FP8_DTYPES, dtype_name
-from . import torch_ops as ops
-from .torch_buffer import Buffer  # noqa: F401  (re-exported)
+from ..ep_core.errors import InputError, UnsupportedError
+from ..ep_core.types import Dispatched, DispatchConfig, Layout
+from . import torch_ops  # noqa: F401  (defines the ops)
 
-__all__ = ["dispatch", "combine", "cached_dispatch", "Buffer", "Dispatched", "Handle"]
+__all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "destroy", "context", "Dispatched",
+           "Handle"]
+
+_LAYOUTS = {"rank_major": Layout.RANK_MAJOR, "expert_major": Layout.EXPERT_MAJOR,
+            Layout.RANK_MAJOR: Layout.RANK_MAJOR, Layout.EXPERT_MAJOR: Layout.EXPERT_MAJOR}
+_LAYOUT_CODE = {Layout.RANK_MAJOR: 0, Layout.EXPERT_MAJOR: 1}
 
 
-def _group_name(group) -> str:
+@dataclasses.dataclass(frozen=True)
+class Handle:
+    """What :func:`combine`, :func:`cached_dispatch` and both backward passes need from a dispatch.
+    Opaque to callers; keep it alive as long as you use it.
+
+    tensors       the op-level handle: ``(recv_topk_idx, recv_topk_weights, *backend tensors)``
+    context       the group's backend (resolved once per (group, backend), see :func:`context`)
+    config        :class:`DispatchConfig` of the dispatch (``capacity=None``: exact receive size)
+    topk_weights  the routing weights given to dispatch (the expert-major combine applies them)
+    """
+
+    tensors: tuple
+    context: Any
+    config: DispatchConfig
+    topk_weights: Any = None
+
+    @property
+    def backend(self) -> str:
+        return self.context.name
+
+    def replace(self, **changes) -> "Handle":
+        return dataclasses.replace(self, **changes)
+
+
+# ---- the (group, backend) -> context cache -------------------------------------------------------
+
+_CONTEXTS: dict = {}   # (group as passed, backend as passed) -> context
+_BY_GROUP: dict = {}   # (group, resolved backend name) -> context: one per group and backend
+
+
+def context(group=None, backend: Optional[str] = None):
+    """The backend context of ``group`` (None: the default group) for ``backend`` (None:
+    ``$OMNIEP_BACKEND``, default ``auto``), opened at its first use — collectively: every rank of the
+    group must make that first call — and kept until :func:`destroy`."""
+    ctx = _CONTEXTS.get((group, backend))
+    if ctx is None or not ctx.alive:
+        ctx = _open(group, backend)
+    return ctx
+
+
+def _open(group, backend):
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
-                         "before omniep.torch.dispatch/combine")
-    return (group if group is not None else dist.group.WORLD).group_name
+    resolved = default_group(group)
+    device = "gpu" if dist.get_backend(resolved) in ("nccl", "cuda") else "cpu"
+    cls = registry.select_backend("torch", backend, device=device)
+    ctx = _BY_GROUP.get((resolved, cls.name))
+    if ctx is None or not ctx.alive:
+        ctx = _BY_GROUP[(resolved, cls.name)] = cls.open(resolved)
+    _CONTEXTS[(group, backend)] = ctx
+    return ctx
 
 
-def _select(backend: Optional[str], layout: Layout, x) -> type:
-    """The backend for this request: a named one must serve it (or raise why not); ``auto`` takes the
-    first available backend that serves the layout, dtype and device (see ``registry.select_backend``)."""
-    name = dtype_name(x)
-    known = name in FLOAT_DTYPES or name in FP8_DTYPES  # other dtypes are rejected by validation, by name
-    return registry.select_backend("torch", backend, layout=layout, dtype=name if known else None,
-                                   fp8=name in FP8_DTYPES, device=x.device.type)
+def destroy(group=None, backend: Optional[str] = None) -> None:
+    """Release the context(s) of ``group`` (every backend if ``backend`` is None). Collective: every rank
+    calls it, e.g. before ``torch.distributed.destroy_process_group``. Raises what the group still had
+    to report."""
+    resolved = default_group(group)
+    doomed = {id(c): c for (g, name), c in _BY_GROUP.items() if g is resolved and backend in (None, name)}
+    for key in [k for k, c in _CONTEXTS.items() if id(c) in doomed]:
+        del _CONTEXTS[key]
+    for key in [k for k, c in _BY_GROUP.items() if id(c) in doomed]:
+        del _BY_GROUP[key]
+    for ctx in doomed.values():
+        ctx.destroy()
+
+
+def check(group=None, backend: Optional[str] = None) -> None:
+    """Raise what the group's ops reported and has not been raised yet (a mismatch across ranks, a bad
+    expert id on a peer, a capacity overflow, a timeout): :class:`RankMismatchError`, ``InputError``,
+    :class:`CapacityError`, :class:`PeerTimeoutError`. Does not wait for queued GPU work."""
+    context(group, backend).check()
+
+
+def synchronize(group=None, backend: Optional[str] = None) -> None:
+    """Wait for this rank's queued work on the group, then :func:`check`."""
+    context(group, backend).synchronize()
+
+
+# ---- the ops -------------------------------------------------------------------------------------
+
+def _config_ints(num_experts, capacity, expert_alignment) -> tuple:
+    """``num_experts``, ``capacity`` (-1 = None) and ``expert_alignment`` as ints (any integral type)."""
+    try:
+        experts = operator.index(num_experts)
+    except TypeError:
+        raise InputError(f"num_experts must be a positive int, got {num_experts!r}") from None
+    if experts <= 0 or isinstance(num_experts, bool):
+        raise InputError(f"num_experts must be a positive int, got {num_experts!r}")
+    if capacity is None:
+        cap = -1
+    else:
+        try:
+            cap = operator.index(capacity)
+        except TypeError:
+            cap = -2
+        if cap < 0 or isinstance(capacity, bool):
+            raise InputError(f"capacity must be a non-negative int or None, got {capacity!r}")
+    try:
+        align = operator.index(expert_alignment)
+    except TypeError:
+        align = 0
+    if align < 1 or isinstance(expert_alignment, bool):
+        raise InputError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+    return experts, cap, align
 
 
 def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int, group=None,
@@ -58,11 +157,14 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     unchanged); ``topk_idx[T, K]`` int32/int64 global expert ids, ``-1`` = none; ``topk_weights[T, K]``
     float32. ``T`` may differ between ranks. ``group``: a ``ProcessGroup`` (None = default group).
 
-    ``capacity=None`` gives the exact receive size: rank-major ``recv_x[N, H]`` with N the rows that
-    arrive, ordered by (source rank, source token); expert-major ``recv_x[L, C, H]`` with C the largest
-    per-expert count on this rank. An int gives static buffers of that many rows (slots per expert),
-    zero padded (``recv_topk_idx = -1``, weights 0); if any rank would receive more, ``CapacityError``
-    (naming the rank, the rows needed and the capacity) is raised on every rank before data moves.
+    ``capacity=None``, rank-major: ``recv_x[N, H]`` with exactly the N rows that arrive, ordered by
+    (source rank, source token) — the one op that waits on the host (for N). ``capacity=None``,
+    expert-major: ``recv_x[L, R * T, H]`` (the worst case without duplicate ids; every rank must have the
+    same T, else pass ``capacity``). An int gives static buffers of that many rows (slots per expert):
+    rank-major padding rows are zero (``recv_topk_idx = -1``, weights 0); expert-major slots past
+    ``num_recv_tokens_per_expert`` are unspecified (DESIGN §2). If a rank would receive more, the last
+    rows in contract order are dropped and counted, and :class:`CapacityError` is raised at the next
+    host wait (at once with ``OMNIEP_CHECKS=sync``).
 
     Returns :class:`~omniep.ep_core.types.Dispatched`: ``recv_x`` (a tuple ``(recv_x, recv_x_scales)``
     for fp8), ``recv_topk_idx`` int32 local expert ids / -1 (rank-major ``[rows, K]``, expert-major
@@ -70,31 +172,39 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     (0-d int32), ``num_recv_tokens_per_expert[L]`` int32 (rounded up to ``expert_alignment``) and the
     ``handle`` for :func:`combine`. Differentiable in ``x`` (float) and ``topk_weights``.
     """
-    x, x_scales = x if isinstance(x, tuple) else (x, None)
-    layout = Layout.parse(layout)
-    capacity = resolve_capacity(capacity, 1, 0, layout, static=False)
-    check_expert_alignment(expert_alignment)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise InputError(f"num_experts must be a positive int, got {num_experts!r}")
+    ctx = context(group, backend)
+    if type(x) is tuple:
+        if len(x) != 2:
+            raise InputError(f"x must be a tensor or a pair (x_fp8, x_scales), got a tuple of {len(x)}")
+        x, x_scales = x
+    else:
+        x_scales = None
+    lay = _LAYOUTS.get(layout)
+    if lay is None:
+        lay = Layout.parse(layout)
+    if lay not in ctx.layouts:
+        raise UnsupportedError(ctx.name, f"layout {lay.value}",
+                               [n for n in registry.backend_names() if n != ctx.name])
+    experts, cap, align = _config_ints(num_experts, capacity, expert_alignment)
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    cls = _select(backend, layout, x)
-    group_name = _group_name(group)
-    meta = (group_name, cls.name, num_experts, layout.value, -1 if capacity is None else capacity, expert_alignment)
-    out = torch.ops.omniep.dispatch(x, x_scales, topk_idx, topk_weights, *meta)
-    handle = ops.handle_from_tensors(ops.dispatch_handle_tensors(out, layout.value), meta, topk_weights)
+    code = _LAYOUT_CODE[lay]
+    out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+    config = DispatchConfig(experts, ctx.world, lay, None if cap < 0 else cap, align)
+    # recv_topk_weights is differentiable: the handle keeps it out of the autograd graph.
+    handle = Handle((out[2], out[3].detach(), *out[7]), ctx, config, topk_weights)
     recv_x = (out[0], out[1]) if x_scales is not None else out[0]
     return Dispatched(recv_x=recv_x, recv_topk_idx=out[2], recv_topk_weights=out[3], num_recv=out[4],
                       num_recv_tokens_per_expert=out[5], dropped=out[6], handle=handle)
 
 
-def _meta(handle) -> tuple:
-    if not isinstance(handle, Handle) or getattr(handle, "all_counts", None) is None:
+def _config(handle) -> tuple:
+    if not isinstance(handle, Handle):
         raise InputError(f"handle must be the handle returned by omniep.torch.dispatch, got {type(handle).__name__}")
-    cfg = handle.config
-    return (handle.group_name, handle.backend, cfg.num_experts, cfg.layout.value,
-            -1 if cfg.capacity is None else cfg.capacity, cfg.expert_alignment)
+    cfg, ctx = handle.config, handle.context
+    return (ctx.id, cfg.num_experts, _LAYOUT_CODE[cfg.layout], -1 if cfg.capacity is None else cfg.capacity,
+            cfg.expert_alignment)
 
 
 def combine(y: torch.Tensor, handle: Handle, *, bias=None) -> torch.Tensor:
@@ -107,22 +217,29 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None) -> torch.Tensor:
     ``[T, H]`` tensor or a tuple of two, added after the sum. Every sum is in fp32 from +0.0, in that
     order, rounded once. Differentiable in ``y``, ``bias`` and (expert-major) ``topk_weights``.
     """
-    meta = _meta(handle)
-    biases = () if bias is None else (tuple(bias) if isinstance(bias, (tuple, list)) else (bias,))
-    if len(biases) > 2:
-        raise InputError(f"bias takes at most two [T, H] tensors, got {len(biases)}")
-    biases = biases + (None,) * (2 - len(biases))
+    config = _config(handle)
+    if bias is None:
+        b0 = b1 = None
+    elif isinstance(bias, (tuple, list)):
+        if len(bias) > 2:
+            raise InputError(f"bias takes at most two [T, H] tensors, got {len(bias)}")
+        b0, b1 = (tuple(bias) + (None, None))[:2]
+    else:
+        b0, b1 = bias, None
     weights = handle.topk_weights if handle.config.layout == Layout.EXPERT_MAJOR else None
-    return torch.ops.omniep.combine(y, weights, biases[0], biases[1], ops.handle_tensors(handle), *meta)
+    return handle.context.ops.combine(y, weights, b0, b1, list(handle.tensors), *config)
 
 
 def cached_dispatch(x, handle: Handle):
     """Dispatch ``x[T, H]`` (or ``(x, x_scales)`` for fp8) again with the routing of a rank-major
-    ``handle``: no layout work, only rows move. Returns ``recv_x`` (a tuple for fp8) shaped like the
-    first dispatch's. Differentiable in ``x`` (its adjoint is a combine)."""
-    meta = _meta(handle)
+    ``handle``: no layout work, no host wait, only rows move. Returns ``recv_x`` (a tuple for fp8)
+    shaped like the first dispatch's. Differentiable in ``x`` (its adjoint is a combine)."""
+    config = _config(handle)
     if handle.config.layout != Layout.RANK_MAJOR:
         raise InputError("cached dispatch serves rank-major handles; dispatch again for the expert-major layout")
-    x, x_scales = x if isinstance(x, tuple) else (x, None)
-    recv_x, recv_scales = torch.ops.omniep.cached_dispatch(x, x_scales, ops.handle_tensors(handle), *meta)
+    if type(x) is tuple:
+        x, x_scales = x
+    else:
+        x_scales = None
+    recv_x, recv_scales = handle.context.ops.cached_dispatch(x, x_scales, list(handle.tensors), *config)
     return (recv_x, recv_scales) if x_scales is not None else recv_x

@@ -31,10 +31,10 @@ from typing import Optional
 import torch
 
 from ..backends.collective.torch_layout import local_layout
-from ..ep_core import registry
 from ..ep_core import validation as v
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
-from ..ep_core.types import Handle, Layout
+from ..ep_core.types import Layout
+from .torch import Handle, cached_dispatch, combine, context, dispatch
 
 
 class Buffer:
@@ -54,19 +54,18 @@ class Buffer:
                  backend: Optional[str] = None) -> None:
         import torch.distributed as dist
 
-        device = "gpu" if dist.is_initialized() and dist.get_backend(group) == "nccl" else "cpu"
-        cls = registry.select_backend("torch", backend, device=device)
-        if comm is not None:
-            raise UnsupportedError(cls.name, "an mpi4py communicator (pass a torch.distributed group)")
         if not dist.is_initialized():
             raise InputError("torch.distributed is not initialized: call init_process_group(...) first")
+        if comm is not None:
+            raise UnsupportedError(backend or "omniep", "an mpi4py communicator (pass a torch.distributed group)")
         self.group = group if group is not None else dist.group.WORLD
+        self._context = context(self.group, backend)  # resolved once: every method runs on it
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
-        self.backend = cls.name
+        self.backend = self._context.name
         self._destroyed = False
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -140,8 +139,6 @@ class Buffer:
         empty with num_worst_tokens), handle, None)``. Cached mode (``handle=`` given, no topk
         tensors): only ``x`` moves; returns ``(recv_x, None, None, None, None, None)``.
         """
-        from .torch import cached_dispatch, dispatch
-
         self._alive()
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
@@ -172,8 +169,6 @@ class Buffer:
         weights). ``bias``: 0, 1 or 2 ``[T, H]`` tensors added after the sum. Returns
         ``(combined_x [T, H], combined_topk_weights [T, K] or None, None)``.
         """
-        from .torch import combine
-
         self._alive()
         if not isinstance(handle, Handle) or handle.config.layout != Layout.RANK_MAJOR:
             raise InputError("Buffer.combine needs the handle returned by Buffer.dispatch")
@@ -205,8 +200,6 @@ class Buffer:
         ``hook`` a no-op callable when ``return_recv_hook`` (the rows have arrived), else None.
         ``cumulative_local_expert_recv_stats [L]`` int32, if given, gets ``recv_count`` added.
         """
-        from .torch import dispatch
-
         self._alive()
         if round_scale or use_ue8m0:
             raise UnsupportedError(self.backend, "power-of-two / UE8M0 fp8 scales (round_scale, use_ue8m0)")
@@ -230,16 +223,15 @@ class Buffer:
         """``out[t] = sum_k topk_weights[t, k] * x[copy (t, k)]`` (fp32, k ascending, one rounding) for
         ``x[L, C, H]`` laid out as :meth:`low_latency_dispatch` returned it. Returns ``(combined_x [T, H],
         None (event), hook or None)``; with ``out`` the result is written there too."""
-        from .torch import combine
-
         self._alive()
         if use_logfmt:
             raise UnsupportedError(self.backend, "LogFMT combine (use_logfmt)")
         if not isinstance(handle, Handle) or handle.config.layout != Layout.EXPERT_MAJOR:
             raise InputError("low_latency_combine needs the handle returned by low_latency_dispatch")
-        if tuple(topk_idx.shape) != tuple(handle.topk_idx.shape) or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        routed = tuple(handle.tensors[2].shape)  # topk_idx as the dispatch saw it
+        if tuple(topk_idx.shape) != routed or tuple(topk_weights.shape) != tuple(topk_idx.shape):
             raise InputError(f"topk_idx {tuple(topk_idx.shape)} / topk_weights {tuple(topk_weights.shape)} must "
-                             f"match the dispatch's {tuple(handle.topk_idx.shape)}")
+                             f"match the dispatch's {routed}")
         combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
         if out is not None:
             out.copy_(combined)

@@ -16,17 +16,19 @@ from typing import Optional
 
 import torch
 
-from ..torch_group import TorchGroupBackend
+from ..torch_group import PythonOps, TorchGroupBackend
+from ...ep_core import validation as v
 from ...ep_core.capacity import align_up
+from ...ep_core.errors import CapacityError, InputError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Layout, ProcessModel
 from .torch_layout import (
-    TorchHandle, acc_dtype, as_bytes, exclusive_cumsum, expert_major_send_slot, from_bytes, kept_from_sources,
+    TorchHandle, acc_dtype, capacity_overflow, as_bytes, exclusive_cumsum, expert_major_send_slot, from_bytes, kept_from_sources,
     kept_to_destinations, local_layout, pack_rows, positions_in_group, rank_major_send_slot,
     receive_copy_slots, receive_plan,
 )
 
 
-class CollectiveTorch(TorchGroupBackend):
+class CollectiveTorch(PythonOps, TorchGroupBackend):
     """prepare / dispatch / combine / backward passes for ONE rank of a ``torch.distributed`` group.
 
     ``group`` is a ``ProcessGroup`` (``None``: the default group). Every rank of the group must make
@@ -56,6 +58,102 @@ class CollectiveTorch(TorchGroupBackend):
             frameworks=("torch",), cuda_graph_safe=False, hidden_multiple=1,
         )
 
+
+    # ---- the omniep::* ops (omniep.frontends.torch_ops) --------------------------------------------
+    # Handle tensors after recv_topk_idx / recv_topk_weights: topk_idx32, send_pos, num_tokens_per_rank,
+    # recv_counts, num_recv, all_counts, send_slot, then (expert-major; empty otherwise) recv_expert_slot
+    # and the uncapped rank-major receive of the routing (recv_topk_idx / weights [M, K]).
+
+    def _config(self, num_experts, layout, capacity, expert_alignment, num_tokens=0) -> DispatchConfig:
+        lay = Layout.EXPERT_MAJOR if layout else Layout.RANK_MAJOR
+        if capacity < 0 and lay == Layout.EXPERT_MAJOR:
+            capacity = self.world * num_tokens  # the default expert-major capacity: R * T
+        return DispatchConfig(num_experts, self.world, lay, None if capacity < 0 else capacity, expert_alignment)
+
+    def _handle(self, h, config: DispatchConfig, topk_weights=None) -> TorchHandle:
+        recv_idx, recv_w, idx32, send_pos, per_rank, recv_counts, num_recv, all_counts, send_slot, slot, m_idx, m_w = h
+        if config.layout == Layout.EXPERT_MAJOR:
+            recv_idx, recv_w = m_idx, m_w
+        else:
+            slot = None
+        return TorchHandle(config=config, backend=self.name, topk_idx=idx32, topk_weights=topk_weights,
+                           send_pos=send_pos, num_tokens_per_rank=per_rank, recv_counts=recv_counts,
+                           recv_topk_idx=recv_idx, recv_topk_weights=recv_w, num_recv=num_recv,
+                           recv_expert_slot=slot, all_counts=all_counts, send_slot=send_slot,
+                           group_name=getattr(self.group, "group_name", None))
+
+    @staticmethod
+    def _handle_tensors(h: TorchHandle) -> list:
+        tensors = [h.topk_idx, h.send_pos, h.num_tokens_per_rank, h.recv_counts, h.num_recv, h.all_counts, h.send_slot]
+        if h.config.layout == Layout.EXPERT_MAJOR:
+            return tensors + [h.recv_expert_slot, h.recv_topk_idx, h.recv_topk_weights]
+        new = h.topk_idx.new_empty
+        return tensors + [new((0,)), new((0,)), new((0,), dtype=torch.float32)]
+
+    def fake_handle(self, topk_idx, num_experts, layout, rows):
+        T, K = topk_idx.shape
+        R, i32 = self.world, torch.int32
+        new = topk_idx.new_empty
+        tensors = [new((T, K), dtype=i32), new((T, R), dtype=i32), new((R,), dtype=i32), new((R,), dtype=i32),
+                   new((), dtype=i32), new((R, R + num_experts), dtype=i32), new((T, R) if layout == 0 else (T, K), dtype=i32)]
+        if layout == 0:
+            return tensors + [new((0,), dtype=i32), new((0,), dtype=i32), new((0,), dtype=torch.float32)]
+        M = torch.library.get_ctx().new_dynamic_size()
+        return tensors + [new((M, K), dtype=i32), new((M, K), dtype=i32), new((M, K), dtype=torch.float32)]
+
+    def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment):
+        v.check_group(num_experts, self.world)
+        T, _ = v.check_routing(topk_idx, topk_weights)
+        v.check_tokens(x, T, x_scales=x_scales)
+        v.check_expert_ids(topk_idx.detach().cpu().numpy(), num_experts)
+        config = self._config(num_experts, layout, capacity, expert_alignment, T)
+        handle = self.prepare(topk_idx, config)
+        overflow = capacity_overflow(handle.all_counts, config)
+        if overflow:
+            rank, needed, cap = overflow[0]
+            raise CapacityError(needed, cap, rank=rank,
+                                what="rows" if config.layout == Layout.RANK_MAJOR else "copies for one local expert")
+        moved = (x, x_scales) if x_scales is not None else x
+        (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = self.dispatch(moved, topk_weights, handle)
+        recv_x, recv_scales = recv_x if x_scales is not None else (recv_x, x.new_empty((0,), dtype=torch.float32))
+        outputs = [recv_x, recv_scales, recv_idx, recv_w, num_recv, per_expert, dropped]
+        # An op's outputs may alias neither its inputs nor each other (torch.library): copy what does.
+        seen = {t.untyped_storage().data_ptr() for t in (x, topk_idx, topk_weights) if t.numel()}
+        fresh = []
+        for t in outputs + self._handle_tensors(handle):
+            ptr = t.untyped_storage().data_ptr() if t.numel() else None
+            if ptr is None:
+                t = t.new_empty(t.shape)
+            elif ptr in seen:
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+            fresh.append(t)
+        return (*fresh[:7], fresh[7:])
+
+    def op_cached_dispatch(self, x, x_scales, handle, num_experts, layout, capacity, expert_alignment):
+        h = self._handle(handle, self._config(num_experts, layout, capacity, expert_alignment))
+        v.check_tokens(x, int(h.topk_idx.shape[0]), x_scales=x_scales)
+        (recv_x, *_), _ = self.dispatch((x, x_scales) if x_scales is not None else x, None, h)
+        return recv_x if x_scales is not None else (recv_x, x.new_empty((0,), dtype=torch.float32))
+
+    def op_combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment):
+        config = self._config(num_experts, layout, capacity, expert_alignment, int(handle[2].shape[0]))
+        h = self._handle(handle, config, topk_weights)
+        biases = tuple(b for b in (bias0, bias1) if b is not None)
+        shape = "[rows, H]" if layout == 0 else "[num_local_experts, capacity, H]"
+        v.check_combine_input(y, tuple(handle[0].shape[: 1 if layout == 0 else 2]), layout_shape=shape)
+        v.check_bias(biases, int(h.topk_idx.shape[0]), int(y.shape[-1]))
+        return self.combine(y, h, biases)
+
+    def op_dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle, num_experts, layout, capacity, expert_alignment):
+        config = self._config(num_experts, layout, capacity, expert_alignment, int(handle[2].shape[0]))
+        return self.dispatch_bwd(g_recv_x, g_recv_topk_weights, self._handle(handle, config))
+
+    def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):
+        config = self._config(num_experts, layout, capacity, expert_alignment, int(handle[2].shape[0]))
+        g_y, g_w = self.combine_bwd(g_out, self._handle(handle, config, topk_weights), y)
+        return g_y, (g_w if g_w is not None else g_out.new_empty((0,), dtype=torch.float32))
 
     # ---- communication --------------------------------------------------------------------------
 
