@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backends/one_rank_launch.cuh"
+#include "backends/rank_ops.cuh"
 #include "transports/p2p.cuh"
 
 namespace omniep {
@@ -180,6 +181,30 @@ void IpcRank::open_data(const std::vector<std::string>& handles) {
                ("opening the data buffer of rank " + std::to_string(r)).c_str());
     data_[r] = p;
   }
+}
+
+void IpcRank::grow_data(size_t bytes, cudaStream_t stream) {
+  if (linked_) throw std::runtime_error("omniep: ranks linked in one process grow through their JAX state");
+  const BarrierArgs plain = {};
+  const auto all_here = [&](const char* what) {  // a device barrier, waited for on the host
+    launch_barrier(plain, stream);
+    check_cuda(cudaStreamSynchronize(stream), what);
+  };
+  close_peer_data();
+  all_here("growing the data buffer (peers unmapped)");  // nobody maps anyone's old buffer any more
+  allocate_data(bytes);
+  const std::string mine = data_handle();
+  check_cuda(cudaMemcpy(workspaces_[rank_]->data_handle, mine.data(), mine.size(), cudaMemcpyHostToDevice),
+             "publishing the data buffer's IPC handle");
+  all_here("growing the data buffer (handles published)");
+  std::vector<std::string> handles(num_ranks_, mine);
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    handles[r].assign(sizeof(RankWorkspace::data_handle), '\0');
+    check_cuda(cudaMemcpy(&handles[r][0], workspaces_[r]->data_handle, handles[r].size(), cudaMemcpyDeviceToHost),
+               "reading a peer's data buffer IPC handle");
+  }
+  open_data(handles);
 }
 
 P2PTransport IpcRank::transport() const {

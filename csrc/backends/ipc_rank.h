@@ -46,8 +46,8 @@ class IpcRank : public OneRankOps<IpcRank> {
   IpcRank(const IpcRank&) = delete;
   IpcRank& operator=(const IpcRank&) = delete;
 
-  int rank() const { return rank_; }
-  int num_ranks() const { return num_ranks_; }
+  int rank() const override { return rank_; }
+  int num_ranks() const override { return num_ranks_; }
   int device() const { return device_; }
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
@@ -66,8 +66,12 @@ class IpcRank : public OneRankOps<IpcRank> {
   void allocate_data(size_t bytes);
   std::string data_handle() const;
   void open_data(const std::vector<std::string>& handles);
-  size_t data_bytes() const { return data_bytes_; }
+  size_t data_bytes() const override { return data_bytes_; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_[rank_]); }
+  // Collective, inside an op (OneRankOps::ensure_data): every rank re-allocates its data buffer and
+  // the new IPC handles travel through the workspaces the ranks already map (device barriers between
+  // the steps), so growing needs no host collective.
+  void grow_data(size_t bytes, cudaStream_t stream);
 
   // ---- one process driving several GPUs: no IPC, the ranks' own device pointers ----
   // Every rank of `ranks` (rank i is ranks[i], all made in this process, each on its own device or

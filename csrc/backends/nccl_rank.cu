@@ -10,6 +10,7 @@
 #include <string>
 
 #include "backends/one_rank_launch.cuh"
+#include "backends/rank_ops.cuh"
 #include "transports/nccl_dev.cuh"
 
 namespace omniep {

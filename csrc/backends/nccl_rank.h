@@ -14,7 +14,7 @@
 // devComm then asks for a GIN context and one signal per rank, and the data buffer gets its
 // registered mirrors, R x its size); the expert-major ops are refused for such groups (GIN has no gets
 // and no remote atomics). The GIN path has NOT run on a network: our GPU machines have no NICs.
-// The ops are IpcRank's and NvshmemRank's (OneRankOps; python/rank_args.h binds all three). Host-only header.
+// The ops are IpcRank's and NvshmemRank's (OneRankOps; python/rank_bindings.h binds all three). Host-only header.
 #pragma once
 
 #include <stdint.h>
@@ -50,17 +50,18 @@ class NcclRank : public OneRankOps<NcclRank> {
   NcclRank(const NcclRank&) = delete;
   NcclRank& operator=(const NcclRank&) = delete;
 
-  int rank() const { return rank_; }
-  int num_ranks() const { return num_ranks_; }
+  int rank() const override { return rank_; }
+  int num_ranks() const override { return num_ranks_; }
   int device() const { return device_; }
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
   void set_blocks(int n);
   uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r is reached through GIN
-  size_t data_bytes() const { return data_bytes_; }
+  size_t data_bytes() const override { return data_bytes_; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
   // Collective (every rank, same bytes): deregister, free, allocate and register the data buffer.
   void allocate_data(size_t bytes);
+  void grow_data(size_t bytes, cudaStream_t) { allocate_data(bytes); }  // inside an op (OneRankOps)
 
   // Entry [me] = my data buffer + offset (the transport derives the peers' through the window).
   template <typename T>

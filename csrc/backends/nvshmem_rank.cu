@@ -9,6 +9,7 @@
 #include <string>
 
 #include "backends/one_rank_launch.cuh"
+#include "backends/rank_ops.cuh"
 #include "transports/nvshmem.cuh"
 
 namespace omniep {

@@ -9,7 +9,7 @@
 // symmetric areas are allocated, collectively: the mirrors of the data buffer (R x its size, grown
 // with it: where the rank-major kernels stage rows for remote peers and receive rows back), and the
 // expert-major kernels' per-warp staging scratch.
-// The ops are IpcRank's and NcclRank's (OneRankOps; python/rank_args.h binds all three). Host-only header.
+// The ops are IpcRank's and NcclRank's (OneRankOps; python/rank_bindings.h binds all three). Host-only header.
 #pragma once
 
 #include <stdint.h>
@@ -34,16 +34,17 @@ class NvshmemRank : public OneRankOps<NvshmemRank> {
   NvshmemRank(const NvshmemRank&) = delete;
   NvshmemRank& operator=(const NvshmemRank&) = delete;
 
-  int rank() const { return rank_; }
-  int num_ranks() const { return num_ranks_; }
+  int rank() const override { return rank_; }
+  int num_ranks() const override { return num_ranks_; }
   uint64_t timeout_ns() const { return timeout_ns_; }
   void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
   void set_blocks(int n);
   uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r goes through puts + signals
-  size_t data_bytes() const { return data_bytes_; }
+  size_t data_bytes() const override { return data_bytes_; }
   uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
   // Collective (every PE, same bytes): free and re-allocate the symmetric data buffer.
   void allocate_data(size_t bytes);
+  void grow_data(size_t bytes, cudaStream_t) { allocate_data(bytes); }  // inside an op (OneRankOps)
 
   // Entry [me] = my data buffer + offset (the transport derives the peers' with nvshmem_ptr).
   template <typename T>

@@ -45,8 +45,8 @@ class OneRankLauncher {
   }
 
   template <typename Tr>
-  void barrier(const Tr& tr, cudaStream_t stream) {
-    launch(barrier_kernel<Tr>, 1, gpu::kWarpSize, 0, stream, 0, tr, "barrier");
+  void barrier(const BarrierArgs& a, const Tr& tr, cudaStream_t stream) {
+    launch(barrier_kernel<Tr>, 1, gpu::kWarpSize, 0, stream, a, tr, "barrier");
   }
 
   template <typename Tr>
@@ -181,43 +181,43 @@ void OneRankOps<Rank>::run(F&& launch) {
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::layout(const LayoutArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_layout(const LayoutArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.layout(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::dispatch(const DispatchArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.dispatch(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::combine(const CombineArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_combine(const CombineArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.combine(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::em_layout(const EMLayoutArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_em_layout(const EMLayoutArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.em_layout(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::em_dispatch(const EMDispatchArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_em_dispatch(const EMDispatchArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.em_dispatch(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::em_combine(const EMCombineArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_em_combine(const EMCombineArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.em_combine(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdArgs& args, cudaStream_t stream) {
+void OneRankOps<Rank>::launch_em_combine_bwd(const EMCombineBwdArgs& args, cudaStream_t stream) {
   run([&](OneRankLauncher& l, const auto& tr) { l.em_combine_bwd(args, tr, stream); });
 }
 
 template <typename Rank>
-void OneRankOps<Rank>::barrier(cudaStream_t stream) {
-  run([&](OneRankLauncher& l, const auto& tr) { l.barrier(tr, stream); });
+void OneRankOps<Rank>::launch_barrier(const BarrierArgs& args, cudaStream_t stream) {
+  run([&](OneRankLauncher& l, const auto& tr) { l.barrier(args, tr, stream); });
 }
 
 template <typename Rank>
@@ -262,17 +262,6 @@ void OneRankOps<Rank>::copy_rows_except(uintptr_t dst, uintptr_t src, int64_t ro
   a.unit = row_copy_unit(row_bytes, addrs, 2);
   Rank& r = self();
   r.on_device([&] { r.launcher().copy_rows_except(a, stream); });
-}
-
-template <typename Rank>
-ErrorRecord OneRankOps<Rank>::read_error() const {
-  ErrorRecord out;
-  self().on_device([&] {
-    check_cuda(cudaDeviceSynchronize(), "synchronising before reading the error record");
-    check_cuda(cudaMemcpy(&out, &self().my_workspace()->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost),
-               "reading the error record");
-  });
-  return out;
 }
 
 template <typename Rank>

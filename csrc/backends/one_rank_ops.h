@@ -1,21 +1,27 @@
 // OneRankOps: the ops that every one-rank-per-process class shares (IpcRank over CUDA IPC, NvshmemRank
-// over NVSHMEM, NcclRank over the NCCL device API), written once over the little each class provides.
+// over NVSHMEM, NcclRank over the NCCL device API), written once over the little each class provides:
+// the EpRank interface (backends/ep_rank.h: the data path, descriptors, statuses, growth) and the
+// single-kernel launches it is made of.
 //
 // A class `Rank` derives from OneRankOps<Rank> (CRTP) and gives OneRankOps (a friend) access to:
 //   OneRankLauncher& launcher();                 its launcher (backends/one_rank_launch.cuh)
 //   <transport> transport() const;               the kernels' view of this rank; throws if not ready
 //   RankWorkspace* my_workspace() const;         its own workspace
 //   template <typename F> void on_device(F&&) const;   runs f with the rank's device current
-// and the public rank() / num_ranks().
+//   PerRank<T> sym<T>(offset), uintptr_t data_ptr()    its symmetric data buffer
+//   void grow_data(size_t bytes, cudaStream_t)   re-allocate that buffer, collectively (all ranks, same bytes)
+// and the public rank() / num_ranks() / data_bytes().
 //
-// The definitions are in backends/one_rank_launch.cuh (device code); each class's .cu instantiates
-// them once (`template class OneRankOps<Rank>;`), and its header declares that instance extern.
-// Host-only header: the pybind modules and the XLA FFI handlers include it without CUDA headers.
+// The definitions are in backends/one_rank_launch.cuh and backends/rank_ops.cuh (device code); each
+// class's .cu instantiates them once (`template class OneRankOps<Rank>;`), and its header declares
+// that instance extern. Host-only header: the pybind modules and the XLA FFI handlers include it
+// without CUDA headers.
 #pragma once
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backends/ep_rank.h"
 #include "kernels/args.h"
 #include "kernels/em_args.h"
 
@@ -23,23 +29,43 @@
 
 namespace omniep {
 
+struct BarrierArgs;
+
 template <typename Rank>
-class OneRankOps {
+class OneRankOps : public EpRank {
  public:
-  // ---- ops: launch this rank's slice on `stream` (gridDim.y == 1); no host synchronisation ----
+  ~OneRankOps() override;
+
+  // ---- EpRank (backends/rank_ops.cuh) ----
+  PrepareResult prepare(const PrepareCall& c, OpDesc& d, cudaStream_t s) override;
+  void dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s) override;
+  void combine(const CombineCall& c, OpDesc& d, cudaStream_t s) override;
+  void em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStream_t s) override;
+  void em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_t s) override;
+  void em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cudaStream_t s) override;
+  void reject(OpDesc& d, cudaStream_t s) override;
+  void barrier(cudaStream_t s) override;
+  void statuses(Status* fatal, Status* pending, bool clear_pending) override;
+  void take_status(Status* out, cudaStream_t s) override;
+  // Whether the ops may grow the data buffer themselves (collectively, inside an op). The JAX states
+  // size it while tracing instead and turn this off: an op that needs more then fails.
+  void set_grow_in_ops(bool on) { grow_in_ops_ = on; }
+
+  // ---- single kernels: launch this rank's slice on `stream` (gridDim.y == 1); no host sync ----
   // Each checks the group shape (num_experts, capacity) against the group size first. Argument
   // structs: entries [rank()] of local fields, symmetric fields as the class's sym<T>() fills them.
-  void layout(const LayoutArgs& args, cudaStream_t stream);
-  void dispatch(const DispatchArgs& args, cudaStream_t stream);  // args.unit / unit2 are chosen here
-  void combine(const CombineArgs& args, cudaStream_t stream);
+  void launch_layout(const LayoutArgs& args, cudaStream_t stream);
+  void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);  // args.unit / unit2 are chosen here
+  void launch_combine(const CombineArgs& args, cudaStream_t stream);
   // Expert-major layout (kernels/em_*.cuh): em_layout runs after layout() on the same stream;
   // dispatch_bwd is em_combine with null topk_weights and with_topk_grad = 1.
-  void em_layout(const EMLayoutArgs& args, cudaStream_t stream);
-  void em_dispatch(const EMDispatchArgs& args, cudaStream_t stream);  // args.unit / unit2 chosen here
-  void em_combine(const EMCombineArgs& args, cudaStream_t stream);
-  void em_combine_bwd(const EMCombineBwdArgs& args, cudaStream_t stream);
-  // A bare barrier over the group on `stream` (every rank must call it, in the same order as the ops).
-  void barrier(cudaStream_t stream);
+  void launch_em_layout(const EMLayoutArgs& args, cudaStream_t stream);
+  void launch_em_dispatch(const EMDispatchArgs& args, cudaStream_t stream);  // args.unit / unit2 chosen here
+  void launch_em_combine(const EMCombineArgs& args, cudaStream_t stream);
+  void launch_em_combine_bwd(const EMCombineBwdArgs& args, cudaStream_t stream);
+  // A barrier over the group on `stream` (every rank, in op order); with args.exchange it carries the
+  // descriptors (kernels/sync.cuh barrier_kernel).
+  void launch_barrier(const BarrierArgs& args, cudaStream_t stream);
 
   // Async device-to-device copies on `stream` (into / out of the data buffer): `bytes`, or `height`
   // rows of `width` bytes at the given pitches.
@@ -53,14 +79,21 @@ class OneRankOps {
   void copy_rows_except(uintptr_t dst, uintptr_t src, int64_t row_bytes, int64_t rows, uintptr_t skip_begin,
                         uintptr_t skip_count, cudaStream_t stream);
 
-  // Synchronises the device; my ErrorRecord (code 0 = fine).
-  ErrorRecord read_error() const;
   // Synchronises the device and zeroes my workspace. Only meaningful if every rank resets.
   void reset();
 
  private:
   template <typename F>
   void run(F&& launch);  // launch(launcher, transport) on the rank's device
+  // Makes the data buffer at least `bytes` (rank_ops.cuh). Growing is collective and starts with the
+  // op's descriptor exchange, so ranks that disagree stop instead of growing apart; false: the op
+  // stopped (on every rank).
+  bool ensure_data(size_t bytes, OpDesc& d, cudaStream_t s);
+  bool stopped(const OpDesc& d) const;  // after a sync: the op stopped at an exchange (or the rank failed)
+  HostMailbox* mailbox();               // pinned, host-mapped (allocated at the first exact dispatch)
+  HostMailbox* mailbox_ = nullptr;
+  int32_t ticket_ = 0;
+  bool grow_in_ops_ = true;
   void copy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width, size_t height,
               cudaStream_t stream, const char* what) const;
   Rank& self() { return static_cast<Rank&>(*this); }

@@ -89,12 +89,12 @@ void VirtualRankGroup::combine(const CombineArgs& args, int first_rank, int coun
          count, stream, "combine");
 }
 
-std::vector<ErrorRecord> VirtualRankGroup::read_errors() const {
-  gpu::check(cudaDeviceSynchronize(), "synchronising before reading error records");
-  std::vector<ErrorRecord> out(workspaces_.size());
+std::vector<Status> VirtualRankGroup::read_errors() const {
+  gpu::check(cudaDeviceSynchronize(), "synchronising before reading the statuses");
+  std::vector<Status> out(workspaces_.size());
   for (size_t r = 0; r < workspaces_.size(); ++r) {
-    gpu::check(cudaMemcpy(&out[r], &workspaces_[r]->error, sizeof(ErrorRecord), cudaMemcpyDeviceToHost),
-               "reading error records");
+    gpu::check(cudaMemcpy(&out[r], &workspaces_[r]->fatal, sizeof(Status), cudaMemcpyDeviceToHost),
+               "reading the statuses");
   }
   return out;
 }

@@ -58,8 +58,8 @@ class VirtualRankGroup {
   void em_combine(const EMCombineArgs& args, int first_rank, int count, cudaStream_t stream);
   void em_combine_bwd(const EMCombineBwdArgs& args, int first_rank, int count, cudaStream_t stream);
 
-  // Synchronises the device and returns each rank's ErrorRecord (code 0 = fine).
-  std::vector<ErrorRecord> read_errors() const;
+  // Synchronises the device and returns each rank's sticky status (omniep/status.h; code 0 = fine).
+  std::vector<Status> read_errors() const;
   // Synchronises the device and zeroes every workspace (after an error, counters disagree).
   void reset();
 

@@ -28,15 +28,23 @@ typedef enum {
 
 typedef enum { OMNIEP_FLOAT32 = 0, OMNIEP_BFLOAT16 = 1, OMNIEP_FLOAT16 = 2 } omniep_dtype;
 
-typedef enum { OMNIEP_ERROR_NONE = 0, OMNIEP_ERROR_PEER_TIMEOUT = 1, OMNIEP_ERROR_LOCAL_TIMEOUT = 2 } omniep_error_code;
+/* Status codes (omniep/ep_core/descriptor.py StatusCode, omniep/status.h). */
+typedef enum {
+  OMNIEP_STATUS_OK = 0,
+  OMNIEP_STATUS_RANK_MISMATCH = 1,
+  OMNIEP_STATUS_BAD_INPUT = 2,
+  OMNIEP_STATUS_CAPACITY = 3,
+  OMNIEP_STATUS_PEER_TIMEOUT = 4,
+  OMNIEP_STATUS_LOCAL_TIMEOUT = 5
+} omniep_status_code;
 
-/* A rank's first device-side error: `peer` is the rank it waited for (-1: its own blocks). */
+/* A rank's sticky device-side status, word for word omniep/status.h `Status` (descriptor.py
+ * STATUS_FIELDS): for timeouts `peer` is the rank it waited for (-1: its own blocks) and `fields` the
+ * phase (1/2 layout exchange/done, 3/4 dispatch start/done, 5/6 combine start/done, 7 barrier, 8
+ * combine remote rows). */
 typedef struct {
-  int32_t code;
-  int32_t rank;
-  int32_t peer;
-  int32_t phase; /* 1/2 layout exchange/done, 3/4 dispatch start/done, 5/6 combine start/done, 7 barrier, 8 combine remote rows */
-} omniep_error_record;
+  int32_t code, rank, peer, peers, fields, field, mine, theirs, op, seq;
+} omniep_status_record;
 
 typedef struct {
   uintptr_t topk_idx[OMNIEP_MAX_RANKS];              /* [T, K] int32/int64 */
@@ -164,7 +172,7 @@ omniep_status omniep_group_destroy(omniep_group* group);
 omniep_status omniep_group_set_timeout(omniep_group* group, uint64_t timeout_ns);
 omniep_status omniep_group_set_blocks_per_rank(omniep_group* group, int32_t blocks);
 /* Fills errors[0..R) (synchronises the device). */
-omniep_status omniep_group_errors(omniep_group* group, omniep_error_record* errors);
+omniep_status omniep_group_errors(omniep_group* group, omniep_status_record* errors);
 omniep_status omniep_group_reset(omniep_group* group);
 
 /* Each op launches ranks [first_rank, first_rank + num_launched) on `stream`. */

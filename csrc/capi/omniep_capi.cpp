@@ -2,6 +2,8 @@
 // kernels' argument structs and C++ exceptions to status codes + omniep_last_error().
 #include "capi/omniep.h"
 
+#include <cstring>
+
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -9,7 +11,7 @@
 #include "backends/virtual_rank_group.h"
 
 static_assert(OMNIEP_MAX_RANKS == omniep::kMaxRanks, "C ABI and kernels disagree on the rank limit");
-static_assert(sizeof(omniep_error_record) == sizeof(omniep::ErrorRecord), "error record layout");
+static_assert(sizeof(omniep_status_record) == sizeof(omniep::Status), "status record layout");
 
 struct omniep_group {
   omniep::VirtualRankGroup impl;
@@ -237,13 +239,11 @@ omniep_status omniep_group_set_blocks_per_rank(omniep_group* g, int32_t blocks) 
   return guarded([&] { require_group(g, g); g->impl.set_blocks_per_rank(blocks); });
 }
 
-omniep_status omniep_group_errors(omniep_group* g, omniep_error_record* errors) {
+omniep_status omniep_group_errors(omniep_group* g, omniep_status_record* errors) {
   return guarded([&] {
     require_group(g, errors);
     const auto records = g->impl.read_errors();
-    for (size_t r = 0; r < records.size(); ++r) {
-      errors[r] = {records[r].code, records[r].rank, records[r].peer, records[r].phase};
-    }
+    for (size_t r = 0; r < records.size(); ++r) std::memcpy(&errors[r], &records[r], sizeof(omniep_status_record));
   });
 }
 

@@ -12,6 +12,7 @@ namespace omniep {
 JaxRank::JaxRank(int rank, int num_ranks, int device, uint64_t timeout_ns) : device_(device) {
   jax_ffi::check_runtime(cudaSetDevice(device), "selecting the rank's device");
   impl_ = std::make_unique<IpcRank>(rank, num_ranks, timeout_ns);
+  impl_->set_grow_in_ops(false);  // sized while tracing (jax_state.py), through JAX's key-value store
   group_.add(device, impl_.get());
 }
 
@@ -46,6 +47,7 @@ JaxLocalIpcGroup::JaxLocalIpcGroup(const std::vector<int>& devices, uint64_t tim
   for (int r = 0; r < R; ++r) {
     jax_ffi::check_runtime(cudaSetDevice(devices[r]), "selecting the rank's device");
     owned_.push_back(std::make_unique<IpcRank>(r, R, timeout_ns));
+    owned_.back()->set_grow_in_ops(false);  // grown by allocate_data (linked peers)
   }
   for (int r = 0; r < R; ++r) add_rank(devices[r], owned_[r].get());
   IpcRank::link_workspaces(ranks());
@@ -64,10 +66,10 @@ void JaxLocalIpcGroup::allocate_data(size_t bytes) {
   IpcRank::link_data(ranks());
 }
 
-ErrorRecord JaxLocalIpcGroup::error(int i) const {
+void JaxLocalIpcGroup::statuses(int i, Status* fatal, Status* pending) const {
   IpcRank& r = local_rank(i);
   jax_ffi::check_runtime(cudaSetDevice(r.device()), "selecting the rank's device");
-  return r.read_error();
+  r.statuses(fatal, pending, /*clear_pending=*/false);
 }
 
 void JaxLocalIpcGroup::destroy() {

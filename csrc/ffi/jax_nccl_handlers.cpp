@@ -13,12 +13,16 @@ template class JaxLocalRanks<NcclRank>;
 
 JaxNcclState::JaxNcclState(const std::vector<int>& devices, uint64_t timeout_ns) {
   local_ = std::make_unique<NcclLocalGroup>(devices, timeout_ns);
-  for (int i = 0; i < local_->size(); ++i) add_rank(local_->rank(i).device(), &local_->rank(i));
+  for (int i = 0; i < local_->size(); ++i) {
+    local_->rank(i).set_grow_in_ops(false);  // grown together by allocate_data (grouped NCCL calls)
+    add_rank(local_->rank(i).device(), &local_->rank(i));
+  }
 }
 
 JaxNcclState::JaxNcclState(int rank, int num_ranks, const std::string& unique_id, int device, uint64_t timeout_ns) {
   jax_ffi::check_runtime(cudaSetDevice(device), "selecting the rank's device");
   single_ = std::make_unique<NcclRank>(rank, num_ranks, unique_id, timeout_ns);
+  single_->set_grow_in_ops(false);  // sized while tracing (allocate_data)
   add_rank(device, single_.get());
 }
 

@@ -66,7 +66,7 @@ class JaxLocalIpcGroup : public JaxLocalRanks<IpcRank> {
 
   // Waits for every device, then re-allocates every rank's data buffer with `bytes` and links them.
   void allocate_data(size_t bytes);
-  ErrorRecord error(int i) const;  // rank i's record; synchronises its device
+  void statuses(int i, Status* fatal, Status* pending) const;  // local rank i's; synchronises its device
   // Synchronise, free every rank's buffers; the object stays (stale executables get an FFI error).
   void destroy();
 

@@ -36,11 +36,16 @@ struct LayoutArgs {
   PerRank<int32_t> num_recv;               // out []: min(sum(recv_counts), C)
   PerRank<int32_t> dropped;                // out []: sum(recv_counts) - num_recv
   PerRank<int32_t> count_matrix;           // out [R, R] (optional): tokens s sends to r at [s, r]
+  // Optional (exact receive size): pinned host memory the kernel fills after its count exchange, then
+  // marks with `ticket` (status.h HostMailbox): the host's one wait of a non-cached dispatch.
+  PerRank<HostMailbox> mailbox;
+  int32_t ticket;
   int num_tokens[kMaxRanks];
   int num_topk;
   int num_experts;
-  int capacity;
+  int capacity;     // INT32_MAX: exact (nothing is dropped)
   int index_bytes;  // 4 or 8
+  OpDesc desc[kMaxRanks];  // entry [rank]: the rank's op descriptor (status.h), exchanged at the first barrier
 };
 
 struct DispatchArgs {
@@ -71,6 +76,7 @@ struct DispatchArgs {
   int capacity;
   int expert_alignment;
   int with_routing;  // 0: move rows only (combine_bwd, a cached dispatch of g_out)
+  OpDesc desc[kMaxRanks];
 };
 
 struct CombineArgs {
@@ -94,6 +100,7 @@ struct CombineArgs {
   int num_bias;
   int bias_dtype[2];
   int with_topk_grad;
+  OpDesc desc[kMaxRanks];
 };
 
 }  // namespace omniep

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
       tr.put_i32(&my_ws->push_rows[2 * me + 1], s_rows[r], r);
     }
   };
-  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, tell)) return;
+  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, tell, &a.desc[me])) return;
   // ... and puts them into my mirror for it, as I put theirs into their mirrors for me.
   if constexpr (Tr::kHasRemote) {
     const auto push = [&](int s) {

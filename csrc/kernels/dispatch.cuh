@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_delivered[e] = 0;
   }
   if (static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
-  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true)) return;
+  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
 
   // ---- push my rows ----
   const uint8_t* x = tr.local(a.x);

@@ -35,6 +35,7 @@ struct EMLayoutArgs {
   int num_experts;
   int capacity;
   int expert_alignment;
+  OpDesc desc[kMaxRanks];  // a later kernel of the layout kernel's op (part 1)
 };
 
 struct EMDispatchArgs {
@@ -56,6 +57,7 @@ struct EMDispatchArgs {
   int num_topk;
   int num_experts;
   int capacity;
+  OpDesc desc[kMaxRanks];
 };
 
 // combine (weighted) and dispatch_bwd (topk_weights all null: weight 1, with_topk_grad = 1).
@@ -77,6 +79,7 @@ struct EMCombineArgs {
   int num_bias;
   int bias_dtype[2];
   int with_topk_grad;
+  OpDesc desc[kMaxRanks];
 };
 
 // combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) pushed to the copy's slot, and (with_topk_grad)
@@ -97,6 +100,7 @@ struct EMCombineBwdArgs {
   int capacity;
   int dtype;
   int with_topk_grad;
+  OpDesc desc[kMaxRanks];
 };
 
 }  // namespace omniep

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
-  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true)) return;
+  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
 
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);  // null: weight 1 (dispatch_bwd)

@@ -48,7 +48,7 @@ template <typename Tr>
 __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispatchArgs a, Tr tr) {
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity;
-  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true)) return;
+  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
 
   const uint8_t* x = tr.local(a.x);
   const uint8_t* x2 = tr.local(a.x2);
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
-  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true)) return;
+  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
 
   const Scalar* g_out = static_cast<const Scalar*>(tr.local(a.g_out));
   const int32_t* idx32 = tr.local(a.topk_idx32);

@@ -15,6 +15,10 @@
 //      group at a time, lowest lane first) and keeping the running count in shared memory that
 //      only it touches;
 //   4. a last barrier keeps a fast peer's NEXT prepare from overwriting the matrix while it is read.
+// The first barrier is a later exchange of the layout kernel's op (descriptor part 1): if that op was
+// stopped (a mismatch, a bad id), this kernel stops on every rank too. A static capacity that some
+// expert of some rank overflows is recorded as a pending CAPACITY status (the same on every rank: the
+// lowest such expert id), and its last copies are dropped and counted.
 // Cost: R * E stores per source (a few thousand for DeepEP's shapes); every warp reads all T*K ids
 // (L1 hits after the first warp): fine for the low-latency shapes (128 tokens/rank), linear in T*K
 // otherwise.
@@ -30,6 +34,7 @@ template <typename Tr>
 __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs a, Tr tr) {
   extern __shared__ int s_next[];  // [E]: next slot of each expert at its receiver
   __shared__ int s_kept, s_total, s_max;
+  __shared__ int s_overflow;  // the lowest expert id (any rank) whose copies exceed the capacity
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
@@ -50,8 +55,9 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
     s_kept = 0;
     s_total = 0;
     s_max = 0;
+    s_overflow = E;
   }
-  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true)) return;
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
   const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E], every source's row
 
   // 2a. source: first slot of my copies of every expert (copies from lower source ranks)
@@ -74,11 +80,21 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
       atomicMax(&s_max, n);
     }
   }
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // every rank's experts: the same verdict everywhere
+    int n = 0;
+    for (int s = 0; s < R; ++s) n += counts[s * E + e];
+    if (n > C) atomicMin(&s_overflow, e);
+  }
   if (int32_t* matrix = tr.local(a.expert_count_matrix)) {
     for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) matrix[j] = counts[j];
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (s_overflow < E) {
+      int n = 0;
+      for (int s = 0; s < R; ++s) n += counts[s * E + s_overflow];
+      record_overflow(tr.workspace(me), me, s_overflow / L, n, C);
+    }
     *tr.local(a.num_recv) = s_kept;
     *tr.local(a.dropped) = s_total - s_kept;
     *tr.local(a.max_expert_count) = s_max;

@@ -35,7 +35,7 @@ void launch_every_kernel(const Tr& tr, int ranks, gpu::Stream s) {
   go(em_dispatch_kernel<Tr>, kEMDispatchThreads, EMDispatchArgs{}, tr, ranks, s, "em_dispatch");
   typed<EMCombineK>(kEMCombineThreads, EMCombineArgs{}, tr, ranks, s, "em_combine");
   typed<EMCombineBwdK>(kEMDispatchThreads, EMCombineBwdArgs{}, tr, ranks, s, "em_combine_bwd");
-  go(barrier_kernel<Tr>, gpu::kWarpSize, 0, tr, ranks, s, "barrier");
+  go(barrier_kernel<Tr>, gpu::kWarpSize, BarrierArgs{}, tr, ranks, s, "barrier");
 }
 
 }  // namespace omniep::compile_check

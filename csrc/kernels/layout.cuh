@@ -10,6 +10,12 @@
 // A second barrier keeps a fast peer's NEXT prepare from overwriting counts still being read; the
 // whole matrix is copied out (count_matrix) before it, inside the kernel: once this kernel is done a
 // peer's next prepare may already be writing its new row here, so nothing may read it afterwards.
+//
+// The first barrier also exchanges the op descriptors (kernels/sync.cuh): an expert id outside
+// [-1, E) sets this rank's input status (the id is reported to every rank, nothing moves). After it,
+// every rank knows every rank's receive size: an overflow of a static capacity is recorded as a
+// pending CAPACITY status (rows are dropped and counted), and with a mailbox the kernel tells the
+// host its receive size and the largest one (HostMailbox), whatever happened.
 #pragma once
 
 #include "kernels/args.h"
@@ -19,11 +25,26 @@ namespace omniep {
 
 inline constexpr int kLayoutThreads = 1024;
 
+// One thread: the host's copy of this prepare's outcome, `ticket` last (system scope: the host polls it).
+OMNIEP_DEVICE void publish(HostMailbox* mailbox, int32_t ticket, int32_t rows, int32_t max_rows, bool stopped,
+                           const RankWorkspace* ws) {
+  mailbox->rows = rows;
+  mailbox->max_rows = max_rows;
+  mailbox->stopped = stopped ? 1 : 0;
+  mailbox->fatal = ws->fatal.w[kStCode];
+  mailbox->pending = ws->pending.w[kStCode];
+  gpu::fence_acq_rel_sys();
+  mailbox->ticket = ticket;
+}
+
 template <typename Tr, typename Index>
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr tr) {
   extern __shared__ int s_per_expert[];  // [E]
   __shared__ int s_warp_base[kLayoutThreads / gpu::kWarpSize][kMaxRanks];
   __shared__ int s_running[kMaxRanks];
+  __shared__ OpDesc s_desc;  // mine, with the verdict on my ids
+  __shared__ int s_bad;      // an id outside [-1, E) was seen
+  __shared__ long long s_bad_id;
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R;
@@ -34,6 +55,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
 
   for (int e = threadIdx.x; e < E; e += blockDim.x) s_per_expert[e] = 0;
   if (threadIdx.x < kMaxRanks) s_running[threadIdx.x] = 0;
+  if (threadIdx.x == 0) {
+    s_desc = a.desc[me];
+    s_bad = 0;
+  }
   __syncthreads();
 
   for (int base = 0; base < T; base += blockDim.x) {  // uniform trip count: ballots stay convergent
@@ -42,7 +67,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
     if (t < T) {
       for (int k = 0; k < K; ++k) {
         const int64_t e64 = static_cast<int64_t>(idx[static_cast<int64_t>(t) * K + k]);
-        const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;  // host validated ids
+        const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;
+        if (e64 < -1 || e64 >= E) {
+          if (atomicCAS(&s_bad, 0, 1) == 0) s_bad_id = static_cast<long long>(e64);
+        }
         idx32[static_cast<int64_t>(t) * K + k] = e;
         if (e >= 0) {
           atomicAdd(&s_per_expert[e], 1);
@@ -95,9 +123,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
       for (int j = 0; j < R; ++j) tr.put_i32(row + j, s_running[j], r);
     }
   }
-  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true)) return;
+  __syncthreads();
+  if (threadIdx.x == 0 && s_bad) {
+    s_desc.w[kDescInputStatus] = kInputBadExpertId;
+    const long long id = s_bad_id;  // reported as int32 (clamped): the message names a bad id
+    s_desc.w[kDescInputDetail] = static_cast<int32_t>(id > INT32_MAX ? INT32_MAX : id < INT32_MIN ? INT32_MIN : id);
+  }
+  RankWorkspace* ws = tr.workspace(me);
+  HostMailbox* mailbox = tr.local(a.mailbox);
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
+    if (threadIdx.x == 0 && mailbox != nullptr) publish(mailbox, a.ticket, 0, 0, true, ws);
+    return;
+  }
 
-  const RankWorkspace* ws = tr.workspace(me);
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
     tr.local(a.recv_counts)[r] = ws->counts[r * kMaxRanks + me];
@@ -109,11 +147,20 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) matrix[i] = ws->counts[(i / R) * kMaxRanks + i % R];
   }
   if (threadIdx.x == 0) {
-    int64_t total = 0;
-    for (int s = 0; s < R; ++s) total += ws->counts[s * kMaxRanks + me];
+    int64_t total = 0, largest = 0;
+    for (int r = 0; r < R; ++r) {
+      int64_t rows = 0;
+      for (int s = 0; s < R; ++s) rows += ws->counts[s * kMaxRanks + r];
+      if (r == me) total = rows;
+      if (rows > a.capacity) record_overflow(ws, me, r, static_cast<int>(rows), a.capacity);  // the first wins
+      largest = rows > largest ? rows : largest;
+    }
     const int64_t kept = total < a.capacity ? total : a.capacity;
     *tr.local(a.num_recv) = static_cast<int32_t>(kept);
     *tr.local(a.dropped) = static_cast<int32_t>(total - kept);
+    if (mailbox != nullptr) {
+      publish(mailbox, a.ticket, static_cast<int32_t>(total), static_cast<int32_t>(largest), false, ws);
+    }
   }
   rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
 }

@@ -13,9 +13,18 @@
 // thread then waits until those puts have read their sources (quiet; a barrier without a hook has
 // no such puts and skips it), which the rank may rewrite after the barrier. On a transport with one-sided gets (the expert-major kernels'
 // remote path, kHasGets) every thread first completes its own puts (quiet).
-// Every wait has a timeout; the first failure is written into the rank's ErrorRecord (naming the
+// Every wait has a timeout; the first failure is written into the rank's sticky status (naming the
 // rank, the peer and the phase) and from then on the rank skips its work
 // and waits, so a missing peer turns into an error, never into a hang.
+//
+// The op descriptor (omniep/status.h, DESIGN §9) rides on the FIRST barrier of every op: the thread
+// that signals a peer first stores (or, to a remote peer, puts) this rank's descriptor into slot
+// (barrier number & 1) of the peer's workspace, so the signal carries it; once every peer has
+// signalled, thread 0 of block 0 compares every descriptor with its own. A difference is a sticky
+// RANK_MISMATCH; a peer that reported bad input (an expert id out of range, or arguments its host
+// refused) is a pending BAD_INPUT. Either way the op stops right after that barrier on EVERY rank
+// (each sees every descriptor), so the ranks' barrier counts stay in step and nothing is moved that
+// could not be placed. Later kernels of the same op (descriptor word kDescPart > 0) stop too.
 #pragma once
 
 #include <type_traits>
@@ -29,16 +38,99 @@ namespace omniep {
 static_assert(gpu::kWarpSize >= kMaxRanks, "a warp must have a lane per rank");
 
 OMNIEP_DEVICE bool has_error(RankWorkspace* ws) {
-  return gpu::load_acquire_sys(&ws->error.code) != kErrNone;
+  return gpu::load_acquire_sys(&ws->fatal.w[kStCode]) != kStatusOk;
 }
 
-OMNIEP_DEVICE void record_error(RankWorkspace* ws, int32_t code, int rank, int peer, int phase) {
-  if (gpu::cas_relaxed_sys(&ws->error.code, kErrNone, code) == kErrNone) {
-    ws->error.rank = rank;
-    ws->error.peer = peer;
-    ws->error.phase = phase;
+// The first status of its kind wins (`fatal` or `pending` of the rank's workspace).
+OMNIEP_DEVICE void record_status(Status* slot, const Status& st) {
+  if (gpu::cas_relaxed_sys(&slot->w[kStCode], kStatusOk, st.w[kStCode]) == kStatusOk) {
+    for (int i = 1; i < kStatusWords; ++i) slot->w[i] = st.w[i];
     gpu::fence_acq_rel_sys();
   }
+}
+
+OMNIEP_DEVICE Status new_status(int32_t code, int rank, int peer, const RankWorkspace* ws) {
+  Status st = {};
+  st.w[kStCode] = code;
+  st.w[kStRank] = rank;
+  st.w[kStPeer] = peer;
+  st.w[kStOp] = ws->cur_op;
+  st.w[kStSeq] = ws->cur_seq;
+  return st;
+}
+
+OMNIEP_DEVICE void record_timeout(RankWorkspace* ws, int32_t code, int rank, int peer, int phase) {
+  Status st = new_status(code, rank, peer, ws);
+  st.w[kStFields] = phase;
+  record_status(&ws->fatal, st);
+}
+
+// Capacity overflow seen in a prepare (every rank sees the same count matrix, so every rank records
+// the same first overflowing rank): rows were dropped and counted; the host raises CapacityError.
+OMNIEP_DEVICE void record_overflow(RankWorkspace* ws, int me, int rank, int needed, int capacity) {
+  Status st = new_status(kStatusCapacity, me, rank, ws);
+  st.w[kStMine] = needed;
+  st.w[kStTheirs] = capacity;
+  record_status(&ws->pending, st);
+}
+
+// Thread 0 of block 0, once every peer's descriptor of this barrier (slot) has arrived: whether the op
+// goes on. Records RANK_MISMATCH (sticky) or BAD_INPUT (pending) as described at the top.
+template <typename Tr>
+OMNIEP_DEVICE bool exchange_verdict(const Tr& tr, RankWorkspace* ws, const OpDesc& mine, int slot) {
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int32_t seq = mine.w[kDescSeq];
+  ws->cur_op = mine.w[kDescOp];
+  ws->cur_seq = seq;
+  Status st = new_status(kStatusOk, me, -1, ws);
+  uint32_t peers = 0, fields = 0;
+  for (int s = 0; s < R; ++s) {
+    const volatile int32_t* d = ws->desc[slot][s].w;
+    uint32_t diff = 0;
+    for (int i = 0; i < kDescCompared; ++i) diff |= static_cast<uint32_t>(d[i] != mine.w[i]) << i;
+    if (diff == 0) continue;
+    if (st.w[kStPeer] < 0) {
+      const int field = __ffs(diff) - 1;
+      st.w[kStPeer] = s;
+      st.w[kStField] = field;
+      st.w[kStMine] = mine.w[field];
+      st.w[kStTheirs] = d[field];
+    }
+    if (s < 31) peers |= 1u << s;
+    fields |= diff;
+  }
+  bool go_on = true;
+  if (st.w[kStPeer] >= 0) {
+    st.w[kStCode] = kStatusRankMismatch;
+    st.w[kStPeers] = static_cast<int32_t>(peers);
+    st.w[kStFields] = static_cast<int32_t>(fields);
+    record_status(&ws->fatal, st);
+    go_on = false;
+  } else {
+    for (int s = 0; s < R; ++s) {
+      const volatile int32_t* d = ws->desc[slot][s].w;
+      const int32_t verdict = d[kDescInputStatus];
+      if (verdict == kInputOk) continue;
+      go_on = false;
+      // A rank whose host refused its arguments raised that error itself; the others report it.
+      if (s == me && verdict == kInputRejected) continue;
+      st.w[kStCode] = kStatusBadInput;
+      st.w[kStPeer] = s;
+      st.w[kStField] = verdict;
+      st.w[kStMine] = d[kDescInputDetail];
+      st.w[kStTheirs] = mine.w[kDescExperts];
+      record_status(&ws->pending, st);
+      break;
+    }
+  }
+  if (mine.w[kDescPart] == 0) {
+    ws->abort_seq = go_on ? 0 : seq + 1;
+  } else if (ws->abort_seq == seq + 1) {
+    go_on = false;  // an earlier kernel of this op stopped it (on every rank alike)
+  } else if (!go_on) {
+    ws->abort_seq = seq + 1;
+  }
+  return go_on;
 }
 
 // Add 1 to signals[me] in `peer`'s workspace: a release add through its pointer, or, for a peer the
@@ -92,13 +184,16 @@ struct NoPuts {
 
 // The barrier described above. `all_wait`: every block leaves only after the peers signalled
 // (use before reading peer data); otherwise only block 0 waits for the peers (use at the end of a
-// kernel: the kernel completes only when block 0 does). Returns false if this rank is in error.
-// `puts(peer)`: called for each REMOTE peer by the thread that signals it, after every block arrived
-// and before the signal (the barrier's bulk puts to that peer). Must be called by every thread of
-// every block of the rank.
+// kernel: the kernel completes only when block 0 does). Returns false if this rank is in error or
+// the op stopped at this barrier. `puts(peer)`: called for each REMOTE peer by the thread that
+// signals it, after every block arrived and before the signal (the barrier's bulk puts to that peer).
+// `desc`: this rank's op descriptor, exchanged and compared at this barrier (the op's first; read by
+// block 0 only). Must be called by every thread of every block of the rank.
 template <typename Tr, typename Puts = NoPuts>
-__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{}) {
+__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{},
+                             const OpDesc* desc = nullptr) {
   __shared__ int s_ok;
+  __shared__ int s_slot;
   __shared__ uint32_t s_gen;
   const int me = tr.rank();
   RankWorkspace* ws = tr.workspace(me);
@@ -119,8 +214,13 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       if (!wait_at_least(&ws->arrive, static_cast<uint32_t>(gridDim.x), tr.timeout_ns())) {
-        record_error(ws, kErrLocalTimeout, me, -1, phase);
+        record_timeout(ws, kStatusLocalTimeout, me, -1, phase);
         s_ok = 0;
+      }
+      if (desc != nullptr) {
+        // Barriers with every peer are numbered alike on both sides (expected[] counts them).
+        s_slot = static_cast<int>((ws->expected[me] + 1) & 1u);
+        ws->desc[s_slot][me] = *desc;  // my own entry, and the source of puts to remote peers
       }
     }
     __syncthreads();
@@ -129,6 +229,14 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
       const int peer = threadIdx.x;
       bool far = false;
       if constexpr (Tr::kHasRemote) far = tr.is_remote(peer);
+      if (desc != nullptr && peer != me) {
+        OpDesc* dst = &tr.workspace(far ? me : peer)->desc[s_slot][me];
+        if (!far) {
+          *dst = *desc;
+        } else if constexpr (Tr::kHasRemote) {
+          tr.put_block(dst, &ws->desc[s_slot][me], sizeof(OpDesc), peer);  // same offset in peer's workspace
+        }
+      }
       if (far) puts(peer);
       signal_peer(tr, peer, me);
       if constexpr (Tr::kHasRemote && !std::is_same<Puts, NoPuts>::value) {
@@ -137,12 +245,16 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
       const uint64_t target = ws->expected[peer] + 1;
       ws->expected[peer] = target;
       if (!wait_for([&] { return signals_from(tr, ws, peer); }, target, tr.timeout_ns())) {
-        record_error(ws, kErrPeerTimeout, me, peer, phase);
+        record_timeout(ws, kStatusPeerTimeout, me, peer, phase);
         s_ok = 0;  // benign race: every writer stores 0
       }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (s_ok && desc != nullptr) {
+        gpu::fence_acq_rel_sys();  // the peers' descriptors arrived with their signals
+        s_ok = exchange_verdict(tr, ws, *desc, s_slot);
+      }
       ws->arrive = 0;  // nobody arrives again before the release below
       gpu::fence_acq_rel_sys();
       gpu::store_release_sys(&ws->release, s_gen + 1);
@@ -150,9 +262,11 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
   } else if (all_wait) {
     if (threadIdx.x == 0) {
       if (!wait_at_least(&ws->release, s_gen + 1, tr.timeout_ns())) {
-        record_error(ws, kErrLocalTimeout, me, -1, phase);
+        record_timeout(ws, kStatusLocalTimeout, me, -1, phase);
       }
       s_ok = !has_error(ws);
+      // Block 0 wrote the verdict before its release: a stopped op has abort_seq == seq + 1.
+      if (s_ok && desc != nullptr && ws->abort_seq == desc->w[kDescSeq] + 1) s_ok = 0;
     }
   }
   __syncthreads();
@@ -170,12 +284,29 @@ __global__ void reset_remote_signals_kernel(Tr tr) {
   }
 }
 
+// One thread, stream-ordered after an op's kernels: the rank's status as that op left it (the sticky one
+// if set, else the pending one, which is then cleared: the next op reports its own). The XLA FFI
+// handlers return it as the op's `status` output.
+template <int kUnused = 0>  // a template: defined in every translation unit that includes this header
+__global__ void take_status_kernel(RankWorkspace* ws, Status* out) {
+  const bool fatal = ws->fatal.w[kStCode] != kStatusOk;
+  *out = fatal ? ws->fatal : ws->pending;
+  if (!fatal) ws->pending.w[kStCode] = kStatusOk;
+}
+
 // A bare barrier over the group, one block per rank: on return of the kernel every rank has reached
 // it (block 0 waits for the peers' signals). Benchmarks launch it right before a timed region so that
-// the ranks' streams start that region together (launch skew is not counted in the region).
+// the ranks' streams start that region together (launch skew is not counted in the region). With
+// `exchange`, it carries the descriptor: a rank whose host refused an op's arguments runs it in the
+// op's place (descriptor input status kInputRejected), so the peers stop that op promptly.
+struct BarrierArgs {
+  OpDesc desc[kMaxRanks];
+  int exchange;
+};
+
 template <typename Tr>
-__global__ void barrier_kernel(int /*unused*/, Tr tr) {
-  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false);
+__global__ void barrier_kernel(BarrierArgs a, Tr tr) {
+  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false, NoPuts{}, a.exchange ? &a.desc[tr.rank()] : nullptr);
 }
 
 }  // namespace omniep

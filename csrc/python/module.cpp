@@ -192,30 +192,22 @@ class Group {
   void set_timeout_ns(uint64_t ns) { check(omniep_group_set_timeout(get(), ns)); timeout_ns_ = ns; }
   void set_blocks_per_rank(int n) { check(omniep_group_set_blocks_per_rank(get(), n)); }
 
-  // [(code, rank, peer, phase)] for every rank (synchronises the device).
-  std::vector<std::tuple<int, int, int, int>> errors() const {
-    std::vector<omniep_error_record> rec(num_ranks_);
+  // Every rank's sticky status (descriptor.STATUS_FIELDS order; synchronises the device).
+  std::vector<std::vector<int>> errors() const {
+    std::vector<omniep_status_record> rec(num_ranks_);
     check(omniep_group_errors(get(), rec.data()));
-    std::vector<std::tuple<int, int, int, int>> out;
-    for (const auto& e : rec) out.emplace_back(e.code, e.rank, e.peer, e.phase);
+    std::vector<std::vector<int>> out;
+    for (const auto& e : rec) {
+      const int32_t* w = &e.code;
+      out.emplace_back(w, w + sizeof(omniep_status_record) / sizeof(int32_t));
+    }
     return out;
   }
 
-  // Raises omniep.ep_core.errors.PeerTimeoutError naming the first rank in error, if any.
+  // Raises what the first rank in error reports (omniep.ep_core.descriptor.raise_for_status).
   void check_errors() const {
-    std::vector<omniep_error_record> rec(num_ranks_);
-    check(omniep_group_errors(get(), rec.data()));
-    for (const auto& e : rec) {
-      if (e.code == OMNIEP_ERROR_NONE) continue;
-      py::object cls = py::module_::import("omniep.ep_core.errors").attr("PeerTimeoutError");
-      const char* what = e.code == OMNIEP_ERROR_LOCAL_TIMEOUT ? "barrier of its own blocks (not co-resident?)"
-                                                              : omniep::phase_name(e.phase);
-      py::object peer = e.peer < 0 ? py::object(py::none()) : py::object(py::int_(e.peer));
-      py::object exc = cls(e.rank, peer,
-                           static_cast<double>(timeout_ns_) * 1e-9, std::string(what));
-      PyErr_SetObject(cls.ptr(), exc.ptr());
-      throw py::error_already_set();
-    }
+    py::object raise = py::module_::import("omniep.ep_core.descriptor").attr("raise_for_status");
+    for (const auto& status : errors()) raise(status, static_cast<double>(timeout_ns_) * 1e-9);
   }
   void reset() { check(omniep_group_reset(get())); }
 
@@ -238,8 +230,8 @@ PYBIND11_MODULE(_native, m) {
       .def("destroy", &Group::destroy, "Free the device workspaces (synchronises the device).")
       .def("set_timeout_ns", &Group::set_timeout_ns)
       .def("set_blocks_per_rank", &Group::set_blocks_per_rank)
-      .def("errors", &Group::errors, "Per rank (code, rank, peer, phase); synchronises the device.")
-      .def("check_errors", &Group::check_errors, "Raise PeerTimeoutError if any rank recorded one.")
+      .def("errors", &Group::errors, "Per rank its sticky status (descriptor.STATUS_FIELDS); synchronises the device.")
+      .def("check_errors", &Group::check_errors, "Raise what the first rank in error recorded (e.g. PeerTimeoutError).")
       .def("reset", &Group::reset, "Zero every workspace (after an error); synchronises the device.")
       .def("layout", [](Group& g, const py::dict& d, int first, int count, uintptr_t stream) {
             auto a = layout_args(d);

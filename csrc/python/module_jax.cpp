@@ -12,7 +12,7 @@
 #include "ffi/jax_handlers.h"
 #include "ffi/jax_rank.h"
 #include "python/jax_targets.h"
-#include "python/rank_args.h"
+#include "python/rank_bindings.h"
 
 namespace py = pybind11;
 using omniep::JaxRank;
@@ -48,12 +48,13 @@ PYBIND11_MODULE(_native_jax, m) {
           })
       .def("synchronize", &JaxRank::synchronize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("local_size", [](const JaxRank&) { return 1; }, "Ranks in this process: 1.")
-      .def("error", [](const JaxRank& s, int i) {
+      .def("statuses", [](const JaxRank& s, int i) {
             if (i != 0) throw py::index_error("a JaxRank holds local rank 0 only");
             s.activate();
-            const auto e = s.ipc().read_error();
-            return py::make_tuple(e.code, e.rank, e.peer, e.phase);
-          }, py::arg("i") = 0, "(code, rank, peer, phase) of this rank; synchronises the device.")
+            omniep::Status fatal, pending;
+            s.ipc().statuses(&fatal, &pending, /*clear_pending=*/false);
+            return py::make_tuple(omniep_py::status_list(fatal), omniep_py::status_list(pending));
+          }, py::arg("i") = 0, "(sticky, pending) statuses of this rank; synchronises the device.")
       .def("destroy", &JaxRank::destroy, "Free the buffers (peers must have unmapped them); the object stays.");
 
   using omniep::JaxLocalIpcGroup;
@@ -68,10 +69,11 @@ PYBIND11_MODULE(_native_jax, m) {
       .def("allocate_data", &JaxLocalIpcGroup::allocate_data, py::call_guard<py::gil_scoped_release>(),
            "Synchronise, then re-allocate and link every rank's data buffer.")
       .def("synchronize", &JaxLocalIpcGroup::synchronize, py::call_guard<py::gil_scoped_release>())
-      .def("error", [](const JaxLocalIpcGroup& s, int i) {
-            const auto e = s.error(i);
-            return py::make_tuple(e.code, e.rank, e.peer, e.phase);
-          }, "(code, rank, peer, phase) of local rank i; synchronises its device.")
+      .def("statuses", [](const JaxLocalIpcGroup& s, int i) {
+            omniep::Status fatal, pending;
+            s.statuses(i, &fatal, &pending);
+            return py::make_tuple(omniep_py::status_list(fatal), omniep_py::status_list(pending));
+          }, "(sticky, pending) statuses of local rank i; synchronises its device.")
       .def("destroy", &JaxLocalIpcGroup::destroy, py::call_guard<py::gil_scoped_release>(),
            "Free every rank's buffers; the object stays (stale executables get an FFI error).");
 }

@@ -1,12 +1,11 @@
 // omniep._native_mp: one rank per process over CUDA IPC (backends/ipc_rank.h) as a Python module
 // (omniep._native_hip when built for AMD: the same class over HIP IPC).
 // No torch headers: tensors arrive as integer device addresses, streams as integer cudaStream_t.
-// Argument dicts: see python/rank_args.h.
 #include <string>
 #include <vector>
 
 #include "backends/ipc_rank.h"
-#include "python/rank_args.h"
+#include "python/rank_bindings.h"
 
 namespace py = pybind11;
 using omniep::IpcRank;

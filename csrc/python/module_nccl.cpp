@@ -1,7 +1,7 @@
 // omniep._native_nccl: the kernels over the NCCL device API (backends/nccl_rank.h).
 // Optional: built only with -DOMNIEP_NCCL=ON and the nvidia-nccl wheel (cmake/nccl.cmake).
 // Two process models: NcclRank (one rank per process, unique id exchanged by the caller) and
-// NcclLocalGroup (one process, one rank per local GPU). Argument dicts: see python/rank_args.h.
+// NcclLocalGroup (one process, one rank per local GPU).
 // Where jax was importable at build time (OMNIEP_WITH_JAX_FFI), also the nccl_ep XLA FFI handlers
 // (ffi_targets) and JaxNcclState, the per-group state they run on, for both process models.
 #include <nccl.h>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backends/nccl_rank.h"
-#include "python/rank_args.h"
+#include "python/rank_bindings.h"
 
 #ifdef OMNIEP_WITH_JAX_FFI
 #include "ffi/jax_handlers.h"
@@ -71,10 +71,11 @@ PYBIND11_MODULE(_native_nccl, m) {
       .def("allocate_data", &JaxNcclState::allocate_data, py::call_guard<py::gil_scoped_release>(),
            "Collective: synchronise, then re-allocate and register every local rank's data window.")
       .def("synchronize", &JaxNcclState::synchronize, py::call_guard<py::gil_scoped_release>())
-      .def("error", [](const JaxNcclState& s, int i) {
-            const auto e = s.local_rank(i).read_error();
-            return py::make_tuple(e.code, e.rank, e.peer, e.phase);
-          }, "(code, rank, peer, phase) of local rank i; synchronises its device.")
+      .def("statuses", [](const JaxNcclState& s, int i) {
+            omniep::Status fatal, pending;
+            s.local_rank(i).statuses(&fatal, &pending, /*clear_pending=*/false);
+            return py::make_tuple(omniep_py::status_list(fatal), omniep_py::status_list(pending));
+          }, "(sticky, pending) statuses of local rank i; synchronises its device.")
       .def("destroy", &JaxNcclState::destroy, py::call_guard<py::gil_scoped_release>(),
            "Collective: tear the ranks down; the object stays (stale executables get an FFI error).");
 #else

@@ -1,10 +1,9 @@
 // omniep._native_nvshmem: one rank (PE) per process over NVSHMEM (backends/nvshmem_rank.h).
 // Optional: built only with -DOMNIEP_NVSHMEM=ON and the nvidia-nvshmem wheel (cmake/nvshmem.cmake).
-// Argument dicts: see python/rank_args.h.
 #include <string>
 
 #include "backends/nvshmem_rank.h"
-#include "python/rank_args.h"
+#include "python/rank_bindings.h"
 
 namespace py = pybind11;
 using omniep::NvshmemRank;

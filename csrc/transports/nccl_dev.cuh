@@ -10,7 +10,7 @@
 //                   same node) address of rank r's memory. Valid only for LSA peers.
 //   workspace(r)    the same over the workspace window.
 //   signals, waits  kernels/sync.cuh as for p2p: system-scope atomics on the peers' workspaces through
-//                   the LSA pointers, the same timeouts and ErrorRecord. (The NCCL LSA barrier is not
+//                   the LSA pointers, the same timeouts and statuses. (The NCCL LSA barrier is not
 //                   used: it has no timeout, and a missing peer must become an error, not a hang.)
 //
 // GIN (GPU-initiated networking) serves the peers outside the LSA team (other nodes; every peer with

@@ -35,13 +35,16 @@ class OpKind(enum.IntEnum):
 
 # Descriptor fields, in order. `seq`: the op's number on the group (the k-th op this rank issues on
 # it); `handle`: the seq of the dispatch that made the handle the op uses (-1: none); `input_status`
-# / `input_detail`: this rank's verdict on its own input (0 = fine; INPUT_BAD_EXPERT_ID with the id).
+# / `input_detail`: this rank's verdict on its own input (0 = fine; INPUT_BAD_EXPERT_ID with the id);
+# `part`: 0 in the op's first exchange, > 0 in later exchanges of the same op (native kernels).
 DESC_FIELDS = ("seq", "op", "num_experts", "hidden", "dtype", "layout", "capacity", "handle", "num_topk",
-               "input_status", "input_detail", "reserved")
+               "input_status", "input_detail", "part")
 DESC_WORDS = len(DESC_FIELDS)  # 12
 # Fields that must be equal on every rank (bit i of a status `fields` mask = DESC_FIELDS[i]).
 COMPARED = DESC_FIELDS[:9]
-INPUT_OK, INPUT_BAD_EXPERT_ID = 0, 1
+# input_status: the rank's verdict on its own input. REJECTED: its host refused the arguments (bad
+# dtype, shape, ...: the rank raised its own InputError) and took part in the op only to say so.
+INPUT_OK, INPUT_BAD_EXPERT_ID, INPUT_REJECTED = 0, 1, 2
 
 # Element types as descriptors carry them (the C ABI's DType codes, plus the ones only the collective
 # backends move).
@@ -63,7 +66,8 @@ STATUS_FIELDS = ("code", "rank", "peer", "peers", "fields", "field", "mine", "th
 STATUS_WORDS = len(STATUS_FIELDS)  # 10
 # Meaning per code: RANK_MISMATCH: peer = first rank whose descriptor differs, peers = mask of all
 # such ranks (ranks < 31), fields = mask of differing fields, field = the first of them, mine /
-# theirs = its value here / there. BAD_INPUT: peer = the rank, mine = the bad expert id, theirs = E.
+# theirs = its value here / there. BAD_INPUT: peer = the rank, field = its input_status, mine = its
+# input_detail (the bad expert id), theirs = E.
 # CAPACITY: peer = the rank whose buffer overflowed, mine = rows (copies) needed, theirs = capacity.
 # Timeouts: peer = the rank not heard from (-1: own blocks), fields = the phase (status.h kPhase*).
 # op / seq: the op of THIS rank during which it was found.
@@ -107,7 +111,8 @@ def compare(mine: Sequence[int], table: Sequence[Sequence[int]], rank: int) -> l
         return status
     for r, row in enumerate(table):
         if int(row[9]) != INPUT_OK:
-            status[0], status[2], status[6], status[7] = int(StatusCode.BAD_INPUT), r, int(row[10]), int(mine[2])
+            status[0], status[2], status[5] = int(StatusCode.BAD_INPUT), r, int(row[9])
+            status[6], status[7] = int(row[10]), int(mine[2])
             return status
     return status
 
@@ -147,8 +152,11 @@ def error_from_status(status: Sequence[int], timeout_s: Optional[float] = None) 
             f"num_experts, hidden size, dtype, layout, capacity and handle. The group is failed: destroy it "
             f"and create it again.", rank=rank, ranks=ranks, fields=names)
     if code == StatusCode.BAD_INPUT:
-        return InputError(f"rank {peer} rejected its input in {what} (seen on rank {rank}): topk_idx holds expert "
-                          f"id {mine}; ids must be in [-1, {theirs}) (-1 = no expert). No data was moved.")
+        if field == INPUT_BAD_EXPERT_ID:
+            return InputError(f"rank {peer} rejected its input in {what} (seen on rank {rank}): topk_idx holds "
+                              f"expert id {mine}; ids must be in [-1, {theirs}) (-1 = no expert). No data was moved.")
+        return InputError(f"rank {peer} rejected its input in {what} (seen on rank {rank}; rank {peer} raised why). "
+                          f"No data was moved.")
     if code == StatusCode.CAPACITY:
         return CapacityError(mine, theirs, rank=peer)
     if code in (StatusCode.PEER_TIMEOUT, StatusCode.LOCAL_TIMEOUT):

@@ -26,8 +26,8 @@ def force_remote() -> bool:
     return os.environ.get("OMNIEP_FORCE_REMOTE", "") == "1"
 
 
-# Device error codes (csrc/include/omniep/transport.h ErrorCode).
-ERROR_NONE, ERROR_PEER_TIMEOUT, ERROR_LOCAL_TIMEOUT = 0, 1, 2
+# Device status codes (csrc/include/omniep/status.h, omniep.ep_core.descriptor.StatusCode).
+ERROR_NONE, ERROR_PEER_TIMEOUT, ERROR_LOCAL_TIMEOUT = 0, 4, 5
 
 
 def _import_native():

@@ -139,11 +139,11 @@ class VirtualRanks:
         return self._group
 
     def check(self) -> None:
-        """Synchronise and raise PeerTimeoutError if any rank recorded a timed-out wait."""
+        """Synchronise and raise what the first rank in error recorded (PeerTimeoutError, ...)."""
         self._g().check_errors()
 
     def errors(self) -> list:
-        """Per rank ``(code, rank, peer, phase)`` as recorded on the device (synchronises)."""
+        """Per rank its sticky status (``descriptor.STATUS_FIELDS``: code, rank, peer, ...; synchronises)."""
         return self._g().errors()
 
     def reset(self) -> None:

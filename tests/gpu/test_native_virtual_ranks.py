@@ -152,7 +152,7 @@ def test_missing_rank_times_out_with_its_name():
         assert info.value.rank in range(R - 1) and info.value.peer == R - 1
         assert f"rank {info.value.rank}" in str(info.value) and f"peer rank {R - 1}" in str(info.value)
         errors = vr.errors()
-        assert all(code == native.ERROR_PEER_TIMEOUT and peer == R - 1 for code, _, peer, _ in errors[: R - 1])
+        assert all(st[0] == native.ERROR_PEER_TIMEOUT and st[2] == R - 1 for st in errors[: R - 1])
         vr.reset()  # after a reset the full group works again
         vr.launched = (0, R)
         handle = vr.prepare([to_torch(i) for i in case.topk_idx], 8, capacity=R * 5)

@@ -47,6 +47,15 @@
 #define cudaMemcpy2DAsync hipMemcpy2DAsync
 #define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define cudaMemcpyHostToDevice hipMemcpyHostToDevice
+#define cudaStreamSynchronize hipStreamSynchronize
+#define cudaStreamIsCapturing hipStreamIsCapturing
+#define cudaStreamCaptureStatus hipStreamCaptureStatus
+#define cudaStreamCaptureStatusNone hipStreamCaptureStatusNone
+// The exact-size dispatch's host mailbox: pinned host memory the kernel writes through its mapping.
+#define cudaHostAlloc hipHostMalloc
+#define cudaHostAllocMapped hipHostMallocMapped
+#define cudaFreeHost hipHostFree
 // IPC: hipIpcMemHandle_t is 64 bytes of `reserved`, like CUDA's; across GPUs of one node the mapping
 // goes over xGMI (hipIpcMemLazyEnablePeerAccess is the only flag HIP accepts).
 #define cudaIpcMemHandle_t hipIpcMemHandle_t

@@ -1,4 +1,4 @@
-// The GPU stream type as the host-only headers (backends/ipc_rank.h, python/rank_args.h) name it:
+// The GPU stream type as the host-only headers (backends/ipc_rank.h, python/rank_bindings.h) name it:
 // `cudaStream_t`, declared without the runtime headers so that host C++ (the pybind modules) builds
 // without CUDA or HIP installed.
 //

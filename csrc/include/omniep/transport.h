@@ -45,12 +45,14 @@
 //
 // Signals and waits (kernels/sync.cuh) are built on these: a signal is a system-scope release add
 // on a counter in the PEER's workspace (a remote peer: signal_remote); a wait polls the local counter
-// with acquire loads until it reaches the expected count, or writes an ErrorRecord and gives up.
+// with acquire loads until it reaches the expected count, or records a timeout status and gives up.
 // Counters only grow, so no reset is needed between calls (CUDA-graph safe: nothing on the host
 // changes per call).
 #pragma once
 
 #include <stdint.h>
+
+#include "omniep/status.h"
 
 namespace omniep {
 
@@ -68,14 +70,7 @@ struct PerRank {
   T* p[kMaxRanks];
 };
 
-// Error codes of ErrorRecord::code (0 = no error). Mirrored in omniep/native/__init__.py.
-enum ErrorCode : int32_t {
-  kErrNone = 0,
-  kErrPeerTimeout = 1,   // a peer rank never signalled: `peer` names it
-  kErrLocalTimeout = 2,  // blocks of this rank never met at a barrier (not co-resident?)
-};
-
-// Which barrier a wait belonged to (ErrorRecord::phase), for the error message.
+// Which barrier a wait belonged to (the `fields` word of a timeout status), for the error message.
 enum Phase : int32_t {
   kPhaseLayoutExchange = 1,
   kPhaseLayoutDone = 2,
@@ -87,7 +82,7 @@ enum Phase : int32_t {
   kPhaseCombinePush = 8,  // combine's remote path: expert ranks put rows back to remote sources
 };
 
-// The phase as error messages name it (omniep/backends/jax_native.py keeps the same names).
+// The phase as error messages name it (omniep/ep_core/descriptor.py PHASES keeps the same names).
 inline const char* phase_name(int phase) {
   switch (phase) {
     case kPhaseLayoutExchange: return "prepare (count exchange)";
@@ -102,15 +97,6 @@ inline const char* phase_name(int phase) {
   }
 }
 
-// The first error a rank hit. Sticky: once `code` is set the rank's kernels skip all work and all
-// waits until the host resets the workspace (its counters no longer agree with the peers').
-struct ErrorRecord {
-  int32_t code;
-  int32_t rank;
-  int32_t peer;
-  int32_t phase;
-};
-
 // One rank's communication state, in device memory reachable by every peer (a symmetric buffer).
 // Zero-initialised once; afterwards only the kernels touch it.
 struct alignas(128) RankWorkspace {
@@ -118,7 +104,17 @@ struct alignas(128) RankWorkspace {
   uint64_t expected[kMaxRanks];  // expected[s]: barriers from s I have consumed (mine only)
   uint32_t arrive;               // blocks of this rank that arrived at the current barrier
   uint32_t release;              // generation of this rank's barrier, bumped by block 0
-  ErrorRecord error;
+  // Statuses (omniep/status.h): `fatal` is sticky (the rank's kernels skip all work and all waits
+  // until the host resets the workspace: its counters no longer agree with the peers'); `pending`
+  // (bad input, capacity) is read and cleared by the host. The first of each kind wins.
+  Status fatal;
+  Status pending;
+  int32_t abort_seq;  // seq + 1 of the op the last exchange stopped (0: none): its later kernels stop too
+  int32_t cur_op, cur_seq;  // the op of the last exchange, for timeout statuses
+  // desc[b & 1][s]: source s's descriptor at our b-th barrier (two slots: a peer that leaves an
+  // aborted op early may already send its NEXT descriptor while this one is being read).
+  OpDesc desc[2][kMaxRanks];
+  uint8_t data_handle[64];  // IPC transport: my data buffer's handle, read by peers when it grows
   int32_t counts[kMaxRanks * kMaxRanks];         // counts[s*kMaxRanks + r]: tokens s sends to r
   int32_t expert_counter[kMaxLocalExperts];      // kept (token, k) pairs per local expert
   // Expert-major prepare (kernels/em_layout.cuh): expert_counts[s * E + e] = copies source s sends to

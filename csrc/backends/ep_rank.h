@@ -1,0 +1,170 @@
+// EpRank: ONE rank of an EP group as every framework binding sees it — the ops of DESIGN §2 over raw
+// device pointers and a stream, with the data path (symmetric-buffer regions, own rows moved
+// directly, copies in and out, buffer growth) and the op descriptors (omniep/status.h) inside.
+//
+// The torch ops (csrc/torch) and the XLA FFI handlers (csrc/ffi) only translate their tensor types
+// into these calls; IpcRank, NvshmemRank and NcclRank implement them once, in OneRankOps
+// (backends/one_rank_ops.h, backends/rank_ops.h). A binding that does not link a rank's module (the
+// torch ops library serves all three) reaches it through this interface: plain virtual calls on POD
+// arguments. Host-only header, no CUDA headers.
+//
+// Shapes: T tokens of this rank, K = num_topk, R ranks, E experts, L = E / R, C = the symmetric
+// capacity (rows of every rank's receive buffer, rank-major; slots per local expert, expert-major).
+// Every op starts with `begin()` (the descriptor, with the group's next sequence number); the calls
+// of one op pass the same descriptor. A call never raises for what only the device or the peers can
+// see: that lands in the rank's status (`statuses()`), which the binding raises at its host waits.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "omniep/status.h"
+#include "omniep/stream.h"  // cudaStream_t (hipStream_t in a HIP build)
+
+namespace omniep {
+
+inline constexpr int kExactCapacity = -1;  // PrepareCall::capacity: rank-major, receive exactly what arrives
+
+// prepare: the layout kernel (+ the expert-major layout). Outputs are device int32 arrays the caller
+// allocated; the expert-major ones are null for rank-major.
+struct PrepareCall {
+  const void* topk_idx;  // [T, K] int32 or int64 (index_bytes)
+  int index_bytes;
+  int num_tokens, num_topk, num_experts;
+  int capacity;  // rank-major rows / expert-major slots; kExactCapacity (rank-major only): wait for it
+  int expert_alignment;
+  bool expert_major;
+  int32_t* topk_idx32;             // [T, K]
+  int32_t* send_pos;               // [T, R]
+  int32_t* num_tokens_per_rank;    // [R]
+  int32_t* num_tokens_per_expert;  // [E]
+  int32_t* recv_counts;            // [R]
+  int32_t* send_offset;            // [R]
+  int32_t* num_recv;               // [] rank-major rows kept
+  int32_t* dropped;                // []
+  int32_t* copy_slot;              // [T, K] expert-major: the copy's slot at its receiver, -1 = none / dropped
+  int32_t* recv_expert_count;      // [L] expert-major: copies kept per local expert
+  int32_t* num_recv_tokens_per_expert;  // [L] expert-major: the same rounded up to expert_alignment
+  int32_t* em_num_recv;            // [] expert-major copies kept
+  int32_t* em_dropped;             // [] expert-major copies dropped
+};
+
+struct PrepareResult {
+  int rows;      // rows this rank's results hold (exact: what arrives; else the capacity)
+  int capacity;  // C of every rank's buffer (exact: the largest receive of any rank)
+  bool stopped;  // the op stopped on every rank (exact mode only: a status says why); nothing more to run
+};
+
+// Rank-major dispatch: with topk_weights (the routing moves too) or without (a cached dispatch;
+// combine_bwd of the rank-major layout). Results hold `rows` rows (<= capacity); padding rows zero.
+struct DispatchCall {
+  const void* x;        // [T, row_bytes]
+  int64_t row_bytes;
+  const void* x2;       // [T, row2_bytes] second payload (fp8 scales) or null
+  int64_t row2_bytes;
+  int num_tokens, num_topk, num_experts, capacity, rows, expert_alignment;
+  const float* topk_weights;  // [T, K]; null: rows only
+  const int32_t *topk_idx32, *send_pos, *send_offset, *recv_counts, *num_recv;  // prepare's
+  void* recv_x;              // [rows, row_bytes]
+  void* recv_x2;             // [rows, row2_bytes]
+  int32_t* recv_topk_idx;    // [rows, K] (with topk_weights)
+  float* recv_topk_weights;  // [rows, K] (with topk_weights)
+  int32_t* num_recv_tokens_per_expert;  // [L] (with topk_weights)
+};
+
+// Rank-major combine; with g_recv_topk_weights it is dispatch_bwd (weight gradients read back).
+struct CombineCall {
+  const void* y;  // [rows, hidden] in dtype (args.h DType)
+  int rows, hidden, dtype;
+  int num_tokens, num_topk, num_experts, capacity;
+  const int32_t *topk_idx32, *send_pos, *send_offset, *recv_counts;
+  const void* bias[2];  // [T, hidden] in bias_dtype[i]; first num_bias used
+  int bias_dtype[2], num_bias;
+  void* out;  // [T, hidden] in dtype
+  const float* g_recv_topk_weights;  // [rows, K] or null
+  float* g_topk_weights;             // [T, K] (with g_recv_topk_weights)
+};
+
+// Expert-major dispatch into recv_x[L, C, row_bytes] (slots past recv_expert_count unspecified).
+struct EMDispatchCall {
+  const void* x;
+  int64_t row_bytes;
+  const void* x2;
+  int64_t row2_bytes;
+  int num_tokens, num_topk, num_experts, capacity;
+  const float* topk_weights;
+  const int32_t *topk_idx32, *copy_slot, *recv_expert_count;
+  void* recv_x;              // [L, C, row_bytes]
+  void* recv_x2;             // [L, C, row2_bytes]
+  int32_t* recv_topk_idx;    // [L, C]
+  float* recv_topk_weights;  // [L, C]
+};
+
+// Expert-major combine (weighted) and dispatch_bwd (topk_weights null: weight 1; g_recv_topk_weights).
+struct EMCombineCall {
+  const void* y;  // [L, C, hidden]
+  int hidden, dtype;
+  int num_tokens, num_topk, num_experts, capacity;
+  const float* topk_weights;
+  const int32_t *topk_idx32, *copy_slot;
+  const void* bias[2];
+  int bias_dtype[2], num_bias;
+  void* out;                         // [T, hidden]
+  const float* g_recv_topk_weights;  // [L, C] or null
+  float* g_topk_weights;             // [T, K]
+};
+
+// Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.
+struct EMCombineBwdCall {
+  const void* g_out;  // [T, hidden]
+  int hidden, dtype;
+  int num_tokens, num_topk, num_experts, capacity;
+  const float* topk_weights;
+  const int32_t *topk_idx32, *copy_slot, *recv_expert_count;
+  const void* y;          // [L, C, hidden] or null
+  void* g_y;              // [L, C, hidden]
+  float* g_topk_weights;  // [T, K] (with y)
+};
+
+class EpRank {
+ public:
+  virtual ~EpRank() = default;
+  virtual int rank() const = 0;
+  virtual int num_ranks() const = 0;
+  virtual size_t data_bytes() const = 0;
+
+  // The descriptor of a new op (the group's next sequence number).
+  OpDesc& begin(OpKind op, int num_experts, int hidden, int dtype, int layout, int capacity, int handle,
+                int num_topk) {
+    current_ = make_desc(++seq_, op, num_experts, hidden, dtype, layout, capacity, handle, num_topk);
+    return current_;
+  }
+
+  virtual PrepareResult prepare(const PrepareCall& c, OpDesc& d, cudaStream_t s) = 0;
+  virtual void dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s) = 0;
+  virtual void combine(const CombineCall& c, OpDesc& d, cudaStream_t s) = 0;
+  virtual void em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStream_t s) = 0;
+  virtual void em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_t s) = 0;
+  virtual void em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cudaStream_t s) = 0;
+  // The op's place in the group's sequence when this rank's host refused its arguments: the peers
+  // learn it (input status kInputRejected) and stop the op too.
+  virtual void reject(OpDesc& d, cudaStream_t s) = 0;
+  // A bare barrier over the group (collective, in op order; benchmarks align the ranks with it).
+  virtual void barrier(cudaStream_t s) = 0;
+  // Synchronises the device; this rank's sticky and pending statuses (code 0 = none). The pending one
+  // is cleared when `clear_pending`.
+  virtual void statuses(Status* fatal, Status* pending, bool clear_pending) = 0;
+  // Stream-ordered, no host wait: the status the last op left (sticky, else pending, which is cleared)
+  // into device memory `out` (kStatusWords int32).
+  virtual void take_status(Status* out, cudaStream_t s) = 0;
+
+  // The descriptor of the last op begun (a binding whose op spans two calls, prepare then dispatch,
+  // continues it).
+  OpDesc& current() { return current_; }
+
+ protected:
+  uint32_t seq_ = 0;
+  OpDesc current_ = {};
+};
+
+}  // namespace omniep
