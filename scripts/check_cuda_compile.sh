@@ -84,5 +84,30 @@ for src in csrc/ffi/*.cpp; do
   "$NVCC" -x c++ -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -Icsrc -Icsrc/include -isystem "$XLA_FFI_INC" \
     "${extra[@]}" -c "$src" -o "$out/$(basename "$src").o" || status=1
 done
+# The torch ops (csrc/torch): host C++ against the headers of an importable torch (a CPU build has
+# them too, but for one generated header of its CUDA part, c10/cuda/impl/cuda_cmake_macros.h, which is
+# written here as a CUDA build has it) and pybind11; skipped, and said so, where neither is found.
+TORCH_INC=""
+PYBIND_INC=""
+for py in "${PYTHON:-}" .venv/bin/python python3; do
+  [[ -n "$py" ]] && command -v "$py" >/dev/null || continue
+  [[ -n "$TORCH_INC" ]] || TORCH_INC="$("$py" -c 'import torch.utils.cpp_extension as c; print(" ".join(c.include_paths()))' 2>/dev/null)" || true
+  [[ -n "$PYBIND_INC" ]] || PYBIND_INC="$("$py" -m pybind11 --includes 2>/dev/null)" || true
+done
+for src in csrc/torch/*.cpp; do
+  [[ -f "$src" ]] || continue
+  if [[ -z "$TORCH_INC" || -z "$PYBIND_INC" ]]; then
+    echo "skip $src (no interpreter imports torch and pybind11)"
+    continue
+  fi
+  mkdir -p "$out/stub/c10/cuda/impl"
+  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  inc=(-isystem "$out/stub")
+  for d in $TORCH_INC; do inc+=(-isystem "$d"); done
+  for d in $PYBIND_INC; do inc+=(-isystem "${d#-I}"); done
+  echo "nvcc -x c++ $src (torch ops)"
+  "$NVCC" -x c++ -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -Icsrc -Icsrc/include "${inc[@]}" -D_GLIBCXX_USE_CXX11_ABI=1 \
+    -c "$src" -o "$out/$(basename "$src").o" || status=1
+done
 [[ $status -eq 0 ]] && echo "check_cuda_compile: all CUDA sources compile" || echo "check_cuda_compile: FAILED" >&2
 exit $status

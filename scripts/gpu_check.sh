@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# One device call: build omniep._native, run the GPU tests, run the native benchmark.
-# Logs go to $OUT (set by the device runner; defaults to ./gpu_out). Finishes well inside 9 minutes:
-# build <= 3 min, tests <= 4 min, benchmark <= 1.5 min (each step has its own timeout, and a
-# failing step does not stop the later ones; the exit status is the first failure's).
-#   scripts/gpu_check.sh            # on the GPU machine, from the repository root
+# One device call on a one-GPU machine (nvidia-h100-x1 / nvidia-h200): build every native module the
+# GPU can use (NVSHMEM included; nccl_ep needs two GPUs: scripts/gpu_check_multi.sh), run the `gpu`
+# tests and the benchmarks. Logs go to $OUT (set by the device runner; defaults to ./gpu_out). Each
+# step has its own timeout; a failing step does not stop the later ones; the exit status is the first
+# failure's.
+#   scripts/gpu_check.sh                                   # everything (~9 minutes)
+#   GPU_TESTS="tests/gpu/test_hot_path.py" scripts/gpu_check.sh   # a subset of the tests
+#   PART=tests | PART=bench scripts/gpu_check.sh           # build + only one of the two
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh  # env, $OUT, $PY, step()
+PART="${PART:-all}"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
-  "$PY" -c 'import sysconfig, os; i = sysconfig.get_paths()["include"]; print("Python.h:", os.path.exists(i + "/Python.h"), i)'
-  "$PY" -m pybind11 --cmakedir; cmake --version | head -1; ninja --version
+  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
   nvcc --version | tail -2
 } 2>&1 | tee "$OUT/env.log"
 
-step build 180 scripts/build_native.sh
-step pytest 400 "$PY" -m pytest -m gpu tests/gpu -q -rs --timeout=400 -p no:cacheprovider
-step bench 90 "$PY" benchmarks/bench_native.py
+step build 300 env OMNIEP_BUILD_DIR=build/native_nvshmem scripts/build_native.sh -DOMNIEP_NVSHMEM=ON
+if [[ "$PART" != bench ]]; then
+  # shellcheck disable=SC2086
+  step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -q -rs --timeout=400 \
+    -p no:cacheprovider
+fi
+if [[ "$PART" != tests ]]; then
+  step bench_hot_path 200 "$PY" benchmarks/hot_path_gpu.py --world 1 --out "$OUT/hot_path_world1.json"
+  step bench_native 90 "$PY" benchmarks/bench_native.py
+fi
 echo "gpu_check: exit $status; logs in $OUT"
 exit $status

@@ -53,6 +53,9 @@ struct PrepareResult {
   int rows;      // rows this rank's results hold (exact: what arrives; else the capacity)
   int capacity;  // C of every rank's buffer (exact: the largest receive of any rank)
   bool stopped;  // the op stopped on every rank (exact mode only: a status says why); nothing more to run
+  // Exact mode: the rank's status codes when it published (an older pending status is raised by the
+  // binding once this op has run everywhere).
+  int fatal, pending;
 };
 
 // Rank-major dispatch: with topk_weights (the routing moves too) or without (a cached dispatch;
@@ -64,7 +67,7 @@ struct DispatchCall {
   int64_t row2_bytes;
   int num_tokens, num_topk, num_experts, capacity, rows, expert_alignment;
   const float* topk_weights;  // [T, K]; null: rows only
-  const int32_t *topk_idx32, *send_pos, *send_offset, *recv_counts, *num_recv;  // prepare's
+  const int32_t *topk_idx32, *send_pos, *send_offset, *recv_counts;  // prepare's
   void* recv_x;              // [rows, row_bytes]
   void* recv_x2;             // [rows, row2_bytes]
   int32_t* recv_topk_idx;    // [rows, K] (with topk_weights)

@@ -170,7 +170,7 @@ PrepareResult OneRankOps<Rank>::prepare(const PrepareCall& c, OpDesc& d, cudaStr
     launch_em_layout(e, s);
     next_part(d);
   }
-  if (!exact) return PrepareResult{c.capacity, c.capacity, false};
+  if (!exact) return PrepareResult{c.capacity, c.capacity, false, 0, 0};
   // The one host wait of a non-cached dispatch (DeepEP's mapped counter): the layout kernel publishes
   // this rank's receive size, then the ticket. The device's own waits time out first, so a silent
   // ticket means the GPU never got to the kernel.
@@ -185,8 +185,8 @@ PrepareResult OneRankOps<Rank>::prepare(const PrepareCall& c, OpDesc& d, cudaStr
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // the fields were written before the ticket
-  if (box->stopped) return PrepareResult{0, 0, true};
-  return PrepareResult{box->rows, box->max_rows, false};
+  return PrepareResult{box->stopped ? 0 : box->rows, box->stopped ? 0 : box->max_rows, box->stopped != 0, box->fatal,
+                       box->pending};
 }
 
 template <typename Rank>
@@ -210,7 +210,7 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   a.x = mine<const uint8_t>(g, c.x);
   a.send_pos = mine<const int32_t>(g, c.send_pos);
   a.send_offset = mine<const int32_t>(g, c.send_offset);
-  a.num_recv = mine<const int32_t>(g, c.num_recv);
+  a.recv_counts = mine<const int32_t>(g, c.recv_counts);
   a.recv_x = g.template sym<uint8_t>(offsets[0]);
   if (at_x2 >= 0) {
     a.x2 = mine<const uint8_t>(g, c.x2);

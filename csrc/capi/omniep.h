@@ -67,7 +67,7 @@ typedef struct {
   uintptr_t topk_weights[OMNIEP_MAX_RANKS];      /* [T, K] float32 */
   uintptr_t send_pos[OMNIEP_MAX_RANKS];          /* [T, R] from layout */
   uintptr_t send_offset[OMNIEP_MAX_RANKS];       /* [R] from layout */
-  uintptr_t num_recv[OMNIEP_MAX_RANKS];          /* [] from layout */
+  uintptr_t recv_counts[OMNIEP_MAX_RANKS];       /* [R] from layout */
   uintptr_t recv_x[OMNIEP_MAX_RANKS];            /* sym out [C, row_bytes] */
   uintptr_t recv_x2[OMNIEP_MAX_RANKS];           /* sym out [C, row2_bytes] */
   uintptr_t recv_topk_idx[OMNIEP_MAX_RANKS];     /* sym out [C, K] int32 */

@@ -85,7 +85,7 @@ omniep::DispatchArgs convert(const omniep_dispatch_args& c) {
   to_per_rank(a.topk_weights, c.topk_weights);
   to_per_rank(a.send_pos, c.send_pos);
   to_per_rank(a.send_offset, c.send_offset);
-  to_per_rank(a.num_recv, c.num_recv);
+  to_per_rank(a.recv_counts, c.recv_counts);
   to_per_rank(a.recv_x, c.recv_x);
   to_per_rank(a.recv_x2, c.recv_x2);
   to_per_rank(a.recv_topk_idx, c.recv_topk_idx);

@@ -55,7 +55,7 @@ struct DispatchArgs {
   PerRank<const float> topk_weights;        // [T, K]
   PerRank<const int32_t> send_pos;          // [T, R]
   PerRank<const int32_t> send_offset;       // [R]
-  PerRank<const int32_t> num_recv;          // []
+  PerRank<const int32_t> recv_counts;       // [R]: rows each source sends here (the padding starts at their sum)
   PerRank<uint8_t> recv_x;                  // sym [C, row_bytes]
   PerRank<uint8_t> recv_x2;                 // sym [C, row2_bytes]
   PerRank<int32_t> recv_topk_idx;           // sym [C, K] (with_routing)

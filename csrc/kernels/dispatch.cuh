@@ -3,7 +3,8 @@
 // Row t of source s lands at row send_offset_s[r] + send_pos_s[t, r] of receiver r, i.e. rows are
 // ordered by (source rank, source token) — the contract order of DESIGN §2 — and rows at or past
 // the capacity C are the ones dropped. One warp moves one token to each rank it goes to.
-// The receiver meanwhile zero-fills its padding rows [num_recv, C), which no source writes.
+// The receiver meanwhile zero-fills its padding rows [min(sum(recv_counts), C), C), which no source
+// writes.
 // A receiver's own rows go to a.own_x / a.own_x2 instead when given (the caller's result tensors;
 // the copy-out then skips them, kernels/copy_rows.cuh).
 // Per-expert receive counts: each block counts the (token, local expert) pairs it delivered in
@@ -111,9 +112,12 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     }
   }
 
-  // ---- zero my padding rows [num_recv, C) ----
+  // ---- zero my padding rows [rows received, C) ----
   {
-    const int first = *tr.local(a.num_recv);
+    const int32_t* recv_counts = tr.local(a.recv_counts);
+    int64_t received = 0;
+    for (int s = 0; s < R; ++s) received += recv_counts[s];
+    const int first = static_cast<int>(received < C ? received : C);
     uint8_t* recv_x = tr.local(a.recv_x);
     uint8_t* recv_x2 = tr.local(a.recv_x2);
     int32_t* recv_idx = tr.local(a.recv_topk_idx);

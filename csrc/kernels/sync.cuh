@@ -86,6 +86,8 @@ OMNIEP_DEVICE bool exchange_verdict(const Tr& tr, RankWorkspace* ws, const OpDes
   uint32_t peers = 0, fields = 0;
   for (int s = 0; s < R; ++s) {
     const volatile int32_t* d = ws->desc[slot][s].w;
+    // A rank whose host refused its arguments sends what it could fill in: only its verdict counts.
+    if (d[kDescInputStatus] == kInputRejected || mine.w[kDescInputStatus] == kInputRejected) continue;
     uint32_t diff = 0;
     for (int i = 0; i < kDescCompared; ++i) diff |= static_cast<uint32_t>(d[i] != mine.w[i]) << i;
     if (diff == 0) continue;
@@ -203,6 +205,9 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
   __syncthreads();
   if (threadIdx.x == 0) {
     s_ok = !has_error(ws);
+    // A later kernel of an op that stopped at its first exchange: every rank stopped it there, so no
+    // rank takes part in this barrier (an earlier kernel on this stream wrote abort_seq).
+    if (desc != nullptr && desc->w[kDescPart] > 0 && ws->abort_seq == desc->w[kDescSeq] + 1) s_ok = 0;
     s_gen = gpu::load_acquire_sys(&ws->release);  // read before arriving: cannot change until all arrive
     if (s_ok) {
       gpu::fence_acq_rel_sys();

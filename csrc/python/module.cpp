@@ -86,7 +86,7 @@ omniep_dispatch_args dispatch_args(const py::dict& d) {
   a.expert_alignment = 1;
   a.with_routing = 1;
   StructFiller filler;
-  PTR(x); PTR(x2); PTR(topk_idx32); PTR(topk_weights); PTR(send_pos); PTR(send_offset); PTR(num_recv);
+  PTR(x); PTR(x2); PTR(topk_idx32); PTR(topk_weights); PTR(send_pos); PTR(send_offset); PTR(recv_counts);
   PTR(recv_x); PTR(recv_x2); PTR(recv_topk_idx); PTR(recv_topk_weights); PTR(num_recv_tokens_per_expert);
   filler.ranks_i32("num_tokens", a.num_tokens);
   filler.i64("row_bytes", &a.row_bytes);

@@ -83,6 +83,16 @@ class TorchGroupBackend(EPBackend):
         with native buffers (every rank calls it)."""
         _BY_ID.pop(self.id, None)
 
+    def set_checks(self, mode: str) -> None:
+        """``"sync"`` or ``"default"`` for this context from now on (``OMNIEP_CHECKS`` chose it at open)."""
+        if mode not in ("sync", "default"):
+            raise InputError(f"checks mode must be 'sync' or 'default', got {mode!r}")
+        self.checks = mode
+
+    def translate(self, exc: BaseException) -> BaseException:
+        """The typed error an exception of this context's ops stands for (the frontend raises it)."""
+        return exc
+
     def check(self) -> None:
         """Raise what an earlier op of this group reported and has not been raised yet (DESIGN §9)."""
 
@@ -128,6 +138,13 @@ class PythonOps:
     def op_combine_bwd(self, g_out, topk_weights, y, handle: list, num_experts: int, layout: int, capacity: int,
                        expert_alignment: int) -> tuple:
         raise NotImplementedError
+
+
+def destroy_contexts(cls) -> None:
+    """Destroy every live context of backend class ``cls`` in this process (collective: every rank calls
+    it, e.g. before ``destroy_process_group``)."""
+    for ctx in [c for c in _BY_ID.values() if isinstance(c, cls)]:
+        ctx.destroy()
 
 
 def default_group(group: Optional[object]):

@@ -14,7 +14,9 @@ class EPBackend(abc.ABC):
     ``group`` is what the framework names the group with: the ``shard_map`` axis name in JAX, a
     ``ProcessGroup`` in PyTorch. Arrays are the framework's own. Methods assume validated input
     (the frontends validate with :mod:`omniep.ep_core.validation` first) and must produce exactly the
-    results of :mod:`omniep.ep_core.reference` for this rank.
+    results of :mod:`omniep.ep_core.reference` for this rank. The JAX backends implement the five op
+    methods; a PyTorch backend is a group's context whose ops are ``torch.library`` ops (Python ones:
+    ``op_*`` methods, :class:`omniep.backends.torch_group.PythonOps`; native ones: C++ kernels).
     """
 
     name: ClassVar[str]
@@ -37,26 +39,26 @@ class EPBackend(abc.ABC):
     def num_ranks(self) -> int:
         """Size of the EP group."""
 
-    @abc.abstractmethod
     def prepare(self, topk_idx, config: DispatchConfig) -> Handle:
         """Local layout (counts, ``is_token_in_rank``) plus the exchange of counts. The returned handle
         may still lack receive-side routing (``recv_topk_idx``); :meth:`dispatch` completes it."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def dispatch(self, x, topk_weights, handle: Handle) -> tuple[tuple, Handle]:
         """Move ``x[T, ...]`` (rows moved unchanged) and ``topk_weights``. Returns
         ``((recv_x, recv_topk_idx, recv_topk_weights, num_recv, num_recv_tokens_per_expert, dropped),
         handle)`` with the handle completed; dispatching again with that handle is a cached dispatch."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def combine(self, y, handle: Handle, bias: tuple = ()):
         """``out[T, H]`` in ``y``'s dtype: fp32 sum in contract order, bias added last, rounded once."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: Handle):
         """Adjoint of dispatch: ``(g_x, g_topk_weights)``."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def combine_bwd(self, g_out, handle: Handle, y: Optional[Any] = None):
         """Adjoint of combine: ``(g_y, g_topk_weights)``; ``g_topk_weights`` is None for rank-major and
         needs ``y`` (the forward input) for expert-major."""
+        raise NotImplementedError

@@ -190,7 +190,10 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     code = _LAYOUT_CODE[lay]
-    out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+    try:
+        out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+    except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
+        raise ctx.translate(exc) from None
     config = DispatchConfig(experts, ctx.world, lay, None if cap < 0 else cap, align)
     # recv_topk_weights is differentiable: the handle keeps it out of the autograd graph.
     handle = Handle((out[2], out[3].detach(), *out[7]), ctx, config, topk_weights)
@@ -227,7 +230,11 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None) -> torch.Tensor:
     else:
         b0, b1 = bias, None
     weights = handle.topk_weights if handle.config.layout == Layout.EXPERT_MAJOR else None
-    return handle.context.ops.combine(y, weights, b0, b1, list(handle.tensors), *config)
+    ctx = handle.context
+    try:
+        return ctx.ops.combine(y, weights, b0, b1, list(handle.tensors), *config)
+    except (RuntimeError, ValueError) as exc:
+        raise ctx.translate(exc) from None
 
 
 def cached_dispatch(x, handle: Handle):
@@ -241,5 +248,9 @@ def cached_dispatch(x, handle: Handle):
         x, x_scales = x
     else:
         x_scales = None
-    recv_x, recv_scales = handle.context.ops.cached_dispatch(x, x_scales, list(handle.tensors), *config)
+    ctx = handle.context
+    try:
+        recv_x, recv_scales = ctx.ops.cached_dispatch(x, x_scales, list(handle.tensors), *config)
+    except (RuntimeError, ValueError) as exc:
+        raise ctx.translate(exc) from None
     return (recv_x, recv_scales) if x_scales is not None else recv_x

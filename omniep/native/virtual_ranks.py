@@ -222,7 +222,7 @@ class VirtualRanks:
     def _dispatch_args(self, xs, handle: VirtualHandle, recv, row_bytes: int, routing: bool) -> dict:
         return dict(
             x=_ptrs(xs), send_pos=_ptrs(handle.send_pos), send_offset=_ptrs(handle.send_offset),
-            num_recv=_ptrs(handle.num_recv), topk_idx32=_ptrs(handle.topk_idx), recv_x=_ptrs(recv),
+            recv_counts=_ptrs(handle.recv_counts), topk_idx32=_ptrs(handle.topk_idx), recv_x=_ptrs(recv),
             num_tokens=handle.num_tokens, row_bytes=row_bytes, num_topk=handle.topk_idx[0].shape[1],
             num_experts=handle.config.num_experts, capacity=handle.capacity,
             expert_alignment=handle.config.expert_alignment, with_routing=int(routing),

@@ -15,17 +15,15 @@ from __future__ import annotations
 import torch
 
 from ...ep_core.types import Availability
-from ..cuda_nvshmem.torch_backend import MIN_CC, CudaNvshmemTorch
+from ..cuda_nvshmem.torch_backend import MIN_CC, CudaNvshmemTorch, torch_ops_reason
+from ..torch_group import destroy_contexts
 from . import native_reason, transport_summary
-
-_STATES: dict = {}  # (group_name, device index) -> NcclRankState
 
 
 def destroy_states() -> None:
     """Release every group's NCCL communicator and windows. Collective: every rank calls it (e.g.
     before ``destroy_process_group``); otherwise they are released at process exit."""
-    for key in list(_STATES):
-        _STATES.pop(key).destroy()
+    destroy_contexts(NcclEpTorch)
 
 
 class NcclEpTorch(CudaNvshmemTorch):
@@ -33,7 +31,6 @@ class NcclEpTorch(CudaNvshmemTorch):
     ``capabilities()`` is :class:`CudaNvshmemTorch`'s (the same ops, layouts and limits)."""
 
     name = "nccl_ep"
-    _states = _STATES
 
     @classmethod
     def availability(cls) -> Availability:
@@ -52,6 +49,9 @@ class NcclEpTorch(CudaNvshmemTorch):
 
         if not dist.is_available():
             return Availability(False, "torch was built without torch.distributed")
+        ops = torch_ops_reason()
+        if ops:
+            return Availability(False, ops)
         return Availability(True, f"native kernels over the {transport_summary(mod)}")
 
     def _new_state(self, timeout: float):

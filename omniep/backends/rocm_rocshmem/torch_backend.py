@@ -17,17 +17,16 @@ import importlib
 import os
 
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
-from ..cuda_nvshmem.torch_backend import CudaNvshmemTorch
+from ..cuda_nvshmem.torch_backend import TORCH_OPS_MODULE, CudaNvshmemTorch
+from ..torch_group import destroy_contexts
 
 NATIVE_MODULE = "omniep._native_hip"
 BUILD_HINT = "make native OMNIEP_HIP=1"
-_STATES: dict = {}  # (group_name, device index) -> IpcRankState over omniep._native_hip
 
 
 def destroy_states() -> None:
     """Release every group's native buffers. Collective: every rank calls it."""
-    for key in list(_STATES):
-        _STATES.pop(key).destroy()
+    destroy_contexts(RocmRocshmemTorch)
 
 
 def _hip():
@@ -78,7 +77,6 @@ class RocmRocshmemTorch(CudaNvshmemTorch):
 
     name = "rocm_rocshmem"
     serves = "AMD GPU tensors"  # torch's ROCm build calls AMD GPUs "cuda"
-    _states = _STATES
 
     @classmethod
     def missing(cls) -> list[str]:
@@ -92,10 +90,11 @@ class RocmRocshmemTorch(CudaNvshmemTorch):
                     out.append("libamdhip64 not found")
                 if not os.path.exists("/dev/kfd"):
                     out.append("no AMD GPU (/dev/kfd absent)")
-        try:
-            importlib.import_module(NATIVE_MODULE)
-        except ImportError:
-            out.append(f"omniep native HIP module not built: {BUILD_HINT}")
+        for module in (NATIVE_MODULE, TORCH_OPS_MODULE):  # the rank, and the torch ops over its EpRank
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                out.append(f"omniep native module {module} not built for ROCm: {BUILD_HINT}")
         try:
             import torch
         except ImportError:

@@ -1,0 +1,167 @@
+"""What a user pays per dispatch + combine pair through ``omniep.torch`` on a GPU: host µs, wall µs, and
+the kernels' own device µs, side by side (issue 13's GPU targets).
+
+For each mode — rank-major exact (``capacity=None``: the one host wait), rank-major static, cached
+(``cached_dispatch`` + ``combine`` with a handle), expert-major (static) — and each shape (DeepEP's
+normal ``ht``: 4096 tokens, H=7168, top-8 of 256, bf16; low-latency ``ll``: 128 tokens):
+
+* ``host``: the host time to issue one pair while the GPU is busy with a spin kernel queued ahead (so
+  nothing waits and the launch queue never fills); not measurable for ``exact``, whose pair waits for
+  its row count by design;
+* ``wall``: a steady loop of pairs, synchronised once at the end, per pair;
+* ``device``: the summed duration of the pair's GPU kernels and copies, from the CUDA profiler.
+
+``--world 1`` runs one rank (one process); ``--world 2`` two processes sharing GPU 0 (CUDA IPC) — time
+slicing between the processes then inflates ``device`` and ``wall``. Prints a table, writes JSON.
+
+    python benchmarks/hot_path_gpu.py [--world 1] [--iters 50] [--shapes ht,ll] [--out hot_path.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+SHAPES = {"ht": dict(tokens=4096, hidden=7168, topk=8, experts=256), "ll": dict(tokens=128, hidden=7168, topk=8,
+                                                                                 experts=256)}
+MODES = ("exact", "static", "cached", "expert_major")
+
+
+def _device_us(torch, step, iters: int) -> float:
+    """GPU time of `step` per call: kernels and copies summed from the CUDA profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total = 0.0
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0 and ev.cpu_parent is None:
+            total += ev.device_time_total
+    if total == 0.0:  # older event trees: the kernel events of the key averages
+        total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count)
+    return total / iters
+
+
+def _host_us(torch, step, iters: int) -> float:
+    """Host time to issue `step`, the GPU kept busy by a spin kernel queued ahead (nothing waits)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e6) * iters)  # ~1 ms of spinning per call: longer than any issue
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def _wall_us(torch, step, iters: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def rank_main(rank: int, world: int, port: int, args: dict) -> list:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    rows = []
+    try:
+        for shape in args["shapes"]:
+            s = SHAPES[shape]
+            T, H, K, E = s["tokens"], s["hidden"], s["topk"], s["experts"]
+            gen = torch.Generator(device="cuda").manual_seed(rank)
+            idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
+            w = torch.rand(T, K, device="cuda", generator=gen)
+            x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+            cap = world * T
+            handle = ep.dispatch(x, idx, w, num_experts=E, capacity=cap).handle
+
+            def exact():
+                d = ep.dispatch(x, idx, w, num_experts=E)
+                return ep.combine(d.recv_x, d.handle)
+
+            def static():
+                d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+                return ep.combine(d.recv_x, d.handle)
+
+            def cached():
+                return ep.combine(ep.cached_dispatch(x, handle), handle)
+
+            def expert_major():
+                d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
+                return ep.combine(d.recv_x, d.handle)
+
+            steps = dict(exact=exact, static=static, cached=cached, expert_major=expert_major)
+            for mode in args["modes"]:
+                step = steps[mode]
+                for _ in range(5):
+                    step()  # warm-up: buffers grow, kernels load
+                torch.cuda.synchronize()
+                dist.barrier()
+                host = None if mode == "exact" else _host_us(torch, step, args["iters"])
+                dist.barrier()
+                wall = _wall_us(torch, step, args["iters"])
+                dist.barrier()
+                device = _device_us(torch, step, min(args["iters"], 20))
+                dist.barrier()
+                rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, host_us=host, wall_us=wall,
+                                 device_us=device))
+                print(f"rank {rank} {shape} {mode}: host {host} wall {wall:.1f} device {device:.1f}", flush=True)
+        ep.destroy()
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--shapes", default="ht,ll")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","))
+    sys.path.insert(0, ".")
+    from omniep.testing.procs import run_ranks
+
+    results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
+                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
+    rows = [row for rank_rows in results for row in rank_rows]
+    print(f"\n| world | shape | mode | host µs / pair | wall µs / pair | device µs / pair | wall - device |")
+    print("|---|---|---|---|---|---|---|")
+    for shape in args["shapes"]:
+        for mode in args["modes"]:
+            mine = [r for r in rows if r["shape"] == shape and r["mode"] == mode]
+            if not mine:
+                continue
+            host = max((r["host_us"] for r in mine if r["host_us"] is not None), default=None)
+            wall = max(r["wall_us"] for r in mine)
+            dev = max(r["device_us"] for r in mine)
+            host_s = "—" if host is None else f"{host:.1f}"
+            print(f"| {a.world} | {shape} | {mode} | {host_s} | {wall:.1f} | {dev:.1f} | {wall - dev:.1f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

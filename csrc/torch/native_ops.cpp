@@ -1,0 +1,842 @@
+// omniep._native_torch: the CUDA and Autograd kernels of the omniep_native::* ops (schemas and fake
+// kernels: omniep/frontends/torch_ops.py). One native call per op (DESIGN §5 "The hot path"): the
+// kernel checks its arguments, allocates its results, and runs the op through the group's EpRank
+// (backends/ep_rank.h) on the current stream — the rank of whichever native module made it (CUDA IPC,
+// NVSHMEM, NCCL; HIP IPC on AMD). A context id names a (group, backend) registered from Python once.
+//
+// Host waits: a rank-major dispatch with capacity=None waits once, for the received row count (the
+// mapped counter, rank_ops.cuh); nothing else waits, so the static-shape ops capture into CUDA graphs.
+// What the device found (a peer's different op, a bad id on a peer, a capacity overflow) is raised at
+// that wait, at omniep.torch.check/synchronize, and after every op with OMNIEP_CHECKS=sync. A raised
+// status is kept for Python (`take_raised`), which turns it into the typed exception.
+//
+// Local bad input raises c10::ValueError naming the argument — after the rank has taken the op's place
+// in the group with a rejected descriptor, so its peers stop the op too instead of waiting for it.
+//
+// Handle tensors of an op (after recv_topk_idx / recv_topk_weights, which the frontend prepends):
+//   [0] topk_idx32 [T, K] int32 (device)
+//   [1] routing    int32 (device): send_pos [T, R], num_tokens_per_rank [R], num_tokens_per_expert [E],
+//                  recv_counts [R], send_offset [R], num_recv / dropped scratch [2]; expert-major
+//                  also copy_slot [T, K], recv_expert_count [L], scratch [2]
+//   [2] info       int64 [2] (CPU): the dispatch's sequence number (the handle id of later ops'
+//                  descriptors) and the symmetric capacity C
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backends/ep_rank.h"
+#include "kernels/args.h"
+
+namespace omniep_torch {
+
+using at::Tensor;
+using omniep::EpRank;
+using omniep::OpDesc;
+using omniep::Status;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---- contexts ----------------------------------------------------------------------------------------
+
+struct Context {
+  EpRank* rank;
+  int world;
+  int device;
+  bool sync;  // OMNIEP_CHECKS=sync
+  Status raised;  // the status behind the last exception an op threw (Python reads it)
+};
+
+inline constexpr int kMaxContexts = 4096;
+std::atomic<Context*> g_contexts[kMaxContexts];
+
+Context& context_of(int64_t id) {
+  Context* c = (id > 0 && id < kMaxContexts) ? g_contexts[id].load(std::memory_order_acquire) : nullptr;
+  TORCH_CHECK(c != nullptr, "omniep: no live native context ", id, ": it was destroyed (omniep.torch.destroy) or "
+              "never opened in this process");
+  return *c;
+}
+
+cudaStream_t stream_of(const Context& c) { return c10::cuda::getCurrentCUDAStream(c.device).stream(); }
+
+// Throws (for Python to turn into the typed error) if `st` reports something.
+void raise_status(Context& c, const Status& st, const char* op) {
+  if (st.w[omniep::kStCode] == omniep::kStatusOk) return;
+  c.raised = st;
+  std::ostringstream m;
+  m << "omniep: " << op << " on rank " << st.w[omniep::kStRank] << ": status code " << st.w[omniep::kStCode]
+    << " (peer " << st.w[omniep::kStPeer] << ", fields mask " << st.w[omniep::kStFields] << ", values "
+    << st.w[omniep::kStMine] << " / " << st.w[omniep::kStTheirs] << "); omniep.torch raises it as its typed error";
+  throw std::runtime_error(m.str());
+}
+
+// The rank's statuses, raised (sticky first); the pending one is cleared once raised.
+void check(Context& c, const char* op) {
+  Status fatal, pending;
+  c.rank->statuses(&fatal, &pending, /*clear_pending=*/true);
+  raise_status(c, fatal, op);
+  raise_status(c, pending, op);
+}
+
+// After an op: OMNIEP_CHECKS=sync raises what it found at once (never while a graph is captured).
+void after_op(Context& c, const char* op) {
+  if (!c.sync) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream_of(c), &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone) return;
+  check(c, op);
+}
+
+// ---- argument checks ---------------------------------------------------------------------------------
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream s;
+  s << "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s << (i ? ", " : "") << t.size(i) << (t.dim() == 1 ? "," : "");
+  s << ")";
+  return s.str();
+}
+
+std::string dtype_str(const Tensor& t) {
+  std::string n(c10::toString(t.scalar_type()));
+  if (n == "BFloat16") return "bfloat16";
+  if (n == "Half") return "float16";
+  if (n == "Float") return "float32";
+  if (n == "Double") return "float64";
+  if (n == "Int") return "int32";
+  if (n == "Long") return "int64";
+  if (n == "Float8_e4m3fn") return "float8_e4m3fn";
+  return n;
+}
+
+// Kernel dtype (args.h DType) of a floating tensor, -1 if the kernels do not combine it.
+int kernel_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return omniep::kFloat32;
+    case at::kBFloat16: return omniep::kBFloat16;
+    case at::kHalf: return omniep::kFloat16;
+    default: return -1;
+  }
+}
+
+int desc_dtype(const Tensor& t) {
+  const int k = kernel_dtype(t);
+  if (k >= 0) return k;
+  return t.scalar_type() == at::kFloat8_e4m3fn ? omniep::kDescFP8 : -1;
+}
+
+// Collects the first problem with the arguments; the op then rejects its place and throws it.
+struct Checker {
+  const Context& c;
+  std::string error;
+  void fail(const std::string& m) {
+    if (error.empty()) error = m;
+  }
+  void on_device(const Tensor& t, const char* name) {
+    if (!t.defined()) return;
+    if (!t.is_cuda()) {
+      fail(std::string(name) + " is on " + t.device().str() + "; the native backends serve CUDA tensors (use "
+           "OMNIEP_BACKEND=collective for CPU tensors)");
+    } else if (t.get_device() != c.device) {
+      fail(std::string(name) + " is on " + t.device().str() + " but this rank of the group runs on cuda:" +
+           std::to_string(c.device) + ": call torch.cuda.set_device first");
+    }
+  }
+  void group_shape(int64_t num_experts) {
+    if (num_experts <= 0 || num_experts % c.world != 0) {
+      fail("num_experts=" + std::to_string(num_experts) + " is not a multiple of the EP group size " +
+           std::to_string(c.world) + "; every rank must hold the same number of experts");
+    } else if (num_experts / c.world > omniep::kMaxLocalExperts || num_experts > 12 * 1024) {
+      fail("num_experts=" + std::to_string(num_experts) + " is more than the native kernels serve (at most " +
+           std::to_string(omniep::kMaxLocalExperts) + " per rank and 12288 in all)");
+    }
+  }
+  // x [T, H] (+ fp8 scales [T, H/128] float32); returns H.
+  int64_t tokens(const Tensor& x, const std::optional<Tensor>& scales, int64_t T) {
+    on_device(x, "x");
+    if (x.dim() != 2) {
+      fail("x must be 2-D [num_tokens, hidden], got shape " + shape_str(x));
+      return 0;
+    }
+    if (x.size(0) != T) fail("x has " + std::to_string(x.size(0)) + " rows but topk_idx has " + std::to_string(T) + " tokens");
+    const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+    if (fp8) {
+      if (!scales.has_value()) {
+        fail("fp8 x needs x_scales[num_tokens, hidden/128] float32: pass x=(x, x_scales)");
+      } else if (x.size(1) % 128 != 0) {
+        fail("fp8 x needs hidden to be a multiple of 128, got " + std::to_string(x.size(1)));
+      } else if (scales->dim() != 2 || scales->size(0) != T || scales->size(1) != x.size(1) / 128 ||
+                 scales->scalar_type() != at::kFloat) {
+        fail("x_scales must be float32 of shape (" + std::to_string(T) + ", " + std::to_string(x.size(1) / 128) +
+             "), got " + dtype_str(*scales) + " " + shape_str(*scales));
+      }
+      if (scales.has_value()) on_device(*scales, "x_scales");
+    } else if (kernel_dtype(x) < 0) {
+      fail("x dtype " + dtype_str(x) + " is not supported; expected one of ('bfloat16', 'float16', 'float32', "
+           "'float8_e4m3fn')");
+    } else if (scales.has_value()) {
+      fail("x_scales is only meaningful for fp8 x, got x of dtype " + dtype_str(x));
+    }
+    return x.size(1);
+  }
+  void routing(const Tensor& idx, const Tensor* weights) {
+    on_device(idx, "topk_idx");
+    if (idx.dim() != 2) {
+      fail("topk_idx must be 2-D [num_tokens, num_topk], got shape " + shape_str(idx));
+      return;
+    }
+    if (idx.scalar_type() != at::kInt && idx.scalar_type() != at::kLong) {
+      fail("topk_idx must be int32 or int64, got " + dtype_str(idx));
+    }
+    if (weights != nullptr) {
+      on_device(*weights, "topk_weights");
+      if (weights->sizes() != idx.sizes()) {
+        fail("topk_weights shape " + shape_str(*weights) + " does not match topk_idx shape " + shape_str(idx));
+      } else if (weights->scalar_type() != at::kFloat) {
+        fail("topk_weights must be float32, got " + dtype_str(*weights));
+      }
+    }
+  }
+  void combine_input(const Tensor& y, std::vector<int64_t> rows, const char* layout_shape) {
+    on_device(y, "y");
+    if (kernel_dtype(y) < 0) {
+      fail("combine input y must be one of ('bfloat16', 'float16', 'float32'), got " + dtype_str(y));
+      return;
+    }
+    bool ok = y.dim() == static_cast<int64_t>(rows.size()) + 1;
+    for (size_t i = 0; ok && i < rows.size(); ++i) ok = y.size(static_cast<int64_t>(i)) == rows[i];
+    if (!ok) {
+      std::string want = "(";
+      for (int64_t r : rows) want += std::to_string(r) + ", ";
+      fail("combine input y has shape " + shape_str(y) + "; expected " + layout_shape + " = " + want +
+           "'H') as produced by dispatch with this handle");
+    }
+  }
+  void bias(const std::optional<Tensor>& b, int64_t T, int64_t H) {
+    if (!b.has_value()) return;
+    on_device(*b, "bias");
+    if (b->dim() != 2 || b->size(0) != T || b->size(1) != H) {
+      fail("bias must have shape (" + std::to_string(T) + ", " + std::to_string(H) + "), got " + shape_str(*b));
+    } else if (kernel_dtype(*b) < 0) {
+      fail("bias must be one of ('bfloat16', 'float16', 'float32'), got " + dtype_str(*b));
+    }
+  }
+};
+
+// Local bad input: take the op's place with a rejected descriptor (the peers stop it), then raise.
+void reject(Context& c, OpDesc& d, const std::string& error) {
+  c.rank->reject(d, stream_of(c));
+  TORCH_CHECK_VALUE(false, error);
+}
+
+Tensor i32(int64_t n, const Context& c) { return at::empty({n}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c.device)); }
+
+Tensor empty_like_device(std::vector<int64_t> shape, at::ScalarType t, const Context& c) {
+  return at::empty(shape, at::TensorOptions().dtype(t).device(at::kCUDA, c.device));
+}
+
+// Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts.
+struct Routing {
+  int64_t send_pos, per_rank, per_expert, recv_counts, send_offset, scratch, copy_slot, recv_expert_count, em_scratch,
+      total;
+  Routing(int64_t T, int64_t K, int64_t R, int64_t E, bool expert_major) {
+    int64_t at = 0;
+    const auto take = [&](int64_t n) {
+      const int64_t here = at;
+      at += n;
+      return here;
+    };
+    send_pos = take(T * R);
+    per_rank = take(R);
+    per_expert = take(E);
+    recv_counts = take(R);
+    send_offset = take(R);
+    scratch = take(2);
+    copy_slot = expert_major ? take(T * K) : -1;
+    recv_expert_count = expert_major ? take(E / R) : -1;
+    em_scratch = expert_major ? take(2) : -1;
+    total = at;
+  }
+};
+
+struct HandleView {  // an op's handle, as the kernels need it
+  const int32_t* topk_idx32;
+  const int32_t* routing;
+  int64_t seq, capacity;
+  Routing parts;
+};
+
+HandleView handle_view(const std::vector<Tensor>& h, const Context& c, int64_t num_experts, bool expert_major) {
+  TORCH_CHECK_VALUE(h.size() == 5, "omniep: a native handle has 5 tensors, got ", h.size(),
+                    ": pass the handle returned by omniep.torch.dispatch");
+  const Tensor& idx32 = h[2];
+  const Tensor& routing = h[3];
+  const Tensor& info = h[4];
+  TORCH_CHECK_VALUE(idx32.dim() == 2 && idx32.scalar_type() == at::kInt && routing.scalar_type() == at::kInt &&
+                        info.device().is_cpu() && info.numel() == 2 && info.scalar_type() == at::kLong,
+                    "omniep: the handle's tensors are not a native dispatch's: pass the handle omniep.torch.dispatch returned");
+  const auto* meta = info.data_ptr<int64_t>();
+  HandleView v{idx32.data_ptr<int32_t>(), routing.data_ptr<int32_t>(), meta[0], meta[1],
+               Routing(idx32.size(0), idx32.size(1), c.world, num_experts, expert_major)};
+  TORCH_CHECK_VALUE(routing.numel() == v.parts.total, "omniep: the handle does not match num_experts / layout");
+  return v;
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------
+
+using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
+
+DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor& topk_idx_in,
+                          const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts, int64_t layout,
+                          int64_t capacity, int64_t expert_alignment) {
+  Context& c = context_of(ctx);
+  const bool em = layout == 1;
+  const int64_t T = topk_idx_in.dim() == 2 ? topk_idx_in.size(0) : 0;
+  const int64_t K = topk_idx_in.dim() == 2 ? topk_idx_in.size(1) : 0;
+  const int64_t R = c.world;
+  Checker chk{c, {}};
+  chk.routing(topk_idx_in, &topk_weights_in);
+  const int64_t H = chk.tokens(x_in, x_scales_in, T);
+  chk.group_shape(num_experts);
+  if (expert_alignment < 1) chk.fail("expert_alignment must be an int >= 1, got " + std::to_string(expert_alignment));
+  // Expert-major capacity=None: the worst case without duplicate ids, R * T (the descriptor then
+  // tells ranks with another T apart).
+  const int64_t cap = capacity >= 0 ? capacity : (em ? R * T : -1);
+  if (cap > 0x7ffffffe) chk.fail("capacity " + std::to_string(cap) + " is too large");
+  OpDesc d = c.rank->begin(omniep::kOpDispatch, static_cast<int>(num_experts), static_cast<int>(H),
+                           desc_dtype(x_in), static_cast<int>(layout), static_cast<int>(cap), -1, static_cast<int>(K));
+  if (!chk.error.empty()) reject(c, d, chk.error);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  const cudaStream_t s = stream_of(c);
+  const Tensor x = x_in.contiguous(), topk_idx = topk_idx_in.contiguous(), weights = topk_weights_in.contiguous();
+  const std::optional<Tensor> x_scales =
+      x_scales_in.has_value() ? std::optional<Tensor>(x_scales_in->contiguous()) : std::nullopt;
+  const int64_t E = num_experts, L = E / R;
+
+  const Routing parts(T, K, R, E, em);
+  Tensor idx32 = empty_like_device({T, K}, at::kInt, c);
+  Tensor routing = i32(parts.total, c);
+  Tensor info = at::empty({2}, at::TensorOptions().dtype(at::kLong));
+  Tensor num_recv = empty_like_device({}, at::kInt, c), dropped = empty_like_device({}, at::kInt, c);
+  Tensor per_expert = i32(L, c);
+  int32_t* r = routing.data_ptr<int32_t>();
+
+  omniep::PrepareCall p = {};
+  p.topk_idx = topk_idx.data_ptr();
+  p.index_bytes = static_cast<int>(topk_idx.element_size());
+  p.num_tokens = static_cast<int>(T);
+  p.num_topk = static_cast<int>(K);
+  p.num_experts = static_cast<int>(E);
+  p.capacity = static_cast<int>(cap);
+  p.expert_alignment = static_cast<int>(expert_alignment);
+  p.expert_major = em;
+  p.topk_idx32 = idx32.data_ptr<int32_t>();
+  p.send_pos = r + parts.send_pos;
+  p.num_tokens_per_rank = r + parts.per_rank;
+  p.num_tokens_per_expert = r + parts.per_expert;
+  p.recv_counts = r + parts.recv_counts;
+  p.send_offset = r + parts.send_offset;
+  if (em) {
+    p.num_recv = r + parts.scratch;
+    p.dropped = r + parts.scratch + 1;
+    p.copy_slot = r + parts.copy_slot;
+    p.recv_expert_count = r + parts.recv_expert_count;
+    p.num_recv_tokens_per_expert = per_expert.data_ptr<int32_t>();
+    p.em_num_recv = num_recv.data_ptr<int32_t>();
+    p.em_dropped = dropped.data_ptr<int32_t>();
+  } else {
+    p.num_recv = num_recv.data_ptr<int32_t>();
+    p.dropped = dropped.data_ptr<int32_t>();
+  }
+  const omniep::PrepareResult prep = c.rank->prepare(p, d, s);
+  if (prep.stopped) {  // the op stopped on every rank: its status says why
+    check(c, "dispatch");
+    throw std::runtime_error("omniep: dispatch stopped on every rank without a status (a bug in omniep)");
+  }
+  info.data_ptr<int64_t>()[0] = d.w[omniep::kDescSeq];
+  info.data_ptr<int64_t>()[1] = prep.capacity;
+
+  const int64_t rows = prep.rows;
+  const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+  const int64_t S = fp8 ? x_scales->size(1) : 0;
+  std::vector<int64_t> lead = em ? std::vector<int64_t>{L, rows} : std::vector<int64_t>{rows};
+  const auto with = [&](std::vector<int64_t> v, std::vector<int64_t> more) {
+    v.insert(v.end(), more.begin(), more.end());
+    return v;
+  };
+  Tensor recv_x = at::empty(with(lead, {H}), x.options());
+  Tensor recv_s = fp8 ? empty_like_device(with(lead, {S}), at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  Tensor recv_idx = empty_like_device(em ? lead : with(lead, {K}), at::kInt, c);
+  Tensor recv_w = empty_like_device(em ? lead : with(lead, {K}), at::kFloat, c);
+  if (em) {
+    omniep::EMDispatchCall e = {};
+    e.x = x.data_ptr();
+    e.row_bytes = H * x.element_size();
+    e.x2 = fp8 ? x_scales->data_ptr() : nullptr;
+    e.row2_bytes = S * 4;
+    e.num_tokens = static_cast<int>(T);
+    e.num_topk = static_cast<int>(K);
+    e.num_experts = static_cast<int>(E);
+    e.capacity = static_cast<int>(cap);
+    e.topk_weights = weights.data_ptr<float>();
+    e.topk_idx32 = p.topk_idx32;
+    e.copy_slot = p.copy_slot;
+    e.recv_expert_count = p.recv_expert_count;
+    e.recv_x = recv_x.data_ptr();
+    e.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
+    e.recv_topk_idx = recv_idx.data_ptr<int32_t>();
+    e.recv_topk_weights = recv_w.data_ptr<float>();
+    c.rank->em_dispatch(e, d, s);
+  } else {
+    omniep::DispatchCall q = {};
+    q.x = x.data_ptr();
+    q.row_bytes = H * x.element_size();
+    q.x2 = fp8 ? x_scales->data_ptr() : nullptr;
+    q.row2_bytes = S * 4;
+    q.num_tokens = static_cast<int>(T);
+    q.num_topk = static_cast<int>(K);
+    q.num_experts = static_cast<int>(E);
+    q.capacity = prep.capacity;
+    q.rows = static_cast<int>(rows);
+    q.expert_alignment = static_cast<int>(expert_alignment);
+    q.topk_weights = weights.data_ptr<float>();
+    q.topk_idx32 = p.topk_idx32;
+    q.send_pos = p.send_pos;
+    q.send_offset = p.send_offset;
+    q.recv_counts = p.recv_counts;
+    q.recv_x = recv_x.data_ptr();
+    q.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
+    q.recv_topk_idx = recv_idx.data_ptr<int32_t>();
+    q.recv_topk_weights = recv_w.data_ptr<float>();
+    q.num_recv_tokens_per_expert = per_expert.data_ptr<int32_t>();
+    c.rank->dispatch(q, d, s);
+  }
+  // The counted wait saw what an earlier op left pending: raise it now that this op ran everywhere.
+  if (prep.fatal != omniep::kStatusOk || prep.pending != omniep::kStatusOk) check(c, "dispatch");
+  after_op(c, "dispatch");
+  return DispatchOut(recv_x, recv_s, recv_idx, recv_w, num_recv, per_expert, dropped,
+                     std::vector<Tensor>{idx32, routing, info});
+}
+
+// Rank-major rows only with a handle: a cached dispatch (op kCachedDispatch) or combine_bwd.
+std::tuple<Tensor, Tensor> dispatch_rows(Context& c, const Tensor& x_in, const std::optional<Tensor>& x_scales_in,
+                                         const std::vector<Tensor>& handle, int64_t num_experts, omniep::OpKind op,
+                                         const char* what) {
+  Checker chk{c, {}};
+  const int64_t T = handle.size() == 5 ? handle[2].size(0) : 0;
+  const int64_t H = chk.tokens(x_in, x_scales_in, T);
+  HandleView h = handle_view(handle, c, num_experts, false);
+  const int64_t rows = handle[0].size(0);
+  OpDesc d = c.rank->begin(op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(x_in), 0,
+                           static_cast<int>(h.capacity), static_cast<int>(h.seq), 0);
+  if (!chk.error.empty()) reject(c, d, chk.error);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  const Tensor x = x_in.contiguous();
+  const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+  const std::optional<Tensor> x_scales = fp8 ? std::optional<Tensor>(x_scales_in->contiguous()) : std::nullopt;
+  const int64_t S = fp8 ? x_scales->size(1) : 0;
+  Tensor recv_x = at::empty({rows, H}, x.options());
+  Tensor recv_s = fp8 ? empty_like_device({rows, S}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  omniep::DispatchCall q = {};
+  q.x = x.data_ptr();
+  q.row_bytes = H * x.element_size();
+  q.x2 = fp8 ? x_scales->data_ptr() : nullptr;
+  q.row2_bytes = S * 4;
+  q.num_tokens = static_cast<int>(T);
+  q.num_topk = static_cast<int>(handle[2].size(1));
+  q.num_experts = static_cast<int>(num_experts);
+  q.capacity = static_cast<int>(h.capacity);
+  q.rows = static_cast<int>(rows);
+  q.expert_alignment = 1;
+  q.send_pos = h.routing + h.parts.send_pos;
+  q.send_offset = h.routing + h.parts.send_offset;
+  q.recv_counts = h.routing + h.parts.recv_counts;
+  q.recv_x = recv_x.data_ptr();
+  q.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
+  c.rank->dispatch(q, d, stream_of(c));
+  after_op(c, what);
+  return {recv_x, recv_s};
+}
+
+std::tuple<Tensor, Tensor> cached_dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales,
+                                                at::TensorList handle, int64_t ctx, int64_t num_experts, int64_t layout,
+                                                int64_t, int64_t) {
+  Context& c = context_of(ctx);
+  TORCH_CHECK_VALUE(layout == 0, "cached dispatch serves rank-major handles; dispatch again for the expert-major layout");
+  return dispatch_rows(c, x, x_scales, handle.vec(), num_experts, omniep::kOpCachedDispatch, "cached dispatch");
+}
+
+// ---- combine and the backward passes -----------------------------------------------------------------
+
+// Rank-major combine (g_recv_w undefined) or dispatch_bwd; expert-major likewise.
+std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Tensor& y_in, const Tensor* weights_in,
+                                        const std::optional<Tensor>& b0, const std::optional<Tensor>& b1,
+                                        const Tensor* g_recv_w_in, const std::vector<Tensor>& handle,
+                                        int64_t num_experts, int64_t layout, const char* what) {
+  const bool em = layout == 1;
+  Checker chk{c, {}};
+  HandleView h = handle_view(handle, c, num_experts, em);
+  const int64_t T = handle[2].size(0), K = handle[2].size(1), L = num_experts / c.world;
+  const std::vector<int64_t> rows = em ? std::vector<int64_t>{L, handle[0].size(1)} : std::vector<int64_t>{handle[0].size(0)};
+  chk.combine_input(y_in, rows, em ? "[num_local_experts, capacity, H]" : "[rows, H]");
+  const int64_t H = y_in.dim() >= 1 ? y_in.size(-1) : 0;
+  chk.bias(b0, T, H);
+  chk.bias(b1, T, H);
+  if (g_recv_w_in != nullptr) {
+    const std::vector<int64_t> want = em ? rows : std::vector<int64_t>{rows[0], K};
+    if (g_recv_w_in->sizes() != at::IntArrayRef(want) || g_recv_w_in->scalar_type() != at::kFloat) {
+      chk.fail("g_recv_topk_weights must be float32 shaped like recv_topk_weights, got " + dtype_str(*g_recv_w_in) +
+               " " + shape_str(*g_recv_w_in));
+    }
+  }
+  OpDesc d = c.rank->begin(op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(y_in),
+                           static_cast<int>(layout), static_cast<int>(h.capacity), static_cast<int>(h.seq),
+                           static_cast<int>(K));
+  if (!chk.error.empty()) reject(c, d, chk.error);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  const Tensor y = y_in.contiguous();
+  Tensor bias[2];
+  int num_bias = 0;
+  for (const auto* b : {&b0, &b1}) {
+    if (b->has_value()) bias[num_bias++] = (*b)->contiguous();
+  }
+  Tensor out = at::empty({T, H}, y.options());
+  const bool grad = g_recv_w_in != nullptr;
+  const Tensor g_recv_w = grad ? g_recv_w_in->contiguous() : Tensor();
+  Tensor g_w = grad ? empty_like_device({T, K}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  const cudaStream_t s = stream_of(c);
+  if (em) {
+    omniep::EMCombineCall e = {};
+    e.y = y.data_ptr();
+    e.hidden = static_cast<int>(H);
+    e.dtype = kernel_dtype(y);
+    e.num_tokens = static_cast<int>(T);
+    e.num_topk = static_cast<int>(K);
+    e.num_experts = static_cast<int>(num_experts);
+    e.capacity = static_cast<int>(h.capacity);
+    const Tensor w = weights_in != nullptr ? weights_in->contiguous() : Tensor();
+    e.topk_weights = weights_in != nullptr ? w.data_ptr<float>() : nullptr;
+    e.topk_idx32 = h.topk_idx32;
+    e.copy_slot = h.routing + h.parts.copy_slot;
+    e.num_bias = num_bias;
+    for (int i = 0; i < num_bias; ++i) {
+      e.bias[i] = bias[i].data_ptr();
+      e.bias_dtype[i] = kernel_dtype(bias[i]);
+    }
+    e.out = out.data_ptr();
+    if (grad) {
+      e.g_recv_topk_weights = g_recv_w.data_ptr<float>();
+      e.g_topk_weights = g_w.data_ptr<float>();
+    }
+    c.rank->em_combine(e, d, s);
+  } else {
+    omniep::CombineCall q = {};
+    q.y = y.data_ptr();
+    q.rows = static_cast<int>(rows[0]);
+    q.hidden = static_cast<int>(H);
+    q.dtype = kernel_dtype(y);
+    q.num_tokens = static_cast<int>(T);
+    q.num_topk = static_cast<int>(K);
+    q.num_experts = static_cast<int>(num_experts);
+    q.capacity = static_cast<int>(h.capacity);
+    q.topk_idx32 = h.topk_idx32;
+    q.send_pos = h.routing + h.parts.send_pos;
+    q.send_offset = h.routing + h.parts.send_offset;
+    q.recv_counts = h.routing + h.parts.recv_counts;
+    q.num_bias = num_bias;
+    for (int i = 0; i < num_bias; ++i) {
+      q.bias[i] = bias[i].data_ptr();
+      q.bias_dtype[i] = kernel_dtype(bias[i]);
+    }
+    q.out = out.data_ptr();
+    if (grad) {
+      q.g_recv_topk_weights = g_recv_w.data_ptr<float>();
+      q.g_topk_weights = g_w.data_ptr<float>();
+    }
+    c.rank->combine(q, d, s);
+  }
+  after_op(c, what);
+  return {out, g_w};
+}
+
+Tensor combine_cuda(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
+                    const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
+                    int64_t layout, int64_t, int64_t) {
+  Context& c = context_of(ctx);
+  TORCH_CHECK_VALUE(layout == 0 || topk_weights.has_value(), "expert-major combine needs the routing weights");
+  const Tensor* w = (layout == 1 && topk_weights.has_value()) ? &*topk_weights : nullptr;
+  return std::get<0>(combine_impl(c, omniep::kOpCombine, y, w, bias0, bias1, nullptr, handle.vec(), num_experts, layout,
+                                  "combine"));
+}
+
+std::tuple<Tensor, Tensor> dispatch_bwd_cuda(const Tensor& g_recv_x, const Tensor& g_recv_topk_weights,
+                                             at::TensorList handle, int64_t ctx, int64_t num_experts, int64_t layout,
+                                             int64_t, int64_t) {
+  Context& c = context_of(ctx);
+  return combine_impl(c, omniep::kOpDispatchBwd, g_recv_x, nullptr, std::nullopt, std::nullopt, &g_recv_topk_weights,
+                      handle.vec(), num_experts, layout, "dispatch_bwd");
+}
+
+std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::optional<Tensor>& topk_weights,
+                                            const std::optional<Tensor>& y_in, at::TensorList handle_list, int64_t ctx,
+                                            int64_t num_experts, int64_t layout, int64_t, int64_t) {
+  Context& c = context_of(ctx);
+  const std::vector<Tensor> handle = handle_list.vec();
+  if (layout == 0) {  // a cached dispatch of g_out
+    auto out = dispatch_rows(c, g_out_in, std::nullopt, handle, num_experts, omniep::kOpCombineBwd, "combine_bwd");
+    return {std::get<0>(out), empty_like_device({0}, at::kFloat, c)};
+  }
+  Checker chk{c, {}};
+  HandleView h = handle_view(handle, c, num_experts, true);
+  const int64_t T = handle[2].size(0), K = handle[2].size(1), L = num_experts / c.world, C = handle[0].size(1);
+  chk.on_device(g_out_in, "g_out");
+  if (g_out_in.dim() != 2 || g_out_in.size(0) != T || kernel_dtype(g_out_in) < 0) {
+    chk.fail("g_out must be [T, H] bfloat16 / float16 / float32, got " + dtype_str(g_out_in) + " " + shape_str(g_out_in));
+  }
+  const int64_t H = g_out_in.dim() == 2 ? g_out_in.size(1) : 0;
+  if (!topk_weights.has_value()) chk.fail("expert-major combine_bwd needs the routing weights");
+  if (y_in.has_value()) {
+    chk.combine_input(*y_in, {L, C}, "[num_local_experts, capacity, H]");
+    if (y_in->scalar_type() != g_out_in.scalar_type()) chk.fail("y and g_out must have the same dtype");
+  }
+  OpDesc d = c.rank->begin(omniep::kOpCombineBwd, static_cast<int>(num_experts), static_cast<int>(H),
+                           desc_dtype(g_out_in), 1, static_cast<int>(h.capacity), static_cast<int>(h.seq),
+                           static_cast<int>(K));
+  if (!chk.error.empty()) reject(c, d, chk.error);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  const Tensor g_out = g_out_in.contiguous();
+  const Tensor w = topk_weights->contiguous();
+  const Tensor y = y_in.has_value() ? y_in->contiguous() : Tensor();
+  Tensor g_y = at::empty({L, C, H}, g_out.options());
+  Tensor g_w = y_in.has_value() ? empty_like_device({T, K}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  omniep::EMCombineBwdCall e = {};
+  e.g_out = g_out.data_ptr();
+  e.hidden = static_cast<int>(H);
+  e.dtype = kernel_dtype(g_out);
+  e.num_tokens = static_cast<int>(T);
+  e.num_topk = static_cast<int>(K);
+  e.num_experts = static_cast<int>(num_experts);
+  e.capacity = static_cast<int>(h.capacity);
+  e.topk_weights = w.data_ptr<float>();
+  e.topk_idx32 = h.topk_idx32;
+  e.copy_slot = h.routing + h.parts.copy_slot;
+  e.recv_expert_count = h.routing + h.parts.recv_expert_count;
+  e.y = y_in.has_value() ? y.data_ptr() : nullptr;
+  e.g_y = g_y.data_ptr();
+  e.g_topk_weights = y_in.has_value() ? g_w.data_ptr<float>() : nullptr;
+  c.rank->em_combine_bwd(e, d, stream_of(c));
+  after_op(c, "combine_bwd");
+  return {g_y, g_w};
+}
+
+// ---- autograd (the formulas of omniep/frontends/torch_ops.py, for the C++ kernels) --------------------
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+bool wants_grad(std::initializer_list<const Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const Tensor* t : ts) {
+    if (t != nullptr && t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+struct Config {  // the ops' trailing ints
+  int64_t ctx, num_experts, layout, capacity, expert_alignment;
+};
+
+void save_config(AutogradContext* ctx, const Config& cfg) {
+  ctx->saved_data["cfg"] = std::vector<int64_t>{cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment};
+}
+
+Config load_config(AutogradContext* ctx) {
+  const auto v = ctx->saved_data["cfg"].toIntVector();
+  return Config{v[0], v[1], v[2], v[3], v[4]};
+}
+
+struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& topk_weights,
+                               const std::optional<Tensor>* x_scales, const Tensor* topk_idx, Config cfg) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto out = dispatch_cuda(x, *x_scales, *topk_idx, topk_weights, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
+                             cfg.expert_alignment);
+    variable_list flat{std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
+                       std::get<4>(out), std::get<5>(out), std::get<6>(out)};
+    const auto& h = std::get<7>(out);
+    flat.insert(flat.end(), h.begin(), h.end());
+    ctx->mark_non_differentiable({flat[1], flat[2], flat[4], flat[5], flat[6], h[0], h[1], h[2]});
+    ctx->save_for_backward({flat[2], flat[3], h[0], h[1], h[2]});
+    ctx->saved_data["x_grad"] = x.is_floating_point() && !x_scales->has_value();
+    save_config(ctx, cfg);
+    return flat;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Config cfg = load_config(ctx);
+    auto handle = ctx->get_saved_variables();
+    const Tensor g_recv_x = grads[0].defined() ? grads[0].contiguous() : Tensor();
+    Tensor g_recv_w = grads[3].defined() ? grads[3].contiguous() : at::zeros_like(handle[1]);
+    auto res = op("omniep_native::dispatch_bwd")
+                   .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, at::TensorList, int64_t, int64_t,
+                                                     int64_t, int64_t, int64_t)>()
+                   .call(g_recv_x, g_recv_w, handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
+                         cfg.expert_alignment);
+    return {ctx->saved_data["x_grad"].toBool() ? std::get<0>(res) : Tensor(), std::get<1>(res), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+DispatchOut dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
+                              const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
+                              int64_t capacity, int64_t expert_alignment) {
+  if (!wants_grad({&x, &topk_weights})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return dispatch_cuda(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
+  }
+  const Config cfg{ctx, num_experts, layout, capacity, expert_alignment};
+  auto flat = DispatchFunction::apply(x, topk_weights, &x_scales, &topk_idx, cfg);
+  return DispatchOut(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6],
+                     std::vector<Tensor>(flat.begin() + 7, flat.end()));
+}
+
+struct CombineFunction : public torch::autograd::Function<CombineFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& topk_weights, const Tensor& bias0,
+                               const Tensor& bias1, const std::vector<Tensor>* handle, Config cfg) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    const auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
+    Tensor out = combine_cuda(y, opt(topk_weights), opt(bias0), opt(bias1), *handle, cfg.ctx, cfg.num_experts,
+                              cfg.layout, cfg.capacity, cfg.expert_alignment);
+    variable_list saved(handle->begin(), handle->end());
+    const bool em = cfg.layout == 1;
+    saved.push_back(em ? topk_weights : Tensor());
+    saved.push_back(em ? y : Tensor());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["bias_dtypes"] = std::vector<int64_t>{
+        bias0.defined() ? static_cast<int64_t>(bias0.scalar_type()) : -1,
+        bias1.defined() ? static_cast<int64_t>(bias1.scalar_type()) : -1};
+    save_config(ctx, cfg);
+    return {out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Config cfg = load_config(ctx);
+    auto saved = ctx->get_saved_variables();
+    const Tensor y = saved.back();
+    saved.pop_back();
+    const Tensor w = saved.back();
+    saved.pop_back();
+    const Tensor g_out = grads[0].contiguous();
+    const auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
+    auto res = op("omniep_native::combine_bwd")
+                   .typed<std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&,
+                                                     const std::optional<Tensor>&, at::TensorList, int64_t, int64_t,
+                                                     int64_t, int64_t, int64_t)>()
+                   .call(g_out, opt(w), opt(y), saved, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
+                         cfg.expert_alignment);
+    const auto dtypes = ctx->saved_data["bias_dtypes"].toIntVector();
+    const auto g_bias = [&](int64_t dt) { return dt < 0 ? Tensor() : g_out.to(static_cast<at::ScalarType>(dt)); };
+    return {std::get<0>(res), cfg.layout == 1 ? std::get<1>(res) : Tensor(), g_bias(dtypes[0]), g_bias(dtypes[1]),
+            Tensor(), Tensor()};
+  }
+};
+
+Tensor combine_autograd(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
+                        const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
+                        int64_t layout, int64_t capacity, int64_t expert_alignment) {
+  const Tensor w = topk_weights.has_value() ? *topk_weights : Tensor();
+  const Tensor b0 = bias0.has_value() ? *bias0 : Tensor(), b1 = bias1.has_value() ? *bias1 : Tensor();
+  if (!wants_grad({&y, &w, &b0, &b1})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return combine_cuda(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity, expert_alignment);
+  }
+  const std::vector<Tensor> h = handle.vec();
+  return CombineFunction::apply(y, w, b0, b1, &h, Config{ctx, num_experts, layout, capacity, expert_alignment})[0];
+}
+
+struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>* x_scales,
+                               const std::vector<Tensor>* handle, Config cfg) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto out = cached_dispatch_cuda(x, *x_scales, *handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
+                                    cfg.expert_alignment);
+    ctx->mark_non_differentiable({std::get<1>(out)});
+    ctx->save_for_backward(variable_list(handle->begin(), handle->end()));
+    save_config(ctx, cfg);
+    return {std::get<0>(out), std::get<1>(out)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Config cfg = load_config(ctx);
+    const auto handle = ctx->get_saved_variables();
+    Tensor g_x = op("omniep_native::combine")
+                     .typed<Tensor(const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                   const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t)>()
+                     .call(grads[0].contiguous(), std::nullopt, std::nullopt, std::nullopt, handle, cfg.ctx,
+                           cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment);
+    return {g_x, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> cached_dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_scales,
+                                                    at::TensorList handle, int64_t ctx, int64_t num_experts,
+                                                    int64_t layout, int64_t capacity, int64_t expert_alignment) {
+  if (!wants_grad({&x}) || x_scales.has_value()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return cached_dispatch_cuda(x, x_scales, handle, ctx, num_experts, layout, capacity, expert_alignment);
+  }
+  const std::vector<Tensor> h = handle.vec();
+  auto out = CachedDispatchFunction::apply(x, &x_scales, &h, Config{ctx, num_experts, layout, capacity, expert_alignment});
+  return {out[0], out[1]};
+}
+
+}  // namespace omniep_torch
+
+// The schemas are defined in Python (omniep/frontends/torch_ops.py), once for both op families.
+TORCH_LIBRARY_IMPL(omniep_native, CUDA, m) {
+  m.impl("dispatch", &omniep_torch::dispatch_cuda);
+  m.impl("cached_dispatch", &omniep_torch::cached_dispatch_cuda);
+  m.impl("combine", &omniep_torch::combine_cuda);
+  m.impl("dispatch_bwd", &omniep_torch::dispatch_bwd_cuda);
+  m.impl("combine_bwd", &omniep_torch::combine_bwd_cuda);
+}
+
+TORCH_LIBRARY_IMPL(omniep_native, Autograd, m) {
+  m.impl("dispatch", &omniep_torch::dispatch_autograd);
+  m.impl("cached_dispatch", &omniep_torch::cached_dispatch_autograd);
+  m.impl("combine", &omniep_torch::combine_autograd);
+}
+
+PYBIND11_MODULE(_native_torch, m) {
+  namespace py = pybind11;
+  m.doc() = "omniep native torch ops: the CUDA and Autograd kernels of omniep_native::* over a group's EpRank";
+  m.def("register_context", [](int64_t id, uintptr_t ep_rank, int world, int device, bool sync) {
+        TORCH_CHECK(id > 0 && id < omniep_torch::kMaxContexts, "omniep: context id out of range: ", id);
+        auto* c = new omniep_torch::Context{reinterpret_cast<omniep::EpRank*>(ep_rank), world, device, sync, {}};
+        delete omniep_torch::g_contexts[id].exchange(c, std::memory_order_acq_rel);
+      }, py::arg("id"), py::arg("ep_rank"), py::arg("world"), py::arg("device"), py::arg("sync"),
+      "Make context `id` run its ops on the EpRank at address `ep_rank` (kept alive by the caller).");
+  m.def("unregister_context", [](int64_t id) {
+        if (id > 0 && id < omniep_torch::kMaxContexts) delete omniep_torch::g_contexts[id].exchange(nullptr);
+      }, "Forget context `id` (its ops fail from now on). Call before the EpRank goes away.");
+  m.def("set_sync", [](int64_t id, bool sync) { omniep_torch::context_of(id).sync = sync; },
+        "OMNIEP_CHECKS=sync (True) or default for context `id` from now on.");
+  m.def("take_raised", [](int64_t id) -> py::object {
+        auto& c = omniep_torch::context_of(id);
+        if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();
+        std::vector<int> out(c.raised.w, c.raised.w + omniep::kStatusWords);
+        c.raised = {};
+        return py::cast(out);
+      }, "The status behind the last exception an op of context `id` threw (None: none), cleared.");
+}

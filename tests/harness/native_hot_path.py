@@ -1,0 +1,295 @@
+"""Worker side of the GPU hot-path tests (tests/gpu/test_hot_path.py): one session of ``world``
+processes (sharing GPU 0, or one per GPU) in a gloo group, running checks through the public
+``omniep.torch`` API of a native backend and returning plain results for the parent to assert on.
+
+Each check is a function ``check(rank, world) -> dict`` over inputs made from fixed seeds (every rank
+builds every rank's inputs and takes its own, so the parent can rebuild them for the reference). A
+check that raises is reported as ``{"error": type, "message": ...}``; the session then destroys the
+group's context so that the next check starts on a fresh one (after a rank mismatch the group is
+failed by design).
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+
+import numpy as np
+
+from omniep.testing.cases import make_case
+from omniep.testing.torch_bits import to_numpy, to_torch
+
+E, K, H, T = 8, 2, 64, 6  # a small routing every check shares (E a multiple of every world size used)
+
+
+def routing(world: int, *, tokens=T, hidden=H, experts=E, seed=0, dtype="bfloat16"):
+    """Every rank's inputs ``(x, topk_idx, topk_weights)`` as numpy, the same on every process."""
+    return make_case(seed, num_ranks=world, num_experts=experts, num_topk=K, hidden=hidden, num_tokens=tokens,
+                     dtype=dtype)
+
+
+def _mine(case, rank):
+    return tuple(to_torch(a[rank], "cuda") for a in (case.x, case.topk_idx, case.topk_weights))
+
+
+def _outcome(fn):
+    """``{"error": None}`` plus what fn returns, or the error it raised (type name and message)."""
+    try:
+        return {"error": None, **(fn() or {})}
+    except Exception as exc:  # the checks compare error types and messages
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+# ---- results against the reference ---------------------------------------------------------------
+
+def bitwise_jobs(world: int) -> list:
+    """Jobs (omniep.testing.jobs) of both layouts, exact and static, fp8, biases: the parent checks
+    each rank's results bit for bit against the reference (omniep.native.mp_suite.assert_results)."""
+    from omniep.ep_core.types import Layout
+    from omniep.testing.jobs import make_job
+
+    R = world
+    uneven = [3 + r for r in range(R)]
+    cases = [
+        make_case(1, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=8, num_tokens=uneven, dtype="bfloat16"),
+        make_case(2, num_ranks=R, num_experts=4 * R, num_topk=2, hidden=1024, num_tokens=[40 + r for r in range(R)],
+                  dtype="bfloat16", expert_alignment=4),
+        make_case(3, num_ranks=R, num_experts=R, num_topk=2, hidden=8, num_tokens=5, skew="one_rank", capacity=R * 5,
+                  dtype="float16"),
+        make_case(4, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=16, num_tokens=6, capacity=R * 6,
+                  dtype="float32", layout=Layout.EXPERT_MAJOR, expert_alignment=4),
+        make_case(5, num_ranks=R, num_experts=4 * R, num_topk=2, hidden=1024, num_tokens=40, dtype="bfloat16",
+                  capacity=R * 40, layout=Layout.EXPERT_MAJOR),
+        make_case(6, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=256, num_tokens=[2] * R,
+                  dtype="float8_e4m3fn", capacity=2 * R),
+        make_case(7, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=128, num_tokens=4, dtype="float8_e4m3fn",
+                  capacity=4 * R, layout=Layout.EXPERT_MAJOR),
+        make_case(8, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=3, num_tokens=0, dtype="bfloat16"),
+    ]
+    return [make_job(c, 10 + i, i % 3) for i, c in enumerate(cases)]
+
+
+def check_bitwise(rank: int, world: int) -> dict:
+    from omniep.native import mp_workers
+
+    return {"results": [mp_workers.frontend_job(rank, job) for job in bitwise_jobs(world)]}
+
+
+# ---- CUDA graphs: static-shape ops replay bitwise -------------------------------------------------
+
+def check_cuda_graphs(rank: int, world: int) -> dict:
+    """Capture static rank-major dispatch + combine, a cached dispatch, and expert-major dispatch +
+    combine in CUDA graphs; replay with new inputs copied into the captured ones; compare each replay
+    with the same ops run eagerly (bitwise)."""
+    import torch
+
+    from omniep import torch as ep
+
+    case = routing(world, seed=1)
+    x, idx, w = _mine(case, rank)
+    cap = world * T
+    results = {}
+
+    def eager_rm(x):
+        d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        return d.recv_x, ep.combine(d.recv_x * 2, d.handle), d.handle
+
+    def eager_em(x):
+        d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
+        return d.recv_x, ep.combine(d.recv_x, d.handle)
+
+    for name, fn in (("rank_major", lambda x: eager_rm(x)[:2]), ("expert_major", eager_em)):
+        static_x = x.clone()
+        fn(static_x)  # warm-up: the buffer grows here, not during capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fn(static_x)
+        new_x = torch.randn_like(x.float()).to(x.dtype)
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = fn(new_x)
+        results[name] = all(torch.equal(a, b) for a, b in zip(captured, expect))
+    # cached dispatch with a handle made outside the graph
+    _, _, handle = eager_rm(x)
+    static_x = x.clone()
+    ep.cached_dispatch(static_x, handle)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ep.cached_dispatch(static_x, handle)
+    new_x = torch.randn_like(x.float()).to(x.dtype)
+    static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    results["cached"] = bool(torch.equal(captured, ep.cached_dispatch(new_x, handle)))
+    return results
+
+
+# ---- torch.compile(fullgraph=True) ---------------------------------------------------------------
+
+def check_compile(rank: int, world: int) -> dict:
+    """dispatch -> an expert function -> combine compiles with fullgraph=True and matches eager
+    bitwise: rank-major exact (N is an unbacked size), rank-major static, expert-major."""
+    import torch
+
+    from omniep import torch as ep
+
+    case = routing(world, seed=2)
+    x, idx, w = _mine(case, rank)
+    out = {}
+    for name, kw in (("exact", {}), ("static", dict(capacity=world * T)),
+                     ("expert_major", dict(capacity=world * T, layout="expert_major"))):
+        def step(x, idx, w, kw=kw):
+            d = ep.dispatch(x, idx, w, num_experts=E, **kw)
+            y = torch.nn.functional.silu(d.recv_x.float()).to(x.dtype)
+            return ep.combine(y, d.handle)
+
+        eager = step(x, idx, w)
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)(x, idx, w)
+        out[name] = bool(torch.equal(eager, compiled))
+    return out
+
+
+# ---- host waits: only the exact rank-major dispatch waits -----------------------------------------
+
+def check_host_waits(rank: int, world: int) -> dict:
+    """Under torch's sync debug mode "error" any synchronising torch call raises: the static,
+    cached and expert-major ops and combine make none (the exact dispatch's one wait is the native
+    mapped counter, not a torch sync, and is allowed here too)."""
+    import torch
+
+    from omniep import torch as ep
+
+    case = routing(world, seed=3)
+    x, idx, w = _mine(case, rank)
+    d = ep.dispatch(x, idx, w, num_experts=E)  # warm-up: buffers grow outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        d = ep.dispatch(x, idx, w, num_experts=E, capacity=world * T)
+        again = ep.cached_dispatch(x, d.handle)
+        ep.combine(again, d.handle)
+        e = ep.dispatch(x, idx, w, num_experts=E, capacity=world * T, layout="expert_major")
+        ep.combine(e.recv_x, e.handle)
+        exact = ep.dispatch(x, idx, w, num_experts=E)
+        ep.combine(exact.recv_x, exact.handle)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return {"ok": True}
+
+
+# ---- divergence: every rank raises, nobody hangs --------------------------------------------------
+
+def _divergent(rank: int, world: int, name: str):
+    """Run divergence case ``name`` on this rank (rank 1 is the odd one out)."""
+    import torch
+
+    from omniep import torch as ep
+
+    odd = rank == 1
+    case = routing(world, seed=4)
+    x, idx, w = _mine(case, rank)
+    cap = world * T
+    if name == "hidden":
+        xx = torch.cat([x, x], 1) if odd else x
+        ep.dispatch(xx, idx, w, num_experts=E, capacity=cap)
+    elif name == "num_experts":
+        ep.dispatch(x, idx, w, num_experts=2 * E if odd else E, capacity=cap)
+    elif name == "dtype":
+        ep.dispatch(x.float() if odd else x, idx, w, num_experts=E, capacity=cap)
+    elif name == "layout":
+        ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major" if odd else "rank_major")
+    elif name == "capacity":
+        ep.dispatch(x, idx, w, num_experts=E, capacity=cap + 1 if odd else cap)
+    elif name == "expert_major_uneven_tokens":  # capacity None: R * T, and T differs
+        n = T - 1 if odd else T
+        ep.dispatch(x[:n], idx[:n], w[:n], num_experts=E, layout="expert_major")
+    elif name == "other_handle":
+        first = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        second = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        ep.combine(second.recv_x, (first if odd else second).handle)
+    elif name == "cached_vs_combine":
+        d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        if odd:
+            ep.cached_dispatch(x, d.handle)
+        else:
+            ep.combine(d.recv_x, d.handle)
+    elif name == "skipped_op":
+        d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        if not odd:  # rank 1 skips this dispatch
+            d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        ep.combine(d.recv_x, d.handle)
+    elif name == "bad_expert_id":
+        bad = idx.clone()
+        if odd:
+            bad[0, 0] = E + 5
+        ep.dispatch(x, bad, w, num_experts=E, capacity=cap)
+    elif name == "bad_local_input":  # rank 1's host refuses its arguments; rank 0 must not wait for it
+        ep.dispatch(x.to(torch.int32) if odd else x, idx, w, num_experts=E, capacity=cap)
+    else:
+        raise ValueError(name)
+    torch.cuda.synchronize()
+
+
+DIVERGENCE = ("hidden", "num_experts", "dtype", "layout", "capacity", "expert_major_uneven_tokens", "other_handle",
+              "cached_vs_combine", "skipped_op", "bad_expert_id", "bad_local_input")
+
+
+def check_divergence(rank: int, world: int) -> dict:
+    """Every DIVERGENCE case with OMNIEP_CHECKS=sync (the op raises), then the mismatch cases again in
+    the default mode, where ``check()`` raises; each on a fresh context."""
+    from omniep import torch as ep
+
+    out = {}
+    for mode in ("sync", "default"):
+        for name in DIVERGENCE:
+            if mode == "default" and name in ("bad_local_input",):
+                continue  # raised by the host at once in either mode
+
+            def run():
+                ctx = ep.context()
+                ctx.set_checks(mode)
+                _divergent(rank, world, name)
+                if mode == "default":
+                    ep.check()  # the next host wait
+
+            out[f"{mode}/{name}"] = _outcome(run)
+            ep.destroy()
+    return out
+
+
+# ---- the session ---------------------------------------------------------------------------------
+
+CHECKS = dict(bitwise=check_bitwise, cuda_graphs=check_cuda_graphs, compile=check_compile, host_waits=check_host_waits,
+              divergence=check_divergence)
+
+
+def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> dict:
+    """``run_ranks`` target: pin the device, join a gloo group, run ``checks`` (names of CHECKS)."""
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+
+    torch.cuda.set_device(rank if per_gpu else 0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    out = {}
+    try:
+        for name in checks:
+            try:
+                out[name] = {"error": None, **CHECKS[name](rank, world)}
+            except Exception as exc:
+                out[name] = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+                ep.destroy()
+        ep.destroy()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def numpy_bits(t) -> np.ndarray:
+    return to_numpy(t)
