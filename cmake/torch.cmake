@@ -4,7 +4,7 @@
 # paths, torch/lib), with its C++ ABI. No libtorch_python: the module passes only integers to Python.
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c
-    "import os, torch, torch.utils.cpp_extension as c; print(';'.join(c.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or '')"
+    "import os, torch, torch.utils.cpp_extension as c; print(','.join(c.include_paths())); print(os.path.join(os.path.dirname(torch.__file__), 'lib')); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or '')"
   OUTPUT_VARIABLE _omniep_torch OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _omniep_torch_rc ERROR_QUIET)
 if(NOT _omniep_torch_rc EQUAL 0)
   message(STATUS "omniep: torch not importable by ${Python_EXECUTABLE}: omniep._native_torch (torch ops) not built")
