@@ -93,8 +93,10 @@ class TorchGroupBackend(EPBackend):
         """The typed error an exception of this context's ops stands for (the frontend raises it)."""
         return exc
 
-    def check(self) -> None:
-        """Raise what an earlier op of this group reported and has not been raised yet (DESIGN §9)."""
+    def check(self, again: bool = True) -> None:
+        """Raise what an earlier op of this group reported and has not been raised yet (DESIGN §9).
+        A failed group (a sticky status: mismatch, timeout) raises at every check, unless ``again`` is
+        False and it was raised before (destroy)."""
 
     def synchronize(self) -> None:
         """Wait for this rank's queued ops, then :meth:`check`."""

@@ -29,7 +29,7 @@ import torch
 
 from ..backends.torch_group import default_group
 from ..ep_core import registry
-from ..ep_core.errors import InputError, UnsupportedError
+from ..ep_core.errors import InputError, OmniEPError, UnsupportedError
 from ..ep_core.types import Dispatched, DispatchConfig, Layout
 from . import torch_ops  # noqa: F401  (defines the ops)
 
@@ -67,57 +67,66 @@ class Handle:
 
 # ---- the (group, backend) -> context cache -------------------------------------------------------
 
-_CONTEXTS: dict = {}   # (group as passed, backend as passed) -> context
+_CONTEXTS: dict = {}   # (group as passed, backend as passed, tensors' device type) -> context
 _BY_GROUP: dict = {}   # (group, resolved backend name) -> context: one per group and backend
 
 
-def context(group=None, backend: Optional[str] = None):
+def context(group=None, backend: Optional[str] = None, device: Optional[str] = None):
     """The backend context of ``group`` (None: the default group) for ``backend`` (None:
-    ``$OMNIEP_BACKEND``, default ``auto``), opened at its first use — collectively: every rank of the
-    group must make that first call — and kept until :func:`destroy`."""
-    ctx = _CONTEXTS.get((group, backend))
+    ``$OMNIEP_BACKEND``, default ``auto``) and tensors on ``device`` (``"cuda"`` / ``"cpu"``; None: CUDA
+    when torch sees a GPU), opened at its first use — collectively: every rank of the group must make
+    that first call — and kept until :func:`destroy`. ``auto`` picks the fastest backend that serves
+    the device (DESIGN §6)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = _CONTEXTS.get((group, backend, device))
     if ctx is None or not ctx.alive:
-        ctx = _open(group, backend)
+        ctx = _open(group, backend, device)
     return ctx
 
 
-def _open(group, backend):
-    import torch.distributed as dist
-
+def _open(group, backend, device: str):
     resolved = default_group(group)
-    device = "gpu" if dist.get_backend(resolved) in ("nccl", "cuda") else "cpu"
     cls = registry.select_backend("torch", backend, device=device)
     ctx = _BY_GROUP.get((resolved, cls.name))
     if ctx is None or not ctx.alive:
         ctx = _BY_GROUP[(resolved, cls.name)] = cls.open(resolved)
-    _CONTEXTS[(group, backend)] = ctx
+    _CONTEXTS[(group, backend, device)] = ctx
     return ctx
 
 
 def destroy(group=None, backend: Optional[str] = None) -> None:
     """Release the context(s) of ``group`` (every backend if ``backend`` is None). Collective: every rank
-    calls it, e.g. before ``torch.distributed.destroy_process_group``. Raises what the group still had
-    to report."""
+    calls it, e.g. before ``torch.distributed.destroy_process_group``. Then raises what the group still
+    had to report and had not raised (DESIGN §9: destroy is a host wait)."""
     resolved = default_group(group)
     doomed = {id(c): c for (g, name), c in _BY_GROUP.items() if g is resolved and backend in (None, name)}
     for key in [k for k, c in _CONTEXTS.items() if id(c) in doomed]:
         del _CONTEXTS[key]
     for key in [k for k, c in _BY_GROUP.items() if id(c) in doomed]:
         del _BY_GROUP[key]
+    unraised = []
     for ctx in doomed.values():
+        try:
+            ctx.check(again=False)
+        except OmniEPError as exc:
+            unraised.append(exc)
         ctx.destroy()
+    if unraised:
+        raise unraised[0]
 
 
-def check(group=None, backend: Optional[str] = None) -> None:
+def check(group=None, backend: Optional[str] = None, device: Optional[str] = None) -> None:
     """Raise what the group's ops reported and has not been raised yet (a mismatch across ranks, a bad
     expert id on a peer, a capacity overflow, a timeout): :class:`RankMismatchError`, ``InputError``,
-    :class:`CapacityError`, :class:`PeerTimeoutError`. Does not wait for queued GPU work."""
-    context(group, backend).check()
+    :class:`CapacityError`, :class:`PeerTimeoutError`. A native backend waits for this rank's queued
+    GPU work first (the device writes what it found)."""
+    context(group, backend, device).check()
 
 
-def synchronize(group=None, backend: Optional[str] = None) -> None:
+def synchronize(group=None, backend: Optional[str] = None, device: Optional[str] = None) -> None:
     """Wait for this rank's queued work on the group, then :func:`check`."""
-    context(group, backend).synchronize()
+    context(group, backend, device).synchronize()
 
 
 # ---- the ops -------------------------------------------------------------------------------------
@@ -172,13 +181,17 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     (0-d int32), ``num_recv_tokens_per_expert[L]`` int32 (rounded up to ``expert_alignment``) and the
     ``handle`` for :func:`combine`. Differentiable in ``x`` (float) and ``topk_weights``.
     """
-    ctx = context(group, backend)
     if type(x) is tuple:
         if len(x) != 2:
             raise InputError(f"x must be a tensor or a pair (x_fp8, x_scales), got a tuple of {len(x)}")
         x, x_scales = x
     else:
         x_scales = None
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    ctx = _CONTEXTS.get((group, backend, x.device.type))
+    if ctx is None or not ctx.alive:
+        ctx = context(group, backend, x.device.type)
     lay = _LAYOUTS.get(layout)
     if lay is None:
         lay = Layout.parse(layout)
@@ -186,7 +199,7 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         raise UnsupportedError(ctx.name, f"layout {lay.value}",
                                [n for n in registry.backend_names() if n != ctx.name])
     experts, cap, align = _config_ints(num_experts, capacity, expert_alignment)
-    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     code = _LAYOUT_CODE[lay]

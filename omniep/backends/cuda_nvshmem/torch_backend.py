@@ -72,6 +72,7 @@ class NativeTorchBackend(TorchGroupBackend):
     def __init__(self, group=None):
         super().__init__(group)
         self.state = None
+        self._fatal_raised = False  # a sticky status (the group failed) was raised already
         try:
             self.device = torch.cuda.current_device()
             self.state = self._new_state(self.timeout_s)
@@ -95,8 +96,9 @@ class NativeTorchBackend(TorchGroupBackend):
         """The typed error behind an exception of this context's C++ ops (DESIGN §9)."""
         status = self._ops.take_raised(self.id) if self.alive else None
         if status is not None:
-            from ...ep_core.descriptor import error_from_status
+            from ...ep_core.descriptor import STICKY, error_from_status
 
+            self._fatal_raised |= status[0] in STICKY
             return error_from_status(status, self.timeout_s) or exc
         if isinstance(exc, ValueError) and not isinstance(exc, InputError):
             return InputError(str(exc))
@@ -106,10 +108,15 @@ class NativeTorchBackend(TorchGroupBackend):
         super().set_checks(mode)
         self._ops.set_sync(self.id, self.checks == "sync")
 
-    def check(self) -> None:
-        """Synchronise; raise what this rank's ops recorded and has not been raised (sticky first)."""
+    def check(self, again: bool = True) -> None:
+        """Synchronise; raise what this rank's ops recorded (sticky first: a failed group raises at every
+        check unless ``again`` is False and it was raised already; a pending status once)."""
+        if self.state is None:
+            return
         fatal, pending = self.state.statuses()
-        raise_for_status(fatal, self.timeout_s)
+        if fatal[0] and (again or not self._fatal_raised):
+            self._fatal_raised = True
+            raise_for_status(fatal, self.timeout_s)
         raise_for_status(pending, self.timeout_s)
 
     def barrier(self) -> None:
