@@ -27,7 +27,7 @@ struct EMLayoutArgs {
   PerRank<int32_t> num_recv_tokens_per_expert;   // out [L]: kept copies rounded up to expert_alignment
   PerRank<int32_t> num_recv;                     // out []: kept copies (sum of recv_expert_count)
   PerRank<int32_t> dropped;                      // out []: copies lost to capacity
-  PerRank<int32_t> max_expert_count;             // out []: max_l n_l (the exact capacity of this rank)
+  PerRank<int32_t> max_expert_count;             // out [] (optional): max_l n_l (the exact capacity of this rank)
   PerRank<int32_t> expert_count_matrix;          // out [R, E], optional (null: not written): copies
                                                  // every source sends to every expert (the exchange)
   int num_tokens[kMaxRanks];

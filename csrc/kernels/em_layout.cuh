@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
     }
     *tr.local(a.num_recv) = s_kept;
     *tr.local(a.dropped) = s_total - s_kept;
-    *tr.local(a.max_expert_count) = s_max;
+    if (int32_t* max_count = tr.local(a.max_expert_count)) *max_count = s_max;  // optional
   }
 
   // 3. ordered scan over (t, k): slot of every copy

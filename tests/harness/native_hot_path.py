@@ -281,7 +281,7 @@ def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> d
                 out[name] = {"error": None, **CHECKS[name](rank, world)}
             except Exception as exc:
                 out[name] = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
-                ep.destroy()
+                out[f"{name}/destroy"] = _outcome(ep.destroy)  # the next check starts on a fresh context
         ep.destroy()
     finally:
         dist.destroy_process_group()
