@@ -12,6 +12,7 @@ failed by design).
 from __future__ import annotations
 
 import datetime
+import sys
 import traceback
 
 import numpy as np
@@ -277,6 +278,7 @@ def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> d
     out = {}
     try:
         for name in checks:
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
             try:
                 out[name] = {"error": None, **CHECKS[name](rank, world)}
             except Exception as exc:
@@ -290,3 +292,29 @@ def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> d
 
 def numpy_bits(t) -> np.ndarray:
     return to_numpy(t)
+
+
+def main(argv=None) -> int:
+    """Run a session and print every rank's results (debugging on a GPU machine):
+    ``python tests/harness/native_hot_path.py [check ...]``."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from omniep.testing.procs import run_ranks
+
+    checks = tuple(argv if argv else CHECKS)
+    env = {"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20",
+           "PYTHONFAULTHANDLER": "1"}
+    from harness.native_hot_path import session as target  # importable by the children
+
+    for r, res in enumerate(run_ranks(target, 2, args=(checks, False), timeout=500, env=env)):
+        for name, out in res.items():
+            print(f"rank {r} {name}: {str(out)[:3000]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
