@@ -713,20 +713,21 @@ DispatchOut dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_sc
 }
 
 struct CombineFunction : public torch::autograd::Function<CombineFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& y, const Tensor& topk_weights, const Tensor& bias0,
-                               const Tensor& bias1, const std::vector<Tensor>* handle, Config cfg) {
+  // Optional tensors travel as std::optional (an undefined Tensor is not a valid autograd input).
+  static variable_list forward(AutogradContext* ctx, const Tensor& y, const std::optional<Tensor>& topk_weights,
+                               const std::optional<Tensor>& bias0, const std::optional<Tensor>& bias1,
+                               const std::vector<Tensor>* handle, Config cfg) {
     at::AutoDispatchBelowADInplaceOrView below;
-    const auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
-    Tensor out = combine_cuda(y, opt(topk_weights), opt(bias0), opt(bias1), *handle, cfg.ctx, cfg.num_experts,
-                              cfg.layout, cfg.capacity, cfg.expert_alignment);
+    Tensor out = combine_cuda(y, topk_weights, bias0, bias1, *handle, cfg.ctx, cfg.num_experts, cfg.layout,
+                              cfg.capacity, cfg.expert_alignment);
     variable_list saved(handle->begin(), handle->end());
     const bool em = cfg.layout == 1;
-    saved.push_back(em ? topk_weights : Tensor());
+    saved.push_back(em && topk_weights.has_value() ? *topk_weights : Tensor());
     saved.push_back(em ? y : Tensor());
     ctx->save_for_backward(saved);
     ctx->saved_data["bias_dtypes"] = std::vector<int64_t>{
-        bias0.defined() ? static_cast<int64_t>(bias0.scalar_type()) : -1,
-        bias1.defined() ? static_cast<int64_t>(bias1.scalar_type()) : -1};
+        bias0.has_value() ? static_cast<int64_t>(bias0->scalar_type()) : -1,
+        bias1.has_value() ? static_cast<int64_t>(bias1->scalar_type()) : -1};
     save_config(ctx, cfg);
     return {out};
   }
@@ -755,14 +756,14 @@ struct CombineFunction : public torch::autograd::Function<CombineFunction> {
 Tensor combine_autograd(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
                         const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
                         int64_t layout, int64_t capacity, int64_t expert_alignment) {
-  const Tensor w = topk_weights.has_value() ? *topk_weights : Tensor();
-  const Tensor b0 = bias0.has_value() ? *bias0 : Tensor(), b1 = bias1.has_value() ? *bias1 : Tensor();
-  if (!wants_grad({&y, &w, &b0, &b1})) {
+  const auto ptr = [](const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
+  if (!wants_grad({&y, ptr(topk_weights), ptr(bias0), ptr(bias1)})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return combine_cuda(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity, expert_alignment);
   }
   const std::vector<Tensor> h = handle.vec();
-  return CombineFunction::apply(y, w, b0, b1, &h, Config{ctx, num_experts, layout, capacity, expert_alignment})[0];
+  return CombineFunction::apply(y, topk_weights, bias0, bias1, &h,
+                                Config{ctx, num_experts, layout, capacity, expert_alignment})[0];
 }
 
 struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchFunction> {
