@@ -647,6 +647,28 @@ c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// The ops below autograd go through the dispatcher, not straight to the CUDA kernels: under
+// torch.compile's fake tensors the next kernel is the Python fake one.
+using DispatchSig = DispatchOut(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, int64_t,
+                                int64_t, int64_t, int64_t, int64_t);
+using CombineSig = Tensor(const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
+                          const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t, int64_t);
+using CachedSig = std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&, at::TensorList, int64_t,
+                                             int64_t, int64_t, int64_t, int64_t);
+
+const c10::TypedOperatorHandle<DispatchSig>& dispatch_op() {
+  static const auto h = op("omniep_native::dispatch").typed<DispatchSig>();
+  return h;
+}
+const c10::TypedOperatorHandle<CombineSig>& combine_op() {
+  static const auto h = op("omniep_native::combine").typed<CombineSig>();
+  return h;
+}
+const c10::TypedOperatorHandle<CachedSig>& cached_dispatch_op() {
+  static const auto h = op("omniep_native::cached_dispatch").typed<CachedSig>();
+  return h;
+}
+
 bool wants_grad(std::initializer_list<const Tensor*> ts) {
   if (!at::GradMode::is_enabled()) return false;
   for (const Tensor* t : ts) {
@@ -672,8 +694,8 @@ struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& topk_weights,
                                const std::optional<Tensor>* x_scales, const Tensor* topk_idx, Config cfg) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto out = dispatch_cuda(x, *x_scales, *topk_idx, topk_weights, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
-                             cfg.expert_alignment);
+    auto out = dispatch_op().call(x, *x_scales, *topk_idx, topk_weights, cfg.ctx, cfg.num_experts, cfg.layout,
+                                  cfg.capacity, cfg.expert_alignment);
     variable_list flat{std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
                        std::get<4>(out), std::get<5>(out), std::get<6>(out)};
     const auto& h = std::get<7>(out);
@@ -704,7 +726,7 @@ DispatchOut dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_sc
                               int64_t capacity, int64_t expert_alignment) {
   if (!wants_grad({&x, &topk_weights})) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatch_cuda(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
+    return dispatch_op().call(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
   }
   const Config cfg{ctx, num_experts, layout, capacity, expert_alignment};
   auto flat = DispatchFunction::apply(x, topk_weights, &x_scales, &topk_idx, cfg);
@@ -718,8 +740,8 @@ struct CombineFunction : public torch::autograd::Function<CombineFunction> {
                                const std::optional<Tensor>& bias0, const std::optional<Tensor>& bias1,
                                const std::vector<Tensor>* handle, Config cfg) {
     at::AutoDispatchBelowADInplaceOrView below;
-    Tensor out = combine_cuda(y, topk_weights, bias0, bias1, *handle, cfg.ctx, cfg.num_experts, cfg.layout,
-                              cfg.capacity, cfg.expert_alignment);
+    Tensor out = combine_op().call(y, topk_weights, bias0, bias1, *handle, cfg.ctx, cfg.num_experts, cfg.layout,
+                                   cfg.capacity, cfg.expert_alignment);
     variable_list saved(handle->begin(), handle->end());
     const bool em = cfg.layout == 1;
     saved.push_back(em && topk_weights.has_value() ? *topk_weights : Tensor());
@@ -759,7 +781,7 @@ Tensor combine_autograd(const Tensor& y, const std::optional<Tensor>& topk_weigh
   const auto ptr = [](const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
   if (!wants_grad({&y, ptr(topk_weights), ptr(bias0), ptr(bias1)})) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return combine_cuda(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity, expert_alignment);
+    return combine_op().call(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity, expert_alignment);
   }
   const std::vector<Tensor> h = handle.vec();
   return CombineFunction::apply(y, topk_weights, bias0, bias1, &h,
@@ -770,8 +792,8 @@ struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchF
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>* x_scales,
                                const std::vector<Tensor>* handle, Config cfg) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto out = cached_dispatch_cuda(x, *x_scales, *handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
-                                    cfg.expert_alignment);
+    auto out = cached_dispatch_op().call(x, *x_scales, *handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
+                                         cfg.expert_alignment);
     ctx->mark_non_differentiable({std::get<1>(out)});
     ctx->save_for_backward(variable_list(handle->begin(), handle->end()));
     save_config(ctx, cfg);
@@ -780,12 +802,8 @@ struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchF
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Config cfg = load_config(ctx);
     const auto handle = ctx->get_saved_variables();
-    Tensor g_x = op("omniep_native::combine")
-                     .typed<Tensor(const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-                                   const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t)>()
-                     .call(grads[0].contiguous(), std::nullopt, std::nullopt, std::nullopt, handle, cfg.ctx,
-                           cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment);
+    Tensor g_x = combine_op().call(grads[0].contiguous(), std::nullopt, std::nullopt, std::nullopt, handle, cfg.ctx,
+                                   cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment);
     return {g_x, Tensor(), Tensor(), Tensor()};
   }
 };
@@ -795,7 +813,7 @@ std::tuple<Tensor, Tensor> cached_dispatch_autograd(const Tensor& x, const std::
                                                     int64_t layout, int64_t capacity, int64_t expert_alignment) {
   if (!wants_grad({&x}) || x_scales.has_value()) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return cached_dispatch_cuda(x, x_scales, handle, ctx, num_experts, layout, capacity, expert_alignment);
+    return cached_dispatch_op().call(x, x_scales, handle, ctx, num_experts, layout, capacity, expert_alignment);
   }
   const std::vector<Tensor> h = handle.vec();
   auto out = CachedDispatchFunction::apply(x, &x_scales, &h, Config{ctx, num_experts, layout, capacity, expert_alignment});
