@@ -247,6 +247,8 @@ def check_divergence(rank: int, world: int) -> dict:
     out = {}
     for mode in ("sync", "default"):
         for name in DIVERGENCE:
+            print(f"rank {rank}: divergence {mode}/{name}", file=sys.stderr, flush=True)
+
             def run():
                 ctx = ep.context()
                 ctx.set_checks(mode)
@@ -272,6 +274,9 @@ def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> d
 
     from omniep import torch as ep
 
+    import faulthandler
+
+    faulthandler.enable()  # a crash of the native code shows where Python was
     torch.cuda.set_device(rank if per_gpu else 0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
