@@ -33,7 +33,6 @@
 
 #include <atomic>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -76,11 +75,11 @@ cudaStream_t stream_of(const Context& c) { return c10::cuda::getCurrentCUDAStrea
 void raise_status(Context& c, const Status& st, const char* op) {
   if (st.w[omniep::kStCode] == omniep::kStatusOk) return;
   c.raised = st;
-  std::ostringstream m;
-  m << "omniep: " << op << " on rank " << st.w[omniep::kStRank] << ": status code " << st.w[omniep::kStCode]
-    << " (peer " << st.w[omniep::kStPeer] << ", fields mask " << st.w[omniep::kStFields] << ", values "
-    << st.w[omniep::kStMine] << " / " << st.w[omniep::kStTheirs] << "); omniep.torch raises it as its typed error";
-  throw std::runtime_error(m.str());
+  const auto w = [&](int i) { return std::to_string(st.w[i]); };
+  throw std::runtime_error(std::string("omniep: ") + op + " on rank " + w(omniep::kStRank) + ": status code " +
+                           w(omniep::kStCode) + " (peer " + w(omniep::kStPeer) + ", fields mask " +
+                           w(omniep::kStFields) + ", values " + w(omniep::kStMine) + " / " + w(omniep::kStTheirs) +
+                           "); omniep.torch raises it as its typed error");
 }
 
 // The rank's statuses, raised (sticky first); the pending one is cleared once raised.
@@ -101,12 +100,12 @@ void after_op(Context& c, const char* op) {
 
 // ---- argument checks ---------------------------------------------------------------------------------
 
+// Python's spelling of a shape, "(2, 3)" / "(4,)". (String arithmetic, not iostreams: a module built
+// against one libstdc++ and loaded beside another crashed formatting numbers into a stream.)
 std::string shape_str(const Tensor& t) {
-  std::ostringstream s;
-  s << "(";
-  for (int64_t i = 0; i < t.dim(); ++i) s << (i ? ", " : "") << t.size(i) << (t.dim() == 1 ? "," : "");
-  s << ")";
-  return s.str();
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + (t.dim() == 1 ? ",)" : ")");
 }
 
 std::string dtype_str(const Tensor& t) {
