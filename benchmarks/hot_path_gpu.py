@@ -61,6 +61,35 @@ def _host_us(torch, step, iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _profile_host(torch, step, label: str) -> None:
+    """Where the host time of `step` goes: the torch profiler's CPU ops (self time) and cProfile's
+    Python functions, the GPU kept busy so that nothing waits."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            step()
+    print(f"== {label}: torch profiler, CPU, 20 pairs\n" +
+          prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        step()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(18)
+    print(f"== {label}: cProfile, 20 pairs\n{text.getvalue()}", flush=True)
+    torch.cuda.synchronize()
+
+
 def _wall_us(torch, step, iters: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -110,6 +139,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
 
             steps = dict(exact=exact, static=static, cached=cached, expert_major=expert_major)
             for mode in args["modes"]:
+                if mode == "expert_major" and shape != "ll":
+                    continue  # R * T slots per local expert: the low-latency shape's layout (issue 14 sizes it)
                 step = steps[mode]
                 for _ in range(5):
                     step()  # warm-up: buffers grow, kernels load
@@ -123,6 +154,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                 dist.barrier()
                 rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, host_us=host, wall_us=wall,
                                  device_us=device))
+                if args["profile"] and rank == 0:
+                    _profile_host(torch, step, f"{shape} {mode}")
                 print(f"rank {rank} {shape} {mode}: host {host} wall {wall:.1f} device {device:.1f}", flush=True)
         ep.destroy()
     finally:
@@ -137,8 +170,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="ht,ll")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default="")
+    p.add_argument("--profile", action="store_true", help="where the host time goes (rank 0)")
     a = p.parse_args(argv)
-    args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","))
+    args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 

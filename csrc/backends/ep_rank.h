@@ -66,7 +66,8 @@ struct DispatchCall {
   const void* x2;       // [T, row2_bytes] second payload (fp8 scales) or null
   int64_t row2_bytes;
   int num_tokens, num_topk, num_experts, capacity, rows, expert_alignment;
-  const float* topk_weights;  // [T, K]; null: rows only
+  bool routing;               // the routing moves too (topk_weights and the recv_topk_* / per-expert outputs)
+  const float* topk_weights;  // [T, K]
   const int32_t *topk_idx32, *send_pos, *send_offset, *recv_counts;  // prepare's
   void* recv_x;              // [rows, row_bytes]
   void* recv_x2;             // [rows, row2_bytes]
@@ -84,8 +85,9 @@ struct CombineCall {
   const void* bias[2];  // [T, hidden] in bias_dtype[i]; first num_bias used
   int bias_dtype[2], num_bias;
   void* out;  // [T, hidden] in dtype
-  const float* g_recv_topk_weights;  // [rows, K] or null
-  float* g_topk_weights;             // [T, K] (with g_recv_topk_weights)
+  bool with_topk_grad;               // dispatch_bwd: read the weight gradients back
+  const float* g_recv_topk_weights;  // [rows, K] (with_topk_grad)
+  float* g_topk_weights;             // [T, K] (with_topk_grad)
 };
 
 // Expert-major dispatch into recv_x[L, C, row_bytes] (slots past recv_expert_count unspecified).
@@ -108,13 +110,15 @@ struct EMCombineCall {
   const void* y;  // [L, C, hidden]
   int hidden, dtype;
   int num_tokens, num_topk, num_experts, capacity;
+  bool weighted;                     // combine: times topk_weights; dispatch_bwd: weight 1
   const float* topk_weights;
   const int32_t *topk_idx32, *copy_slot;
   const void* bias[2];
   int bias_dtype[2], num_bias;
   void* out;                         // [T, hidden]
-  const float* g_recv_topk_weights;  // [L, C] or null
-  float* g_topk_weights;             // [T, K]
+  bool with_topk_grad;               // dispatch_bwd: read the weight gradients back
+  const float* g_recv_topk_weights;  // [L, C] (with_topk_grad)
+  float* g_topk_weights;             // [T, K] (with_topk_grad)
 };
 
 // Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.
@@ -124,9 +128,10 @@ struct EMCombineBwdCall {
   int num_tokens, num_topk, num_experts, capacity;
   const float* topk_weights;
   const int32_t *topk_idx32, *copy_slot, *recv_expert_count;
-  const void* y;          // [L, C, hidden] or null
+  bool with_topk_grad;    // also the weight gradients (needs y)
+  const void* y;          // [L, C, hidden] (with_topk_grad)
   void* g_y;              // [L, C, hidden]
-  float* g_topk_weights;  // [T, K] (with y)
+  float* g_topk_weights;  // [T, K] (with_topk_grad)
 };
 
 class EpRank {

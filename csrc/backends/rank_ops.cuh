@@ -192,7 +192,8 @@ PrepareResult OneRankOps<Rank>::prepare(const PrepareCall& c, OpDesc& d, cudaStr
 template <typename Rank>
 void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s) {
   Rank& g = self();
-  const bool routing = c.topk_weights != nullptr;
+  // (Flags, not null pointers: an empty tensor's data pointer is null too.)
+  const bool routing = c.routing;
   const int64_t C = c.capacity, K = c.num_topk;
   if (c.rows < 0 || c.rows > C) throw std::invalid_argument("omniep: dispatch rows must be in [0, capacity]");
   int64_t sizes[4] = {c.row_bytes, 0, 0, 0}, offsets[4] = {};
@@ -255,7 +256,7 @@ void OneRankOps<Rank>::combine(const CombineCall& c, OpDesc& d, cudaStream_t s) 
   const int64_t C = c.capacity, K = c.num_topk;
   if (c.rows < 0 || c.rows > C) throw std::invalid_argument("omniep: combine rows must be in [0, capacity]");
   const int64_t y_row = static_cast<int64_t>(c.hidden) * dtype_size(c.dtype);
-  const bool grad = c.g_recv_topk_weights != nullptr;
+  const bool grad = c.with_topk_grad;
   int64_t sizes[2] = {y_row, K * 4}, offsets[2] = {};
   if (!ensure_data(static_cast<size_t>(pack_regions(C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
 
@@ -335,14 +336,15 @@ template <typename Rank>
 void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_t s) {
   Rank& g = self();
   const int64_t L = c.num_experts / g.num_ranks(), C = c.capacity;
-  const bool grad = c.g_recv_topk_weights != nullptr;
+  const bool grad = c.with_topk_grad;
   int64_t sizes[2] = {static_cast<int64_t>(c.hidden) * dtype_size(c.dtype), 4}, offsets[2] = {};
   if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
   EMCombineArgs a = {};
   a.y = g.template sym<const void>(offsets[0]);
   a.out = mine<void>(g, c.out);
   a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
-  a.topk_weights = mine<const float>(g, c.topk_weights);
+  // weight 1 for dispatch_bwd: the kernel's null weights
+  if (c.weighted) a.topk_weights = mine<const float>(g, c.topk_weights);
   a.copy_slot = mine<const int32_t>(g, c.copy_slot);
   a.num_tokens[g.rank()] = c.num_tokens;
   a.hidden = c.hidden;
@@ -374,7 +376,7 @@ void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cuda
   Rank& g = self();
   const int64_t L = c.num_experts / g.num_ranks(), C = c.capacity;
   const int64_t row = static_cast<int64_t>(c.hidden) * dtype_size(c.dtype);
-  const bool grad = c.y != nullptr;
+  const bool grad = c.with_topk_grad;
   int64_t sizes[2] = {row, row}, offsets[2] = {};
   if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
   EMCombineBwdArgs a = {};

@@ -174,6 +174,7 @@ void run_dispatch(G& g, cudaStream_t stream, OpDesc& d, const ffi::AnyBuffer& x,
   (void)num_recv;  // the kernel finds the padding from recv_counts
   c.recv_x = data(recv_x);
   c.recv_x2 = recv_x2 ? data(*recv_x2) : nullptr;
+  c.routing = routing;
   if (routing) {
     c.topk_idx32 = as<const int32_t>(*idx32);
     c.topk_weights = as<const float>(*weights);
@@ -236,6 +237,7 @@ void run_combine(G& g, cudaStream_t stream, OpKind op, const ffi::AnyBuffer& y, 
   if (biases) set_biases(c, *biases);
   if (g_recv_w) {
     need_f32(*g_recv_w, "weight cotangents");
+    c.with_topk_grad = true;
     c.g_recv_topk_weights = as<const float>(*g_recv_w);
     c.g_topk_weights = as<float>(*g_w);
   }
@@ -360,6 +362,7 @@ void run_em_combine(G& g, cudaStream_t stream, OpKind op, const ffi::AnyBuffer& 
   c.capacity = static_cast<int>(dims[1]);
   if (weights) {
     need_f32(*weights, "topk_weights");
+    c.weighted = true;
     c.topk_weights = as<const float>(*weights);
   }
   c.topk_idx32 = as<const int32_t>(idx32);
@@ -368,6 +371,7 @@ void run_em_combine(G& g, cudaStream_t stream, OpKind op, const ffi::AnyBuffer& 
   c.out = data(out);
   if (g_recv_w) {
     need_f32(*g_recv_w, "weight cotangents");
+    c.with_topk_grad = true;
     c.g_recv_topk_weights = as<const float>(*g_recv_w);
     c.g_topk_weights = as<float>(*g_w);
   }
@@ -418,6 +422,7 @@ ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_o
     c.topk_idx32 = as<const int32_t>(idx32);
     c.copy_slot = as<const int32_t>(copy_slot);
     c.recv_expert_count = as<const int32_t>(recv_expert_count);
+    c.with_topk_grad = true;
     c.y = data(y);
     c.g_y = data(g_y);
     c.g_topk_weights = as<float>(g_w);

@@ -410,6 +410,7 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
     q.capacity = prep.capacity;
     q.rows = static_cast<int>(rows);
     q.expert_alignment = static_cast<int>(expert_alignment);
+    q.routing = true;
     q.topk_weights = weights.data_ptr<float>();
     q.topk_idx32 = p.topk_idx32;
     q.send_pos = p.send_pos;
@@ -526,6 +527,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
     e.num_experts = static_cast<int>(num_experts);
     e.capacity = static_cast<int>(h.capacity);
     const Tensor w = weights_in != nullptr ? weights_in->contiguous() : Tensor();
+    e.weighted = weights_in != nullptr;
     e.topk_weights = weights_in != nullptr ? w.data_ptr<float>() : nullptr;
     e.topk_idx32 = h.topk_idx32;
     e.copy_slot = h.routing + h.parts.copy_slot;
@@ -535,6 +537,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
       e.bias_dtype[i] = kernel_dtype(bias[i]);
     }
     e.out = out.data_ptr();
+    e.with_topk_grad = grad;
     if (grad) {
       e.g_recv_topk_weights = g_recv_w.data_ptr<float>();
       e.g_topk_weights = g_w.data_ptr<float>();
@@ -560,6 +563,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
       q.bias_dtype[i] = kernel_dtype(bias[i]);
     }
     q.out = out.data_ptr();
+    q.with_topk_grad = grad;
     if (grad) {
       q.g_recv_topk_weights = g_recv_w.data_ptr<float>();
       q.g_topk_weights = g_w.data_ptr<float>();
@@ -632,6 +636,7 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
   e.topk_idx32 = h.topk_idx32;
   e.copy_slot = h.routing + h.parts.copy_slot;
   e.recv_expert_count = h.routing + h.parts.recv_expert_count;
+  e.with_topk_grad = y_in.has_value();
   e.y = y_in.has_value() ? y.data_ptr() : nullptr;
   e.g_y = g_y.data_ptr();
   e.g_topk_weights = y_in.has_value() ? g_w.data_ptr<float>() : nullptr;

@@ -39,6 +39,7 @@ __all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "de
 _LAYOUTS = {"rank_major": Layout.RANK_MAJOR, "expert_major": Layout.EXPERT_MAJOR,
             Layout.RANK_MAJOR: Layout.RANK_MAJOR, Layout.EXPERT_MAJOR: Layout.EXPERT_MAJOR}
 _LAYOUT_CODE = {Layout.RANK_MAJOR: 0, Layout.EXPERT_MAJOR: 1}
+_CONFIGS: dict = {}  # (num_experts, ranks, layout, capacity, alignment) -> DispatchConfig (frozen, shared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +208,13 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
         raise ctx.translate(exc) from None
-    config = DispatchConfig(experts, ctx.world, lay, None if cap < 0 else cap, align)
-    # recv_topk_weights is differentiable: the handle keeps it out of the autograd graph.
-    handle = Handle((out[2], out[3].detach(), *out[7]), ctx, config, topk_weights)
+    key = (experts, ctx.world, lay, cap, align)
+    config = _CONFIGS.get(key)
+    if config is None:
+        config = _CONFIGS[key] = DispatchConfig(experts, ctx.world, lay, None if cap < 0 else cap, align)
+    # recv_topk_weights may be differentiable: the handle keeps it out of the autograd graph.
+    recv_w = out[3].detach() if out[3].requires_grad else out[3]
+    handle = Handle((out[2], recv_w, *out[7]), ctx, config, topk_weights)
     recv_x = (out[0], out[1]) if x_scales is not None else out[0]
     return Dispatched(recv_x=recv_x, recv_topk_idx=out[2], recv_topk_weights=out[3], num_recv=out[4],
                       num_recv_tokens_per_expert=out[5], dropped=out[6], handle=handle)
