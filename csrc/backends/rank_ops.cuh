@@ -234,6 +234,11 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   a.expert_alignment = c.expert_alignment;
   a.with_routing = routing ? 1 : 0;
   a.own_x = mine<uint8_t>(g, c.recv_x);  // my own rows straight into the result; the copy-out skips them
+  if (routing) {  // the kernel copies the routing out itself (two copies fewer to launch)
+    a.out_topk_idx = mine<int32_t>(g, c.recv_topk_idx);
+    a.out_topk_weights = mine<float>(g, c.recv_topk_weights);
+    a.out_rows = c.rows;
+  }
   a.desc[g.rank()] = d;
   launch_dispatch(a, s);
   next_part(d);
@@ -244,10 +249,6 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   const auto out = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
   copy_rows_except(out(c.recv_x), base + offsets[0], c.row_bytes, c.rows, skip_begin, skip_count, s);
   if (at_x2 >= 0) copy_rows_except(out(c.recv_x2), base + offsets[at_x2], c.row2_bytes, c.rows, skip_begin, skip_count, s);
-  if (routing && c.rows > 0) {
-    memcpy(out(c.recv_topk_idx), base + offsets[at_idx], static_cast<size_t>(c.rows * K * 4), s);
-    memcpy(out(c.recv_topk_weights), base + offsets[at_idx + 1], static_cast<size_t>(c.rows * K * 4), s);
-  }
 }
 
 template <typename Rank>
@@ -313,6 +314,8 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   }
   a.recv_topk_idx = g.template sym<int32_t>(offsets[2]);
   a.recv_topk_weights = g.template sym<float>(offsets[3]);
+  a.out_topk_idx = mine<int32_t>(g, c.recv_topk_idx);  // copied out by the kernel
+  a.out_topk_weights = mine<float>(g, c.recv_topk_weights);
   a.num_tokens[g.rank()] = c.num_tokens;
   a.row_bytes = c.row_bytes;
   a.row2_bytes = c.row2_bytes;
@@ -328,8 +331,6 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   if (slots == 0) return;
   memcpy(out(c.recv_x), base + offsets[0], slots * static_cast<size_t>(c.row_bytes), s);
   if (c.row2_bytes > 0) memcpy(out(c.recv_x2), base + offsets[1], slots * static_cast<size_t>(c.row2_bytes), s);
-  memcpy(out(c.recv_topk_idx), base + offsets[2], slots * 4, s);
-  memcpy(out(c.recv_topk_weights), base + offsets[3], slots * 4, s);
 }
 
 template <typename Rank>

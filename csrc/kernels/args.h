@@ -66,6 +66,11 @@ struct DispatchArgs {
   // kernels/copy_rows.cuh). Null entry: the symmetric buffer, like every other row.
   PerRank<uint8_t> own_x;
   PerRank<uint8_t> own_x2;
+  // Optional [out_rows, K]: the caller's recv_topk_idx / recv_topk_weights, which the kernel fills from
+  // its receive buffer after the end barrier (no copies launched after it). Null: left in the buffer.
+  PerRank<int32_t> out_topk_idx;
+  PerRank<float> out_topk_weights;
+  int out_rows;
   int num_tokens[kMaxRanks];
   int64_t row_bytes;
   int64_t row2_bytes;  // 0 = no second payload

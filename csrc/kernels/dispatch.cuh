@@ -164,7 +164,22 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
       }
     }
   };
-  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false, puts) || blockIdx.x != 0) return;
+  int32_t* out_idx = tr.local(a.out_topk_idx);
+  float* out_w = tr.local(a.out_topk_weights);
+  const bool copy_out = routing && out_idx != nullptr;
+  // With the routing to copy out, every block waits for the peers (their rows have arrived).
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/copy_out, puts)) return;
+  if (copy_out) {
+    const int32_t* idx_in = tr.local(a.recv_topk_idx);
+    const float* w_in = tr.local(a.recv_topk_weights);
+    const int64_t n = static_cast<int64_t>(a.out_rows) * K;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      out_idx[j] = idx_in[j];
+      out_w[j] = w_in[j];
+    }
+  }
+  if (blockIdx.x != 0) return;
 
   if (routing) {
     const int align = a.expert_alignment;

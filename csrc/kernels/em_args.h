@@ -49,6 +49,10 @@ struct EMDispatchArgs {
   PerRank<uint8_t> recv_x2;                  // sym [L, C, row2_bytes]
   PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots, -1 on padding
   PerRank<float> recv_topk_weights;          // sym [L, C]: the copy's weight, 0 on padding
+  // Optional [L, C]: the caller's recv_topk_idx / recv_topk_weights, filled by the kernel after its
+  // end barrier (no copies launched after it). Null: left in the buffer.
+  PerRank<int32_t> out_topk_idx;
+  PerRank<float> out_topk_weights;
   int num_tokens[kMaxRanks];
   int64_t row_bytes;
   int64_t row2_bytes;  // 0 = no second payload

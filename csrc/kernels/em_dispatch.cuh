@@ -108,7 +108,20 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispa
       }
     }
   }
-  rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false);
+  int32_t* out_idx = tr.local(a.out_topk_idx);
+  float* out_w = tr.local(a.out_topk_weights);
+  // With the routing to copy out, every block waits for the peers (their copies have arrived).
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/out_idx != nullptr) || out_idx == nullptr) return;
+  {
+    const int32_t* idx_in = tr.local(a.recv_topk_idx);
+    const float* w_in = tr.local(a.recv_topk_weights);
+    const int64_t slots = static_cast<int64_t>(L) * C;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < slots;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      out_idx[j] = idx_in[j];
+      out_w[j] = w_in[j];
+    }
+  }
 }
 
 // Sum of v over the warp, in the same butterfly order on every lane (all lanes get the result).
