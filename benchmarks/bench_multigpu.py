@@ -3,12 +3,11 @@
 DeepEP's normal shape by default (4096 tokens/rank, H=7168, top-8 of 256 experts, bf16; fp8 dispatch
 too), static capacity R*T; ``--layout expert_major`` for the low-latency layout (``--tokens 128
 --experts 288``: DeepEP's low-latency shape), C = the exact worst case of the routing per expert. In ONE run, on every rank (one process per GPU, an NCCL group):
-  * ``cuda_nvshmem`` backend called directly (no frontend host syncs): prepare, dispatch (kernel +
-    copy of the received rows out of the symmetric buffer), combine (copy of y in + kernel);
+  * ``cuda_nvshmem``: dispatch (layout + kernel + copy of the received rows out of the symmetric
+    buffer), fp8 dispatch, cached dispatch, combine (copy of y in + kernel);
   * ``nccl_ep`` (``--nccl``, needs ``omniep._native_nccl``): the same kernels over the NCCL device API,
-    the same ops called the same way (column "vs nvshmem" = cuda_nvshmem time / nccl_ep time);
-  * the same through ``omniep.torch`` (frontend agreement step, validation and prepare included);
-  * ``collective`` (NCCL all_to_all_single) through ``omniep.torch``: dispatch and combine;
+    the same ops (column "vs nvshmem" = cuda_nvshmem time / nccl_ep time);
+  * ``collective`` (NCCL all_to_all_single): the same ops;
   * a raw peer copy of this rank's recv_x bytes to the other GPU (``copy_``, copy engines), of half of
     them (one rank's remote share of a dispatch, both GPUs copying at once), and a local device copy
     (what the copy-out of dispatch costs).
@@ -21,9 +20,8 @@ Timing (CUDA events on this rank's stream, median of ``--iters`` after warm-up),
   * ``e2e`` (what a caller waits): gloo barrier, the device barrier, a stream sync (both hosts leave it
     within µs of each other), then start event, the op as the caller issues it (host gaps included),
     end event.
-Native ops also record events between their steps (IpcRankState.marks), giving per-phase times:
-prepare = layout kernel + count copy | torch post-processing; dispatch = kernel | copy-out of the rows;
-combine = copy-in of y | kernel. Every rank's medians are printed, then the slowest rank.
+Every rank's medians are printed, then the slowest rank. Every op is timed through ``omniep.torch``
+(one native call per op; a dispatch includes its prepare).
 
     python benchmarks/bench_multigpu.py [--gpus 2] [--tokens 4096] [--hidden 7168] [--iters 20]
 """
@@ -53,19 +51,11 @@ def _timed(torch, dist, cpu_group, st, fn, iters: int, mode: str, sleep_cycles: 
             st.barrier()
             torch.cuda.current_stream().synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.marks = []
         start.record()
         fn()
         end.record()
-        marks, st.marks = st.marks, None
         end.synchronize()
         samples.setdefault("total", []).append(start.elapsed_time(end) * 1e3)
-        prev, prev_label = start, None
-        for label, ev in marks + [("end", end)]:
-            if prev_label is not None or label != "end":
-                name = label if prev_label is None else f"{prev_label}>{label}"
-                samples.setdefault(name, []).append(prev.elapsed_time(ev) * 1e3)
-            prev, prev_label = ev, label
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -103,53 +93,39 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         cap = int(per_expert.max())
     res["capacity"] = cap
 
-    nat = CudaNvshmemTorch()
-    cfg = DispatchConfig(E, world, layout, cap)
-    handle = nat.prepare(idx, cfg)
-    st = nat._state(x.device)
-    (recv_x, *_), full = nat.dispatch(x, w, handle)
-    recv_bytes = int(full.num_recv) * H * 2
+    # Every backend through the public API (one native call per op since issue 13; the prepare is part
+    # of the dispatch). The native context's device barrier releases the ranks in dev mode.
+    nat = ep.context(backend="cuda_nvshmem")
+    kw = dict(num_experts=E, capacity=cap, layout=layout.value)
+    d = ep.dispatch(x, idx, w, backend="cuda_nvshmem", **kw)
+    recv_bytes = int(d.num_recv) * H * 2
     res["recv_bytes"] = recv_bytes
-    y = recv_x.clone()
+    y = d.recv_x.clone()
 
-    def t(name, fn, modes=("dev", "e2e"), state=st):
+    def t(name, fn, modes=("dev", "e2e"), state=nat):
         """Time ``fn`` under ``name``; ``state``'s device barrier releases the ranks (dev mode)."""
         for mode in modes:
             res[f"{name}|{mode}"] = _timed(torch, dist, cpu, state, fn, iters, mode, sleep_cycles)
 
-    def time_ops(label, be, h, done, state):
-        """prepare, dispatch (bf16, fp8, cached with the completed handle ``done``) and combine of ``be``."""
-        t(f"{label} prepare", lambda: be.prepare(idx, cfg), state=state)
-        t(f"{label} dispatch", lambda: be.dispatch(x, w, h), state=state)
-        t(f"{label} dispatch fp8", lambda: be.dispatch((x8, s8), w, h), state=state)
-        t(f"{label} cached dispatch", lambda: be.dispatch(x, None, done), state=state)
-        t(f"{label} combine", lambda: be.combine(y, done), state=state)
+    def time_ops(label, backend, state=nat):
+        """dispatch (bf16, fp8), cached dispatch (rank-major) and combine through ``backend``."""
+        done = ep.dispatch(x, idx, w, backend=backend, **kw)
+        t(f"{label} dispatch", lambda: ep.dispatch(x, idx, w, backend=backend, **kw), state=state)
+        t(f"{label} dispatch fp8", lambda: ep.dispatch((x8, s8), idx, w, backend=backend, **kw), state=state)
+        if layout == Layout.RANK_MAJOR:
+            t(f"{label} cached dispatch", lambda: ep.cached_dispatch(x, done.handle), state=state)
+        t(f"{label} combine", lambda: ep.combine(done.recv_x, done.handle), state=state)
 
-    time_ops("native", nat, handle, full, st)
-    if args["nccl"]:  # the same ops over the NCCL device API, timed around its own device barrier
-        from omniep.backends.nccl_ep.torch_backend import NcclEpTorch
-
-        nc = NcclEpTorch()
-        nh = nc.prepare(idx, cfg)
-        _, nfull = nc.dispatch(x, w, nh)
-        time_ops("nccl_ep", nc, nh, nfull, nc._state(x.device))
+    time_ops("native", "cuda_nvshmem")
+    if args["nccl"]:  # the same kernels over the NCCL device API, timed around its own device barrier
+        time_ops("nccl_ep", "nccl_ep", state=ep.context(backend="nccl_ep"))
     for blocks in args["sweep_blocks"]:  # kernel blocks of dispatch / combine (default: 24)
-        st._impl.set_blocks(blocks)
-        t(f"native dispatch @{blocks} blocks", lambda: nat.dispatch(x, w, handle), modes=("dev",))
-        t(f"native combine @{blocks} blocks", lambda: nat.combine(y, full), modes=("dev",))
-    st._impl.set_blocks(0)
-    for label, backend in (("native", "cuda_nvshmem"), ("collective", "collective")):
-        kw = dict(num_experts=E, capacity=cap, backend=backend, layout=layout.value)
-        d = ep.dispatch(x, idx, w, **kw)
-        t(f"{label} frontend dispatch", lambda: ep.dispatch(x, idx, w, **kw))
-        t(f"{label} frontend dispatch fp8", lambda: ep.dispatch((x8, s8), idx, w, **kw))
-        t(f"{label} frontend combine", lambda: ep.combine(d.recv_x, d.handle))
-    col = CollectiveTorch()
-    ch = col.prepare(idx, cfg)
-    _, cfull = col.dispatch(x, w, ch)
-    t("collective dispatch", lambda: col.dispatch(x, w, ch))
-    t("collective cached dispatch", lambda: col.dispatch(x, None, cfull))
-    t("collective combine", lambda: col.combine(y, cfull))
+        nat.state._g().set_blocks(blocks)
+        t(f"native dispatch @{blocks} blocks", lambda: ep.dispatch(x, idx, w, backend="cuda_nvshmem", **kw),
+          modes=("dev",))
+        t(f"native combine @{blocks} blocks", lambda: ep.combine(y, d.handle), modes=("dev",))
+    nat.state._g().set_blocks(0)
+    time_ops("collective", "collective")
     src = torch.empty(recv_bytes, dtype=torch.uint8, device="cuda").random_()
     peer = torch.empty(recv_bytes, dtype=torch.uint8, device=f"cuda:{(rank + 1) % world}")
     local = torch.empty_like(src)
@@ -160,7 +136,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     t("local copy half", lambda: local[:half].copy_(src[:half]))
     torch.cuda.synchronize()
     dist.barrier(group=cpu)
-    destroy_states()
+    ep.destroy()
     dist.destroy_process_group()
     return res
 
@@ -170,25 +146,18 @@ ROWS = [  # (name in results, label, bytes factor: 1 bf16 recv_x, 0.5 fp8 rows (
     ("raw peer copy half", "raw peer copy, half the bytes", 0.5),
     ("local copy", "local device copy", 1.0),
     ("local copy half", "local device copy, half the bytes", 0.5),
-    ("native prepare", "native prepare", None),
     ("native dispatch", "native dispatch bf16", 1.0),
     ("native dispatch fp8", "native dispatch fp8", 0.5),
     ("native cached dispatch", "native cached dispatch bf16", 1.0),
     ("native combine", "native combine bf16", 1.0),
-    ("nccl_ep prepare", "nccl_ep prepare", None),
     ("nccl_ep dispatch", "nccl_ep dispatch bf16", 1.0),
     ("nccl_ep dispatch fp8", "nccl_ep dispatch fp8", 0.5),
     ("nccl_ep cached dispatch", "nccl_ep cached dispatch bf16", 1.0),
     ("nccl_ep combine", "nccl_ep combine bf16", 1.0),
-    ("native frontend dispatch", "native via omniep.torch dispatch", 1.0),
-    ("native frontend dispatch fp8", "native via omniep.torch dispatch fp8", 0.5),
-    ("native frontend combine", "native via omniep.torch combine", 1.0),
     ("collective dispatch", "NCCL backend dispatch bf16", 1.0),
+    ("collective dispatch fp8", "NCCL backend dispatch fp8", 0.5),
     ("collective cached dispatch", "NCCL backend cached dispatch", 1.0),
     ("collective combine", "NCCL backend combine", 1.0),
-    ("collective frontend dispatch", "NCCL via omniep.torch dispatch", 1.0),
-    ("collective frontend dispatch fp8", "NCCL via omniep.torch dispatch fp8", 0.5),
-    ("collective frontend combine", "NCCL via omniep.torch combine", 1.0),
 ]
 
 
@@ -196,9 +165,7 @@ ROWS = [  # (name in results, label, bytes factor: 1 bf16 recv_x, 0.5 fp8 rows (
 PLOT_ROWS = (("raw peer copy", "raw peer copy"), ("native dispatch", "cuda_nvshmem dispatch"),
              ("nccl_ep dispatch", "nccl_ep dispatch"), ("collective dispatch", "NCCL all_to_all dispatch"),
              ("native dispatch fp8", "cuda_nvshmem dispatch fp8"), ("native combine", "cuda_nvshmem combine"),
-             ("nccl_ep combine", "nccl_ep combine"), ("collective combine", "NCCL combine"),
-             ("native frontend dispatch", "cuda_nvshmem via omniep.torch dispatch"),
-             ("native frontend combine", "cuda_nvshmem via omniep.torch combine"))
+             ("nccl_ep combine", "nccl_ep combine"), ("collective combine", "NCCL combine"))
 
 
 def plot(results: list, path: str, title: str) -> bool:
