@@ -65,20 +65,23 @@ def frontend_job(rank: int, job: dict) -> dict:
 
 
 def timeout_job(rank: int, job: dict) -> dict:
-    """Rank ``job['silent']`` skips prepare; the others must get PeerTimeoutError naming it."""
+    """Rank ``job['silent']`` skips a dispatch; the others must get PeerTimeoutError naming it, from
+    ``check()`` (the dispatch itself, with a static capacity, waits for nothing on the host)."""
     import torch.distributed as dist
+
+    from .. import torch as ep
 
     tw = _cuda_inputs()
     case = job["case"]
     out = dict(error=None)
+    ctx = ep.context(backend=_backend_class().name)
     if rank != job["silent"]:
-        be = _backend_class()()
-        idx = tw.to_torch(case.topk_idx[rank])
-        state = be._state(idx.device)
-        state._g().set_timeout_ns(int(2e9))  # fail fast: this wait cannot succeed
-        be.prepare(idx, case.config())
+        x, idx, w = (tw.to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
+        ctx.state._g().set_timeout_ns(int(2e9))  # fail fast: this wait cannot succeed
+        ctx.set_checks("default")
+        ep.dispatch(x, idx, w, num_experts=case.num_experts, capacity=case.capacity, backend=ctx.name)
         try:
-            state.check()
+            ctx.check()
         except PeerTimeoutError as exc:
             out = dict(error="PeerTimeoutError", rank=exc.rank, peer=exc.peer, message=str(exc))
     dist.barrier()
@@ -91,15 +94,11 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
     ``pg_backend`` (gloo; or nccl, one GPU per rank). ``comm_sources`` in the result: where each native
     state's communicator came from (NcclRankState.comm_source), where states say so."""
     global _ON_GPU
-    import importlib
-
     import torch
 
     from ..testing.torch_workers import init_gloo, shutdown
 
-    # Native backends keep a state per group (released collectively here); the collective one none.
-    backend_module = importlib.import_module(_backend_class().__module__)
-    destroy_states = getattr(backend_module, "destroy_states", lambda: None)
+    from .. import torch as ep
 
     _ON_GPU = not on_cpu
     if _ON_GPU:
@@ -114,10 +113,10 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
                     out[key].append(runners[key](rank, job))
                 except Exception as exc:
                     raise RuntimeError(f"{key} job {i} failed on rank {rank}: {exc}\n{traceback.format_exc()}") from exc
-        states = getattr(backend_module, "_STATES", {})
-        out["comm_sources"] = [getattr(st, "comm_source", None) for st in states.values()]
+        ctx = ep.context(backend=_backend_class().name)
+        out["comm_sources"] = [getattr(getattr(ctx, "state", None), "comm_source", None)]
         if not jobs.get("timeout"):
-            destroy_states()
+            ep.destroy()  # collective: the native buffers are released together
     finally:
         shutdown()
     return out
