@@ -1,5 +1,5 @@
 """Plumbing shared by the native JAX backends (``cuda_nvshmem``, ``nccl_ep``): collective steps over
-JAX's distributed key-value store, and the device error record turned into an exception.
+JAX's distributed key-value store, and the ranks' device statuses turned into exceptions.
 
 The native JAX backends bootstrap their per-group state (CUDA IPC handles, an NCCL unique id) while
 TRACING: every process traces the same program in the same order, so every process reaches the same
@@ -9,6 +9,7 @@ turns a peer that never shows up into a :class:`PeerTimeoutError` naming it.
 
 from __future__ import annotations
 
+from ..ep_core.descriptor import raise_for_status
 from ..ep_core.errors import PeerTimeoutError
 from ..native.ipc_rank import grown_size
 
@@ -51,21 +52,6 @@ class KvExchange:
         self.all_gather(what, b"")
 
 
-_PHASES = {1: "prepare (count exchange)", 2: "prepare (end)", 3: "dispatch (start)",
-           4: "dispatch (end)", 5: "combine (start)", 6: "combine (end)", 7: "barrier",
-           8: "combine (remote rows)"}  # csrc/include/omniep/transport.h phase_name
-
-
-def raise_for_error(record: tuple, timeout_s: float) -> None:
-    """Raise PeerTimeoutError for a rank's device error record ``(code, rank, peer, phase)``; nothing for
-    code 0. The compiled program itself cannot raise: a timed-out kernel skips its work and records why."""
-    code, rank, peer, phase = record
-    if code == 0:
-        return
-    what = "barrier of its own blocks" if code == 2 else _PHASES.get(phase, "communication")
-    raise PeerTimeoutError(rank, None if peer < 0 else peer, timeout_s, what=what)
-
-
 _RETIRED: list = []  # destroyed native states: a stale executable gets an FFI error, not freed memory
 
 
@@ -75,7 +61,7 @@ class LocalJaxState:
     this process (single controller), or the native object does its own (NCCL); the one-process-per-GPU
     IPC state overrides :meth:`reserve` and :meth:`destroy` with its handle exchanges. ``impl`` has
     ``handle``, ``data_bytes``, ``local_size``, ``allocate_data(bytes)`` (synchronises first),
-    ``error(i)``, ``set_blocks(n)`` and ``destroy()``."""
+    ``statuses(i)``, ``set_blocks(n)`` and ``destroy()``."""
 
     def __init__(self, impl, *, backend: str, timeout_s: float, blocks: int = 0):
         self._impl, self._backend, self.timeout_s = impl, backend, float(timeout_s)
@@ -107,13 +93,15 @@ class LocalJaxState:
         g.allocate_data(grown_size(nbytes, g.data_bytes))
 
     def check(self) -> None:
-        """Synchronise; raise PeerTimeoutError if a local rank's kernels recorded a timed-out wait."""
+        """Synchronise; raise what a local rank's kernels recorded (its sticky status: a timed-out wait,
+        a rank mismatch), e.g. PeerTimeoutError naming the peer. The per-op statuses reach JAX as the
+        ops' ``status`` outputs."""
         for i in range(self._g().local_size):
-            raise_for_error(self.error(i), self.timeout_s)
+            raise_for_status(self.statuses(i)[0], self.timeout_s)
 
-    def error(self, i: int = 0) -> tuple:
-        """``(code, rank, peer, phase)`` of local rank ``i`` (0 = none); synchronises its device."""
-        return tuple(self._g().error(i))
+    def statuses(self, i: int = 0) -> tuple:
+        """``(sticky, pending)`` statuses of local rank ``i`` (descriptor.STATUS_FIELDS); synchronises."""
+        return tuple(self._g().statuses(i))
 
     def destroy(self) -> None:
         """Collective: every process calls it."""
