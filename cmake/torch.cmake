@@ -1,5 +1,5 @@
 # omniep._native_torch: the CUDA and Autograd kernels of the omniep_native::* torch ops
-# (csrc/torch/native_ops.cpp) over any rank's EpRank. Built where ${Python_EXECUTABLE} imports a CUDA
+# (csrc/torch_ops/native_ops.cpp, native_autograd.cpp) over any rank's EpRank. Built where ${Python_EXECUTABLE} imports a CUDA
 # build of torch; headers and libraries come from that torch (torch.utils.cpp_extension's include
 # paths, torch/lib), with its C++ ABI. No libtorch_python: the module passes only integers to Python.
 execute_process(
@@ -25,7 +25,7 @@ if(NOT _torch_cuda OR NOT EXISTS "${_torch_lib}/libc10_cuda.so")
   return()
 endif()
 message(STATUS "omniep: torch (CUDA ${_torch_cuda}) from ${_torch_lib}: building omniep._native_torch")
-pybind11_add_module(_native_torch MODULE csrc/torch/native_ops.cpp)
+pybind11_add_module(_native_torch MODULE csrc/torch_ops/native_ops.cpp csrc/torch_ops/native_autograd.cpp)
 target_include_directories(_native_torch SYSTEM PRIVATE ${_torch_inc})
 target_include_directories(_native_torch PRIVATE csrc csrc/include)
 target_compile_definitions(_native_torch PRIVATE _GLIBCXX_USE_CXX11_ABI=${_torch_abi})

@@ -94,7 +94,7 @@ for py in "${PYTHON:-}" .venv/bin/python python3; do
   [[ -n "$TORCH_INC" ]] || TORCH_INC="$("$py" -c 'import torch.utils.cpp_extension as c; print(" ".join(c.include_paths()))' 2>/dev/null)" || true
   [[ -n "$PYBIND_INC" ]] || PYBIND_INC="$("$py" -m pybind11 --includes 2>/dev/null)" || true
 done
-for src in csrc/torch/*.cpp; do
+for src in csrc/torch_ops/*.cpp; do
   [[ -f "$src" ]] || continue
   if [[ -z "$TORCH_INC" || -z "$PYBIND_INC" ]]; then
     echo "skip $src (no interpreter imports torch and pybind11)"

@@ -55,7 +55,7 @@ def torch_ops_reason() -> str:
 
 
 def routing_words(T, K, R, E, expert_major: bool):
-    """int32 words of a native handle's routing tensor (csrc/torch/native_ops.cpp ``Routing``): send_pos,
+    """int32 words of a native handle's routing tensor (csrc/torch_ops/native_ops.cpp ``Routing``): send_pos,
     per-rank and per-expert counts, recv_counts, send_offset, two scratch words; expert-major also
     copy_slot, per-local-expert counts and two scratch words. T may be symbolic (fake kernels)."""
     words = T * R + 3 * R + E + 2

@@ -25,11 +25,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
-
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <atomic>
 #include <optional>
@@ -37,8 +33,8 @@
 #include <tuple>
 #include <vector>
 
-#include "backends/ep_rank.h"
 #include "kernels/args.h"
+#include "torch_ops/native_ops.h"
 
 namespace omniep_torch {
 
@@ -46,21 +42,15 @@ using at::Tensor;
 using omniep::EpRank;
 using omniep::OpDesc;
 using omniep::Status;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // ---- contexts ----------------------------------------------------------------------------------------
 
-struct Context {
-  EpRank* rank;
-  int world;
-  int device;
-  bool sync;  // OMNIEP_CHECKS=sync
-  Status raised;  // the status behind the last exception an op threw (Python reads it)
-};
-
-inline constexpr int kMaxContexts = 4096;
 std::atomic<Context*> g_contexts[kMaxContexts];
+
+void set_context(int64_t id, Context* c) {
+  TORCH_CHECK(id > 0 && id < kMaxContexts, "omniep: context id out of range: ", id);
+  delete g_contexts[id].exchange(c, std::memory_order_acq_rel);
+}
 
 Context& context_of(int64_t id) {
   Context* c = (id > 0 && id < kMaxContexts) ? g_contexts[id].load(std::memory_order_acquire) : nullptr;
@@ -294,8 +284,6 @@ HandleView handle_view(const std::vector<Tensor>& h, const Context& c, int64_t n
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------------
-
-using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
 
 DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor& topk_idx_in,
                           const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts, int64_t layout,
@@ -645,185 +633,6 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
   return {g_y, g_w};
 }
 
-// ---- autograd (the formulas of omniep/frontends/torch_ops.py, for the C++ kernels) --------------------
-
-c10::OperatorHandle op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
-
-// The ops below autograd go through the dispatcher, not straight to the CUDA kernels: under
-// torch.compile's fake tensors the next kernel is the Python fake one.
-using DispatchSig = DispatchOut(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, int64_t,
-                                int64_t, int64_t, int64_t, int64_t);
-using CombineSig = Tensor(const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-                          const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t, int64_t);
-using CachedSig = std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&, at::TensorList, int64_t,
-                                             int64_t, int64_t, int64_t, int64_t);
-
-const c10::TypedOperatorHandle<DispatchSig>& dispatch_op() {
-  static const auto h = op("omniep_native::dispatch").typed<DispatchSig>();
-  return h;
-}
-const c10::TypedOperatorHandle<CombineSig>& combine_op() {
-  static const auto h = op("omniep_native::combine").typed<CombineSig>();
-  return h;
-}
-const c10::TypedOperatorHandle<CachedSig>& cached_dispatch_op() {
-  static const auto h = op("omniep_native::cached_dispatch").typed<CachedSig>();
-  return h;
-}
-
-bool wants_grad(std::initializer_list<const Tensor*> ts) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const Tensor* t : ts) {
-    if (t != nullptr && t->defined() && t->requires_grad()) return true;
-  }
-  return false;
-}
-
-struct Config {  // the ops' trailing ints
-  int64_t ctx, num_experts, layout, capacity, expert_alignment;
-};
-
-void save_config(AutogradContext* ctx, const Config& cfg) {
-  ctx->saved_data["cfg"] = std::vector<int64_t>{cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment};
-}
-
-Config load_config(AutogradContext* ctx) {
-  const auto v = ctx->saved_data["cfg"].toIntVector();
-  return Config{v[0], v[1], v[2], v[3], v[4]};
-}
-
-struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& topk_weights,
-                               const std::optional<Tensor>* x_scales, const Tensor* topk_idx, Config cfg) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto out = dispatch_op().call(x, *x_scales, *topk_idx, topk_weights, cfg.ctx, cfg.num_experts, cfg.layout,
-                                  cfg.capacity, cfg.expert_alignment);
-    variable_list flat{std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
-                       std::get<4>(out), std::get<5>(out), std::get<6>(out)};
-    const auto& h = std::get<7>(out);
-    flat.insert(flat.end(), h.begin(), h.end());
-    ctx->mark_non_differentiable({flat[1], flat[2], flat[4], flat[5], flat[6], h[0], h[1], h[2]});
-    ctx->save_for_backward({flat[2], flat[3], h[0], h[1], h[2]});
-    ctx->saved_data["x_grad"] = x.is_floating_point() && !x_scales->has_value();
-    save_config(ctx, cfg);
-    return flat;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Config cfg = load_config(ctx);
-    auto handle = ctx->get_saved_variables();
-    const Tensor g_recv_x = grads[0].defined() ? grads[0].contiguous() : Tensor();
-    Tensor g_recv_w = grads[3].defined() ? grads[3].contiguous() : at::zeros_like(handle[1]);
-    auto res = op("omniep_native::dispatch_bwd")
-                   .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, at::TensorList, int64_t, int64_t,
-                                                     int64_t, int64_t, int64_t)>()
-                   .call(g_recv_x, g_recv_w, handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
-                         cfg.expert_alignment);
-    return {ctx->saved_data["x_grad"].toBool() ? std::get<0>(res) : Tensor(), std::get<1>(res), Tensor(), Tensor(),
-            Tensor()};
-  }
-};
-
-DispatchOut dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
-                              const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
-                              int64_t capacity, int64_t expert_alignment) {
-  if (!wants_grad({&x, &topk_weights})) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    return dispatch_op().call(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
-  }
-  const Config cfg{ctx, num_experts, layout, capacity, expert_alignment};
-  auto flat = DispatchFunction::apply(x, topk_weights, &x_scales, &topk_idx, cfg);
-  return DispatchOut(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6],
-                     std::vector<Tensor>(flat.begin() + 7, flat.end()));
-}
-
-struct CombineFunction : public torch::autograd::Function<CombineFunction> {
-  // Optional tensors travel as std::optional (an undefined Tensor is not a valid autograd input).
-  static variable_list forward(AutogradContext* ctx, const Tensor& y, const std::optional<Tensor>& topk_weights,
-                               const std::optional<Tensor>& bias0, const std::optional<Tensor>& bias1,
-                               const std::vector<Tensor>* handle, Config cfg) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    Tensor out = combine_op().call(y, topk_weights, bias0, bias1, *handle, cfg.ctx, cfg.num_experts, cfg.layout,
-                                   cfg.capacity, cfg.expert_alignment);
-    variable_list saved(handle->begin(), handle->end());
-    const bool em = cfg.layout == 1;
-    saved.push_back(em && topk_weights.has_value() ? *topk_weights : Tensor());
-    saved.push_back(em ? y : Tensor());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["bias_dtypes"] = std::vector<int64_t>{
-        bias0.has_value() ? static_cast<int64_t>(bias0->scalar_type()) : -1,
-        bias1.has_value() ? static_cast<int64_t>(bias1->scalar_type()) : -1};
-    save_config(ctx, cfg);
-    return {out};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Config cfg = load_config(ctx);
-    auto saved = ctx->get_saved_variables();
-    const Tensor y = saved.back();
-    saved.pop_back();
-    const Tensor w = saved.back();
-    saved.pop_back();
-    const Tensor g_out = grads[0].contiguous();
-    const auto opt = [](const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; };
-    auto res = op("omniep_native::combine_bwd")
-                   .typed<std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&,
-                                                     const std::optional<Tensor>&, at::TensorList, int64_t, int64_t,
-                                                     int64_t, int64_t, int64_t)>()
-                   .call(g_out, opt(w), opt(y), saved, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
-                         cfg.expert_alignment);
-    const auto dtypes = ctx->saved_data["bias_dtypes"].toIntVector();
-    const auto g_bias = [&](int64_t dt) { return dt < 0 ? Tensor() : g_out.to(static_cast<at::ScalarType>(dt)); };
-    return {std::get<0>(res), cfg.layout == 1 ? std::get<1>(res) : Tensor(), g_bias(dtypes[0]), g_bias(dtypes[1]),
-            Tensor(), Tensor()};
-  }
-};
-
-Tensor combine_autograd(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
-                        const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
-                        int64_t layout, int64_t capacity, int64_t expert_alignment) {
-  const auto ptr = [](const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
-  if (!wants_grad({&y, ptr(topk_weights), ptr(bias0), ptr(bias1)})) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    return combine_op().call(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity, expert_alignment);
-  }
-  const std::vector<Tensor> h = handle.vec();
-  return CombineFunction::apply(y, topk_weights, bias0, bias1, &h,
-                                Config{ctx, num_experts, layout, capacity, expert_alignment})[0];
-}
-
-struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>* x_scales,
-                               const std::vector<Tensor>* handle, Config cfg) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto out = cached_dispatch_op().call(x, *x_scales, *handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
-                                         cfg.expert_alignment);
-    ctx->mark_non_differentiable({std::get<1>(out)});
-    ctx->save_for_backward(variable_list(handle->begin(), handle->end()));
-    save_config(ctx, cfg);
-    return {std::get<0>(out), std::get<1>(out)};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Config cfg = load_config(ctx);
-    const auto handle = ctx->get_saved_variables();
-    Tensor g_x = combine_op().call(grads[0].contiguous(), std::nullopt, std::nullopt, std::nullopt, handle, cfg.ctx,
-                                   cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment);
-    return {g_x, Tensor(), Tensor(), Tensor()};
-  }
-};
-
-std::tuple<Tensor, Tensor> cached_dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_scales,
-                                                    at::TensorList handle, int64_t ctx, int64_t num_experts,
-                                                    int64_t layout, int64_t capacity, int64_t expert_alignment) {
-  if (!wants_grad({&x}) || x_scales.has_value()) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    return cached_dispatch_op().call(x, x_scales, handle, ctx, num_experts, layout, capacity, expert_alignment);
-  }
-  const std::vector<Tensor> h = handle.vec();
-  auto out = CachedDispatchFunction::apply(x, &x_scales, &h, Config{ctx, num_experts, layout, capacity, expert_alignment});
-  return {out[0], out[1]};
-}
-
 }  // namespace omniep_torch
 
 // The schemas are defined in Python (omniep/frontends/torch_ops.py), once for both op families.
@@ -833,33 +642,4 @@ TORCH_LIBRARY_IMPL(omniep_native, CUDA, m) {
   m.impl("combine", &omniep_torch::combine_cuda);
   m.impl("dispatch_bwd", &omniep_torch::dispatch_bwd_cuda);
   m.impl("combine_bwd", &omniep_torch::combine_bwd_cuda);
-}
-
-TORCH_LIBRARY_IMPL(omniep_native, Autograd, m) {
-  m.impl("dispatch", &omniep_torch::dispatch_autograd);
-  m.impl("cached_dispatch", &omniep_torch::cached_dispatch_autograd);
-  m.impl("combine", &omniep_torch::combine_autograd);
-}
-
-PYBIND11_MODULE(_native_torch, m) {
-  namespace py = pybind11;
-  m.doc() = "omniep native torch ops: the CUDA and Autograd kernels of omniep_native::* over a group's EpRank";
-  m.def("register_context", [](int64_t id, uintptr_t ep_rank, int world, int device, bool sync) {
-        TORCH_CHECK(id > 0 && id < omniep_torch::kMaxContexts, "omniep: context id out of range: ", id);
-        auto* c = new omniep_torch::Context{reinterpret_cast<omniep::EpRank*>(ep_rank), world, device, sync, {}};
-        delete omniep_torch::g_contexts[id].exchange(c, std::memory_order_acq_rel);
-      }, py::arg("id"), py::arg("ep_rank"), py::arg("world"), py::arg("device"), py::arg("sync"),
-      "Make context `id` run its ops on the EpRank at address `ep_rank` (kept alive by the caller).");
-  m.def("unregister_context", [](int64_t id) {
-        if (id > 0 && id < omniep_torch::kMaxContexts) delete omniep_torch::g_contexts[id].exchange(nullptr);
-      }, "Forget context `id` (its ops fail from now on). Call before the EpRank goes away.");
-  m.def("set_sync", [](int64_t id, bool sync) { omniep_torch::context_of(id).sync = sync; },
-        "OMNIEP_CHECKS=sync (True) or default for context `id` from now on.");
-  m.def("take_raised", [](int64_t id) -> py::object {
-        auto& c = omniep_torch::context_of(id);
-        if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();
-        std::vector<int> out(c.raised.w, c.raised.w + omniep::kStatusWords);
-        c.raised = {};
-        return py::cast(out);
-      }, "The status behind the last exception an op of context `id` threw (None: none), cleared.");
 }

@@ -1,0 +1,52 @@
+// Shared by the two files of omniep._native_torch (native_ops.cpp: contexts, argument checks and the
+// CUDA kernels of the omniep_native::* ops; native_autograd.cpp: their Autograd kernels and the Python
+// module). See native_ops.cpp for what the module does.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "backends/ep_rank.h"
+
+namespace omniep_torch {
+
+using at::Tensor;
+
+struct Context {
+  omniep::EpRank* rank;
+  int world;
+  int device;
+  bool sync;              // OMNIEP_CHECKS=sync
+  omniep::Status raised;  // the status behind the last exception an op threw (Python reads it)
+};
+
+inline constexpr int kMaxContexts = 4096;
+Context& context_of(int64_t id);
+// Makes context `id` run its ops on `rank` (kept alive by the caller); nullptr forgets it.
+void set_context(int64_t id, Context* c);
+
+using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
+
+// The CUDA kernels of the ops (the schemas: omniep/frontends/torch_ops.py).
+DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
+                          const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
+                          int64_t capacity, int64_t expert_alignment);
+std::tuple<Tensor, Tensor> cached_dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales,
+                                                at::TensorList handle, int64_t ctx, int64_t num_experts,
+                                                int64_t layout, int64_t capacity, int64_t expert_alignment);
+Tensor combine_cuda(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
+                    const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
+                    int64_t layout, int64_t capacity, int64_t expert_alignment);
+std::tuple<Tensor, Tensor> dispatch_bwd_cuda(const Tensor& g_recv_x, const Tensor& g_recv_topk_weights,
+                                             at::TensorList handle, int64_t ctx, int64_t num_experts,
+                                             int64_t layout, int64_t capacity, int64_t expert_alignment);
+std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out, const std::optional<Tensor>& topk_weights,
+                                            const std::optional<Tensor>& y, at::TensorList handle, int64_t ctx,
+                                            int64_t num_experts, int64_t layout, int64_t capacity,
+                                            int64_t expert_alignment);
+
+}  // namespace omniep_torch
