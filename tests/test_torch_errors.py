@@ -73,6 +73,7 @@ def test_dispatch_rejects_bad_input(world_of_one, change, match):
 
 
 def test_unknown_backend_from_environment(world_of_one, monkeypatch):
+    ep.destroy()  # OMNIEP_BACKEND is read when a group's context opens
     monkeypatch.setenv("OMNIEP_BACKEND", "warp_drive")
     with pytest.raises(InputError, match="unknown backend"):
         ep.dispatch(*_routing(), num_experts=4)
@@ -170,49 +171,112 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
         ll.low_latency_combine(recv_x, idx, w, ll_handle, use_logfmt=True)
 
 
-# ---- two processes: every rank raises alike, and stays in step -----------------------------------
+# ---- two processes: every rank ends in a clear error, and the ranks stay in step -----------------
+# OMNIEP_CHECKS=sync (conftest): every op raises what it finds at once; the "default:" checks switch the
+# context to the default mode, where the op returns (moving nothing it cannot place) and the next host
+# wait raises. No check may end in silent wrong values, a SIGABRT (gloo aborts a process that receives
+# more bytes than it posted) or a hang.
 
+MISMATCHES = {  # name -> (check, kwargs, the first descriptor field that differs)
+    "num_experts differs": ("error_dispatch", dict(experts=(4, 8)), "num_experts"),
+    "hidden differs": ("error_dispatch", dict(hidden=(4, 8)), "hidden"),
+    "dtype differs": ("error_dispatch", dict(x_dtype=("float32", "bfloat16")), "dtype"),
+    "layout differs": ("error_dispatch", dict(layout=("rank_major", "expert_major"), capacity=12), "layout"),
+    "capacity differs": ("error_dispatch", dict(capacity=(6, 7)), "capacity"),
+    "expert-major default capacity with another T": ("error_dispatch", dict(tokens=(3, 4), layout="expert_major"),
+                                                     "capacity"),
+    "combine with another call's handle": ("error_ops", dict(case="other_handle"), "handle"),
+    "cached dispatch on one rank, combine on the other": ("error_ops", dict(case="cached_vs_combine"), "op"),
+    "one rank skips an op": ("error_ops", dict(case="skip"), "op"),
+    "combine of another hidden size": ("error_ops", dict(case="hidden"), "hidden"),
+    "combine of another dtype": ("error_ops", dict(case="dtype"), "dtype"),
+}
+DEFAULT_MODE = {  # name -> (check, kwargs, error every rank raises at the next host wait)
+    "default: another call's handle, then check()": (
+        "error_ops", dict(case="other_handle", checks="default", then="check"), "RankMismatchError"),
+    "default: cached dispatch vs combine, then the next dispatch": (
+        "error_ops", dict(case="cached_vs_combine", checks="default", then="dispatch"), "RankMismatchError"),
+    "default: hidden differs (static capacity), then check()": (
+        "error_dispatch", dict(hidden=(4, 8), capacity=12, checks="default", then="check"), "RankMismatchError"),
+    "default: bad id (static capacity), then the next dispatch": (
+        "error_dispatch", dict(bad_id=(None, 99), capacity=6, checks="default", then="dispatch"), "InputError"),
+    "default: overflow, then check()": (
+        "error_dispatch", dict(capacity=1, checks="default", then="check"), "CapacityError"),
+}
 CHECKS = [
-    ("experts not a multiple of ranks", "error_dispatch", dict(experts=(3, 3))),
-    ("hidden differs", "error_dispatch", dict(hidden=(4, 8))),
-    ("num_experts differs", "error_dispatch", dict(experts=(4, 8))),
+    ("experts not a multiple of ranks", "error_dispatch", dict(experts=3)),
+    *((name, fn, kwargs) for name, (fn, kwargs, _) in MISMATCHES.items()),
     ("bad id on rank 1 only", "error_dispatch", dict(bad_id=(None, 99))),
     ("bad dtype on rank 1 only", "error_dispatch", dict(x_dtype=("float32", "float64"))),
-    ("overflow on every rank", "error_dispatch", dict(tokens=(3, 3), capacity=1)),
-    ("overflow expert-major", "error_dispatch", dict(tokens=(3, 3), capacity=1, layout="expert_major")),
+    ("overflow on every rank", "error_dispatch", dict(tokens=3, capacity=1)),
+    ("overflow expert-major", "error_dispatch", dict(tokens=3, capacity=1, layout="expert_major")),
     ("bad y on rank 1 only", "error_combine", dict(bad_rank=1)),
     ("bad y on rank 0, expert-major", "error_combine", dict(bad_rank=0, layout="expert_major")),
-    ("still in step afterwards", "error_dispatch", dict()),
+    *((name, fn, kwargs) for name, (fn, kwargs, _) in DEFAULT_MODE.items()),
+    ("still in step afterwards", "error_ops", dict(case="none")),
+    # Last: a collective that times out leaves the group unusable.
+    ("a rank that never arrives", "error_silent", dict(silent=1, sleep_s=6.0)),
 ]
+TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
 def two_rank_errors():
-    results = run_ranks(error_session, 2, args=(CHECKS,), timeout=120)
-    return {name: [dict(zip(("type", "message"), r[i][1:])) for r in results] for i, (name, _, _) in enumerate(CHECKS)}
+    results = run_ranks(error_session, 2, args=(CHECKS,), timeout=180, env={"OMNIEP_TIMEOUT_S": str(TIMEOUT_S)})
+    return {name: [dict(r[i][1]) for r in results] for i, (name, _, _) in enumerate(CHECKS)}
 
 
-def test_mismatch_and_bad_input_raise_on_every_rank(two_rank_errors):
+@pytest.mark.parametrize("name", list(MISMATCHES))
+def test_ranks_that_disagree_raise_rank_mismatch_on_every_rank(two_rank_errors, name):
+    """Another op, handle, E, H, dtype, layout or capacity on one rank: RankMismatchError on EVERY rank,
+    naming the other rank and the field — never a SIGABRT, a hang or wrong values."""
+    field = MISMATCHES[name][2]
+    for rank, res in enumerate(two_rank_errors[name]):
+        assert res["type"] == "RankMismatchError", (rank, res)
+        assert field in res["fields"] and res["ranks"] == [1 - rank], (rank, res)
+        assert f"rank(s) [{1 - rank}]" in res["message"] and f"first: {field} = " in res["message"], res["message"]
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_MODE))
+def test_default_mode_raises_at_the_next_host_wait(two_rank_errors, name):
+    """OMNIEP_CHECKS=default: the op itself returns on every rank; check() or the next dispatch raises."""
+    want = DEFAULT_MODE[name][2]
+    for rank, res in enumerate(two_rank_errors[name]):
+        assert res["type"] == want, (rank, res)
+        assert len(res["trace"]) == 1 and " returned" in res["trace"][0], (rank, res)  # the op itself did not raise
+    if want == "InputError":
+        assert all("rank 1 rejected its input" in r["message"] for r in two_rank_errors[name])
+    if want == "CapacityError":
+        assert all("(dropped 0)" not in r["trace"][0] for r in two_rank_errors[name])
+
+
+def test_bad_input_and_capacity_raise_on_every_rank(two_rank_errors):
     e = two_rank_errors
     for rank in (0, 1):
         assert e["experts not a multiple of ranks"][rank]["type"] == "InputError"
         assert "num_experts=3 is not a multiple of the EP group size 2" in e["experts not a multiple of ranks"][rank]["message"]
-        assert e["hidden differs"][rank]["type"] == "InputError"
-        assert "hidden differs across the ranks of the EP group (rank 0: 4, rank 1: 8)" in e["hidden differs"][rank]["message"]
-        assert "num_experts differs across the ranks of the EP group (rank 0: 4, rank 1: 8)" in e["num_experts differs"][rank]["message"]
+        # an expert id out of range, seen on the data path: every rank names the bad rank and the id
+        assert e["bad id on rank 1 only"][rank]["type"] == "InputError"
+        assert "rank 1 rejected its input in dispatch" in e["bad id on rank 1 only"][rank]["message"]
+        assert "expert id 99" in e["bad id on rank 1 only"][rank]["message"]
         for name in ("overflow on every rank", "overflow expert-major"):
             assert e[name][rank]["type"] == "CapacityError", e[name][rank]
             assert "capacity is 1" in e[name][rank]["message"] and "on rank 0" in e[name][rank]["message"]
-        assert e["still in step afterwards"][rank] == {"type": None, "message": "no error"}
-    assert "expert id 99" in e["bad id on rank 1 only"][1]["message"]
-    assert "rank(s) [1] of the EP group rejected their input" in e["bad id on rank 1 only"][0]["message"]
-    # validation that fails before the row's fields are known still sends a row of the same length
+        assert e["still in step afterwards"][rank] == {"type": None, "message": "no error", "trace": ["none returned"]}
+    # local bad input: the rank raises its own error; its peer names it
     assert "x dtype float64 is not supported" in e["bad dtype on rank 1 only"][1]["message"]
-    assert "rank(s) [1] of the EP group rejected their input" in e["bad dtype on rank 1 only"][0]["message"]
+    assert "rank 1 rejected its input in dispatch" in e["bad dtype on rank 1 only"][0]["message"]
     assert "combine input y has shape" in e["bad y on rank 1 only"][1]["message"]
-    assert "rank(s) [1] of the EP group rejected their input" in e["bad y on rank 1 only"][0]["message"]
+    assert "rank 1 rejected its input in combine" in e["bad y on rank 1 only"][0]["message"]
     assert "combine input y has shape" in e["bad y on rank 0, expert-major"][0]["message"]
-    assert "rank(s) [0]" in e["bad y on rank 0, expert-major"][1]["message"]
+    assert "rank 0 rejected its input in combine" in e["bad y on rank 0, expert-major"][1]["message"]
+
+
+def test_a_rank_that_never_arrives_is_a_timeout(two_rank_errors):
+    waiting, silent = two_rank_errors["a rank that never arrives"]
+    assert waiting["type"] == "PeerTimeoutError" and f"after {TIMEOUT_S:g} s" in waiting["message"], waiting
+    assert "combine" in waiting["message"]
+    assert silent["type"] is None
 
 
 def test_failing_rank_fails_the_run_promptly_and_reaps_children(tmp_path):

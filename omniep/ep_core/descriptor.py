@@ -89,11 +89,15 @@ def descriptor(*, seq: int, op: OpKind, num_experts: int, hidden: int, dtype: st
 def compare(mine: Sequence[int], table: Sequence[Sequence[int]], rank: int) -> list:
     """Status of rank ``rank`` (a list of :data:`STATUS_WORDS` ints) from its own descriptor ``mine``
     and every rank's (``table[r]``, its own row included). Bad input on any rank wins over a mismatch
-    only when the descriptors agree: a mismatch means the ranks are not even in the same op."""
+    only when the descriptors agree: a mismatch means the ranks are not even in the same op. A rank
+    whose host rejected its arguments (``INPUT_REJECTED``) sent what it could fill in: only its verdict
+    counts, and it reports its own error itself (as the native kernels do, ``sync.cuh``)."""
     status = [0] * STATUS_WORDS
     status[1], status[2], status[8], status[9] = rank, -1, int(mine[1]), int(mine[0])
     peers, fields, first = 0, 0, -1
     for r, row in enumerate(table):
+        if int(row[9]) == INPUT_REJECTED or int(mine[9]) == INPUT_REJECTED:
+            continue
         diff = 0
         for i in range(len(COMPARED)):
             if int(row[i]) != int(mine[i]):
@@ -110,7 +114,7 @@ def compare(mine: Sequence[int], table: Sequence[Sequence[int]], rank: int) -> l
         status[0], status[2], status[3], status[4] = int(StatusCode.RANK_MISMATCH), first, peers, fields
         return status
     for r, row in enumerate(table):
-        if int(row[9]) != INPUT_OK:
+        if int(row[9]) != INPUT_OK and not (r == rank and int(row[9]) == INPUT_REJECTED):
             status[0], status[2], status[5] = int(StatusCode.BAD_INPUT), r, int(row[9])
             status[6], status[7] = int(row[10]), int(mine[2])
             return status

@@ -44,8 +44,13 @@ class Case:
         return self.topk_idx[0].shape[1]
 
     def config(self, capacity: Optional[int] = None) -> DispatchConfig:
-        return DispatchConfig(self.num_experts, self.num_ranks, self.layout,
-                              self.capacity if capacity is None else capacity, self.expert_alignment)
+        """The dispatch config of the case (``capacity``: another capacity). An expert-major case without
+        a capacity gets the frontends' default, ``R * T`` (:func:`make_case` gives every expert-major
+        case with uneven T an explicit capacity: that default needs the same T on every rank)."""
+        cap = self.capacity if capacity is None else capacity
+        if cap is None and self.layout == Layout.EXPERT_MAJOR and len({x.shape[0] for x in self.x}) == 1:
+            cap = self.num_ranks * self.x[0].shape[0]
+        return DispatchConfig(self.num_experts, self.num_ranks, self.layout, cap, self.expert_alignment)
 
 
 def make_routing(rng: np.random.Generator, num_tokens: int, num_topk: int, num_experts: int,
@@ -71,7 +76,8 @@ def make_case(seed: int, *, num_ranks: int, num_experts: int, num_topk: int, hid
               skew: str = "uniform", p_none: float = 0.1, layout=Layout.RANK_MAJOR,
               capacity: Optional[int] = None, expert_alignment: int = 1) -> Case:
     """``num_tokens`` is an int (same on every rank) or a per-rank list. ``skew='empty_rank'`` gives the
-    last rank no routed tokens (all ``-1``)."""
+    last rank no routed tokens (all ``-1``). An expert-major case with uneven T and no capacity gets
+    ``R * max(T)`` (the frontends' default ``R * T`` needs the same T on every rank)."""
     rng = np.random.default_rng(seed)
     tokens = list(num_tokens) if isinstance(num_tokens, (list, tuple)) else [num_tokens] * num_ranks
     xs, idxs, ws = [], [], []
@@ -84,6 +90,8 @@ def make_case(seed: int, *, num_ranks: int, num_experts: int, num_topk: int, hid
         xs.append(rng.standard_normal((T, hidden)).astype(np.float32).astype(np_dtype(dtype)))
         idxs.append(idx.astype(index_dtype))
         ws.append(rng.random((T, num_topk)).astype(np.float32))
+    if capacity is None and Layout(layout) == Layout.EXPERT_MAJOR and len(set(tokens)) > 1:
+        capacity = num_ranks * max(tokens)  # the default R * T needs the same T everywhere
     return Case(num_ranks, num_experts, hidden, dtype, index_dtype, xs, idxs, ws, Layout(layout), capacity,
                 expert_alignment)
 

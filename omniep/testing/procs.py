@@ -39,7 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Defaults a child takes unless the parent's environment (or ``env``) says otherwise: every op of the
+# multi-process runs raises what it finds at once (DESIGN §9; the test suites' mode).
+CHILD_DEFAULTS = {"OMNIEP_CHECKS": "sync"}
+
+
 def _child(target, rank, world, port, args, env, results):
+    for key, value in CHILD_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     os.environ.update(env)
     try:
         results.put((rank, True, target(rank, world, port, *args)))

@@ -30,18 +30,19 @@ def adjoint_job(rank: int, case) -> dict:
     import torch
 
     from .. import torch as ep
-    from ..backends.collective.torch_backend import CollectiveTorch
 
     gen = torch.Generator().manual_seed(1000 + rank)
     idx, w = to_torch(case.topk_idx[rank]), to_torch(case.topk_weights[rank])
     T, H = case.x[rank].shape
+    em = case.layout == Layout.EXPERT_MAJOR
+    be = ep.context(backend="collective")
+    cfg = (case.num_experts, int(em), -1 if case.capacity is None else case.capacity, case.expert_alignment)
     out = {}
     for dtype in (torch.float64, torch.float32):
         x = torch.randn(T, H, generator=gen, dtype=dtype)
-        if dtype == torch.float64:  # the backend: float64 is moved as bytes and summed in float64
-            be = CollectiveTorch()
-            handle = be.prepare(idx, case.config())
-            (recv_x, _, recv_w, *_), handle = be.dispatch(x, w, handle)
+        if dtype == torch.float64:  # the backend's ops unchecked: float64 moved as bytes, summed in float64
+            res = be.dispatch(x, None, idx, w, *cfg)
+            recv_x, recv_w, handle = res[0], res[3], [res[2], res[3], *res[7]]
         else:
             x.requires_grad_()
             w.requires_grad_()
@@ -52,14 +53,15 @@ def adjoint_job(rank: int, case) -> dict:
         y = torch.randn(recv_x.shape, generator=gen, dtype=dtype)
         g_out = torch.randn(T, H, generator=gen, dtype=dtype)
         if dtype == torch.float64:
-            g_x, g_w = be.dispatch_bwd(g_recv_x, g_recv_w, handle)
-            combined = be.combine(y, handle)
-            g_y, g_wc = be.combine_bwd(g_out, handle, y)
+            g_x, g_w = be.dispatch_bwd(g_recv_x, g_recv_w, handle, *cfg)
+            combined = be.combine(y, w if em else None, None, None, handle, *cfg)
+            g_y, g_wc = be.combine_bwd(g_out, w if em else None, y if em else None, handle, *cfg)
+            g_wc = g_wc if em else None
         else:
             g_x, g_w = torch.autograd.grad((recv_x, recv_w), (x, w), (g_recv_x, g_recv_w))
             y.requires_grad_()
             combined = ep.combine(y, handle)
-            wrt = (y, w) if case.layout == Layout.EXPERT_MAJOR else (y,)
+            wrt = (y, w) if em else (y,)
             g_y, *rest = torch.autograd.grad(combined, wrt, g_out)
             g_wc = rest[0] if rest else None
         name = str(dtype).removeprefix("torch.")
@@ -92,7 +94,9 @@ def moe_job(rank: int, world: int, layout: str, seed: int) -> dict:
     x, router_ep = xs[rank].clone().requires_grad_(), router.clone().requires_grad_()
     local = experts[rank * L:(rank + 1) * L].clone().requires_grad_()
     weights, idx = route(x, router_ep)
-    d = ep.dispatch(x, idx, weights, num_experts=E, layout=layout)
+    # Ranks hold 5 + r tokens: expert-major needs an explicit capacity (its default R * T needs equal T).
+    capacity = world * (4 + world) if layout == Layout.EXPERT_MAJOR.value else None
+    d = ep.dispatch(x, idx, weights, num_experts=E, layout=layout, capacity=capacity)
     if layout == Layout.RANK_MAJOR.value:  # weights are the caller's business
         y = torch.zeros_like(d.recv_x)
         for k in range(K):

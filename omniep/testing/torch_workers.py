@@ -104,30 +104,47 @@ def frontend_job(rank: int, job: dict) -> dict:
 
 
 def backend_job(rank: int, job: dict, backend_cls=None) -> dict:
-    """The same through the backend directly (``backend_cls``, default ``CollectiveTorch``): static
-    capacity overflow drops rows and counts them."""
-    if backend_cls is None:
-        from ..backends.collective.torch_backend import CollectiveTorch as backend_cls
+    """The same as the backend's ops (``torch.ops.<namespace>.*`` of the context of ``backend_cls``,
+    default ``collective``) in the default checks mode, so that a static capacity that overflows drops
+    rows (copies) and counts them instead of raising; the CapacityError it leaves pending is read back
+    with ``check()`` (``pending``). fp8 rank-major: a cached dispatch moves the same bytes again."""
+    from .. import torch as ep
 
     case = job["case"]
-    be = backend_cls()
-    x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
-    handle = be.prepare(idx, case.config())
-    moved = (x, to_torch(job["x_scales"][rank])) if case.dtype == "float8_e4m3fn" else x
-    fields, handle = be.dispatch(moved, w, handle)
-    res = _dispatched(*fields)
-    if case.dtype == "float8_e4m3fn":
-        (again, *_), _ = be.dispatch(moved, None, handle)  # cached dispatch moves the same bytes
-        res["cached_recv_x"], res["cached_recv_x_scales"] = to_numpy(again[0]), to_numpy(again[1])
+    ctx = ep.context(backend=backend_cls.name if backend_cls is not None else "collective")
+    saved = ctx.checks
+    ctx.set_checks("default")
+    try:
+        x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
+        fp8 = case.dtype == "float8_e4m3fn"
+        scales = to_torch(job["x_scales"][rank]) if fp8 else None
+        em = case.layout == Layout.EXPERT_MAJOR
+        cfg = (ctx.id, case.num_experts, int(em), -1 if case.capacity is None else case.capacity,
+               case.expert_alignment)
+        out = ctx.ops.dispatch(x, scales, idx, w, *cfg)
+        handle = [out[2], out[3], *out[7]]
+        res = _dispatched((out[0], out[1]) if fp8 else out[0], *out[2:7])
+        if fp8:
+            if not em:
+                again = ctx.ops.cached_dispatch(x, scales, handle, *cfg)
+                res["cached_recv_x"], res["cached_recv_x_scales"] = to_numpy(again[0]), to_numpy(again[1])
+        else:
+            y, g_out = to_torch(job["y"][rank]), to_torch(job["g_out"][rank])
+            biases = [to_torch(b) for b in job["bias"][rank]] + [None, None]
+            res["out"] = to_numpy(ctx.ops.combine(y, w if em else None, biases[0], biases[1], handle, *cfg))
+            g_x, g_w = ctx.ops.dispatch_bwd(to_torch(job["g_recv_x"][rank]), to_torch(job["g_recv_w"][rank]),
+                                            handle, *cfg)
+            g_y, g_w2 = ctx.ops.combine_bwd(g_out, w if em else None, y if em else None, handle, *cfg)
+            res.update(g_x=to_numpy(g_x), g_w=to_numpy(g_w), g_y=to_numpy(g_y))
+            if em:
+                res["g_topk_weights_combine"] = to_numpy(g_w2)
+        try:
+            ctx.check()
+        except CapacityError as exc:
+            res["pending"] = _capacity_error(exc)
         return res
-    y, g_out = to_torch(job["y"][rank]), to_torch(job["g_out"][rank])
-    res["out"] = to_numpy(be.combine(y, handle, tuple(to_torch(b) for b in job["bias"][rank])))
-    g_x, g_w = be.dispatch_bwd(to_torch(job["g_recv_x"][rank]), to_torch(job["g_recv_w"][rank]), handle)
-    g_y, g_w2 = be.combine_bwd(g_out, handle, y)
-    res.update(g_x=to_numpy(g_x), g_w=to_numpy(g_w), g_y=to_numpy(g_y))
-    if g_w2 is not None:
-        res["g_topk_weights_combine"] = to_numpy(g_w2)
-    return res
+    finally:
+        ctx.set_checks(saved)
 
 
 # ---- golden vectors, opcheck, Buffer -------------------------------------------------------------
@@ -144,35 +161,36 @@ def golden_job(rank: int, path: str, via_frontend: bool) -> dict:
 
 
 def opcheck_job(rank: int, job: dict) -> dict:
-    """``torch.library.opcheck`` of ``omniep::dispatch`` and ``omniep::combine`` (all ranks in lockstep)."""
+    """``torch.library.opcheck`` of ``omniep::dispatch`` and ``omniep::combine`` (all ranks in lockstep:
+    opcheck runs each op several times, the same number of times on every rank)."""
     import torch
-    import torch.distributed as dist
 
     from .. import torch as ep
-    from ..frontends import torch_ops as ops
 
     case = job["case"]
     x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
     x.requires_grad_()
     w.requires_grad_()
-    meta = (dist.group.WORLD.group_name, "collective", case.num_experts, case.layout.value,
-            -1 if case.capacity is None else case.capacity, case.expert_alignment)
+    ctx = ep.context(backend="collective")
+    em = case.layout == Layout.EXPERT_MAJOR
+    meta = (ctx.id, case.num_experts, int(em), -1 if case.capacity is None else case.capacity,
+            case.expert_alignment)
+    # Not test_aot_dispatch_dynamic for dispatch: it compares two runs' outputs, and the handle a dispatch
+    # returns carries its sequence number on the group (the handle's id), one more in the second run.
+    # torch.compile of dispatch itself is checked end to end by compile_job.
     out = {"dispatch": torch.library.opcheck(torch.ops.omniep.dispatch.default, (x, None, idx, w, *meta),
-                                             raise_exception=False)}
-    # The handle must come from the backend that `meta` names (auto could pick a native backend on GPUs,
-    # whose expert-major handles carry different fields).
+                                             test_utils=("test_schema", "test_autograd_registration",
+                                                         "test_faketensor"), raise_exception=False)}
     d = ep.dispatch(x.detach(), idx, w.detach(), num_experts=case.num_experts, capacity=case.capacity,
                     expert_alignment=case.expert_alignment, layout=case.layout, backend="collective")
     y = to_torch(job["y"][rank]).requires_grad_()
     bias = to_torch(job["bias"][rank][0]).requires_grad_() if job["bias"][rank] else None
-    weights = w if case.layout == Layout.EXPERT_MAJOR else None
     out["combine"] = torch.library.opcheck(torch.ops.omniep.combine.default,
-                                           (y, weights, bias, None, ops.handle_tensors(d.handle), *meta),
+                                           (y, w if em else None, bias, None, list(d.handle.tensors), *meta),
                                            raise_exception=False)
+
     def shown(r) -> str:  # "SUCCESS", or the failure with its traceback (opcheck hides where it failed)
         if isinstance(r, BaseException):
-            import traceback
-
             return "".join(traceback.format_exception(r))
         return str(r)
 
@@ -276,39 +294,100 @@ def collective_session(rank: int, world: int, port: int, jobs: dict, transport: 
     return out
 
 
-# ---- errors: every rank raises alike -------------------------------------------------------------
+# ---- errors and divergence: every rank ends in a clear error ---------------------------------------
+
+_TRACE: list = []  # what a check did before it raised (the parent tells "raised at once" from "later")
+
 
 def error_session(rank: int, world: int, port: int, checks: list) -> list:
-    """Run each ``(name, fn_name, kwargs)`` check; return ``(name, error type, message)`` per check."""
+    """Run each ``(name, fn_name, kwargs)`` check in one gloo group; per check a dict: ``type`` and
+    ``message`` of the error it ended in (None / "no error"), ``fields`` / ``ranks`` of a
+    RankMismatchError, ``trace`` (the steps that returned before it). A check that failed the group's
+    context (a mismatch) leaves a fresh one to the next: every rank destroys it alike."""
+    from .. import torch as ep
+    from ..ep_core.errors import OmniEPError
+
     init_gloo(rank, world, port)
     results = []
     try:
         for name, fn_name, kwargs in checks:
+            del _TRACE[:]
             try:
                 globals()[fn_name](rank, **kwargs)
-                results.append((name, None, "no error"))
-            except (InputError, CapacityError, DestroyedError) as exc:
-                results.append((name, type(exc).__name__, str(exc)))
+                res = dict(type=None, message="no error")
+            except OmniEPError as exc:
+                res = dict(type=type(exc).__name__, message=str(exc), fields=getattr(exc, "fields", None),
+                           ranks=getattr(exc, "ranks", None))
+            res["trace"] = list(_TRACE)
+            results.append((name, res))
+            if res["type"] in ("RankMismatchError", "PeerTimeoutError"):
+                try:
+                    ep.destroy()
+                except OmniEPError:
+                    pass
     finally:
         shutdown()
     return results
 
 
-def error_dispatch(rank: int, *, tokens=(3, 3), hidden=(4, 4), experts=(4, 4), bad_id=(None, None),
-                   capacity=None, layout="rank_major", x_dtype=("float32", "float32")) -> None:
-    """dispatch where each keyword gives per-rank values; ``bad_id[rank]`` (if not None) is written
-    into this rank's topk_idx."""
+def _mine(value, rank: int):
+    """A per-rank tuple's entry for ``rank``, or the value itself (the same on every rank)."""
+    return value[rank] if isinstance(value, tuple) else value
+
+
+def _routing(rank: int, tokens: int, experts: int, seed: int = 0, topk: int = 2):
+    import torch
+
+    gen = torch.Generator().manual_seed(100 * seed + rank)
+    idx = torch.randint(0, max(experts, 1), (tokens, topk), generator=gen)
+    return idx, torch.rand(tokens, topk, generator=gen), gen
+
+
+def _checks(mode: str):
+    """Set the default group's collective context to checks ``mode``; returns a function restoring it."""
+    from .. import torch as ep
+
+    ctx = ep.context(backend="collective")
+    saved = ctx.checks
+    ctx.set_checks(mode)
+    return lambda: ctx.set_checks(saved)
+
+
+def error_dispatch(rank: int, *, tokens=3, hidden=4, experts=4, bad_id=None, capacity=None, layout="rank_major",
+                   x_dtype="float32", checks="sync", then=None) -> None:
+    """A dispatch where any keyword may be a per-rank tuple; ``bad_id`` (if not None) is written into
+    the rank's topk_idx. ``checks``: the context's mode for it; ``then``: ``"check"`` (omniep.torch.check
+    afterwards) or ``"dispatch"`` (an exact rank-major dispatch afterwards: the next host wait)."""
     import torch
 
     from .. import torch as ep
 
-    gen = torch.Generator().manual_seed(rank)
-    T, E = tokens[rank], experts[rank]
-    idx = torch.randint(0, max(E, 1), (T, 2), generator=gen)
-    if bad_id[rank] is not None:
-        idx[0, 0] = bad_id[rank]
-    x = torch.randn(T, hidden[rank], generator=gen).to(getattr(torch, x_dtype[rank]))
-    ep.dispatch(x, idx, torch.rand(T, 2, generator=gen), num_experts=E, capacity=capacity, layout=layout)
+    T, E = _mine(tokens, rank), _mine(experts, rank)
+    idx, w, gen = _routing(rank, T, E)
+    if _mine(bad_id, rank) is not None:
+        idx[0, 0] = _mine(bad_id, rank)
+    x = torch.randn(T, _mine(hidden, rank), generator=gen).to(getattr(torch, _mine(x_dtype, rank)))
+    restore = _checks(checks)
+    try:
+        d = ep.dispatch(x, idx, w, num_experts=E, capacity=_mine(capacity, rank), layout=_mine(layout, rank))
+        _TRACE.append(f"dispatch returned (dropped {int(d.dropped)})")
+        _then(then, rank)
+    finally:
+        restore()
+
+
+def _then(then, rank: int) -> None:
+    import torch
+
+    from .. import torch as ep
+
+    if then == "check":
+        ep.check()
+        _TRACE.append("check returned")
+    elif then == "dispatch":
+        idx, w, gen = _routing(rank, 3, 4, seed=7)
+        ep.dispatch(torch.randn(3, 4, generator=gen), idx, w, num_experts=4)
+        _TRACE.append("dispatch returned")
 
 
 def error_combine(rank: int, *, bad_rank: int, layout="rank_major") -> None:
@@ -318,11 +397,70 @@ def error_combine(rank: int, *, bad_rank: int, layout="rank_major") -> None:
     from .. import torch as ep
 
     idx = torch.tensor([[0, 1], [1, -1], [0, -1]])
-    d = ep.dispatch(torch.randn(3, 4), idx, torch.rand(3, 2), num_experts=2, layout=layout)
+    cap = None if layout == "rank_major" else 6
+    d = ep.dispatch(torch.randn(3, 4), idx, torch.rand(3, 2), num_experts=2, layout=layout, capacity=cap)
     y = d.recv_x
     if rank == bad_rank:
         y = torch.cat([y, y[:1]]) if y.shape[0] else torch.zeros(1, 4)
     ep.combine(y, d.handle)
+
+
+def error_ops(rank: int, *, case: str, checks: str = "sync", then=None) -> None:
+    """Two dispatches of different routings (so their handles' row counts differ), then ranks that
+    diverge: ``other_handle`` (rank 0 combines with the first call's handle, rank 1 with the second's),
+    ``cached_vs_combine`` (rank 0 cached-dispatches, rank 1 combines), ``skip`` (rank 1 skips its
+    combine and dispatches again), ``hidden`` / ``dtype`` (rank 1 combines a y of another hidden size /
+    dtype); anything else: a cached dispatch and a combine on every rank alike. ``checks`` / ``then`` as in
+    :func:`error_dispatch`."""
+    import torch
+
+    from .. import torch as ep
+
+    restore = _checks(checks)
+    try:
+        calls = []
+        for seed, T in ((1, 3 + rank), (2, 7 + rank)):
+            idx, w, gen = _routing(rank, T, 4, seed=seed)
+            x = torch.randn(T, 8, generator=gen)
+            calls.append((x, ep.dispatch(x, idx, w, num_experts=4)))
+        (_, d1), (x2, d2) = calls
+        if case == "other_handle":
+            d = d1 if rank == 0 else d2
+            ep.combine(d.recv_x, d.handle)
+        elif case == "cached_vs_combine":
+            ep.cached_dispatch(x2, d2.handle) if rank == 0 else ep.combine(d2.recv_x, d2.handle)
+        elif case == "skip":
+            if rank == 0:
+                ep.combine(d2.recv_x, d2.handle)
+            idx, w, gen = _routing(rank, 4, 4, seed=3)
+            ep.dispatch(torch.randn(4, 8, generator=gen), idx, w, num_experts=4)
+        elif case == "hidden":
+            ep.combine(d2.recv_x if rank == 0 else torch.cat([d2.recv_x, d2.recv_x], 1), d2.handle)
+        elif case == "dtype":
+            ep.combine(d2.recv_x if rank == 0 else d2.recv_x.to(torch.bfloat16), d2.handle)
+        else:  # every rank alike
+            ep.combine(ep.cached_dispatch(x2, d2.handle), d2.handle)
+        _TRACE.append(f"{case} returned")
+        _then(then, rank)
+    finally:
+        restore()
+
+
+def error_silent(rank: int, *, silent: int, sleep_s: float) -> None:
+    """Rank ``silent`` never joins the combine the others start (it waits ``sleep_s`` so that its
+    sockets stay open): the others end in PeerTimeoutError after OMNIEP_TIMEOUT_S."""
+    import time
+
+    import torch
+
+    from .. import torch as ep
+
+    idx, w, gen = _routing(rank, 3, 4, seed=9)
+    d = ep.dispatch(torch.randn(3, 4, generator=gen), idx, w, num_experts=4)
+    if rank == silent:
+        time.sleep(sleep_s)
+        return
+    ep.combine(d.recv_x, d.handle)
 
 
 def fail_one_rank(rank: int, world: int, port: int, fail_rank: int, pid_dir: str) -> None:
