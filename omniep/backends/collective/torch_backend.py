@@ -6,14 +6,15 @@ Data movement per op (DESIGN §5): dispatch = the local layout, ONE count exchan
 carries the rows' routing and fp8 scales) and ONE all-to-all of the rows, received straight into
 ``recv_x``; combine, cached dispatch and the backward passes = ONE all-to-all each (expert-major
 ``combine_bwd`` adds one of the weights' gradients). Splits are host integers: a dispatch reads the
-counts once; every later op of its handle reuses them (the handle's CPU ``info`` tensor).
+counts once; every later op of its handle reuses them (the handle's CPU ``info`` tensor). A rank's
+own rows never travel: they are copied while the all-to-all moves the peers'.
 
 Op descriptor (DESIGN §9): the first exchange of every op starts each peer's block with a 64-byte
 header, the op descriptor plus the block's body size; every receiver compares (``descriptor.compare``)
 before it uses a byte. On gloo the first exchange posts a fixed slot of ``Q`` bytes per peer, the same
 on every rank (the group's agreed size, grown only by what every rank saw), and sends at most ``Q``
-bytes: gloo accepts a shorter message than posted, so ranks in different ops, or with another H,
-dtype or handle, read each other's header and raise instead of aborting on a size mismatch. A block
+bytes: gloo accepts a shorter message than posted (it aborts the process on a longer one), so ranks in
+different ops, or with another H, dtype or handle, read each other's header and raise instead. A block
 larger than ``Q`` is sent again, whole, in a second exchange once the headers agree (and ``Q`` grows,
 so that is rare). Transports that need equal sizes on both ends (NCCL) post the sizes they expect.
 
@@ -33,19 +34,19 @@ from ..torch_group import PythonOps, TorchGroupBackend
 from ...ep_core import validation as v
 from ...ep_core.capacity import align_up
 from ...ep_core.descriptor import (
-    DESC_WORDS, DTYPE_CODES, INPUT_BAD_EXPERT_ID, INPUT_OK, INPUT_REJECTED, STICKY, OpKind, StatusCode,
+    DESC_WORDS, INPUT_BAD_EXPERT_ID, INPUT_OK, INPUT_REJECTED, STATUS_WORDS, STICKY, OpKind, StatusCode,
     compare, descriptor, error_from_status,
 )
 from ...ep_core.errors import InputError, PeerTimeoutError
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
 from .torch_layout import (
-    acc_dtype, expert_counts, expert_major_plan, expert_major_recv_slots, expert_major_send_slots,
+    acc_dtype, expert_counts, expert_major_plan, expert_major_recv_slots, expert_major_send_slots, local_table,
     rank_major_plan, routes,
 )
 
 RANK_MAJOR, EXPERT_MAJOR = 0, 1
 _LAYOUT_NAMES = ("rank_major", "expert_major")
-_CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
+_OK = [0] * STATUS_WORDS  # an OK status (never mutated)
 
 # The header of every block of an op's first exchange: the descriptor, then these words.
 HEADER_WORDS = 16
@@ -56,31 +57,22 @@ RESEND = 1               # W_FLAGS: a block of this rank is larger than Q: the o
 ALIGN = 16               # every region of a block starts at a multiple of this (dtype views)
 MIN_SLOT = 1 << 16       # Q to start with
 MAX_HEAD_WORDS = 8192    # header + counts must fit the smallest slot: R + E <= MAX_HEAD_WORDS - 16
-# Handle tensors (after recv_topk_idx, recv_topk_weights): topk_idx int32 [T, K], info (CPU int64), tokens
-# (int64, the rows this rank sends, destination-major, ascending token inside); expert-major also
-# copy_index [T, K] (this rank's copies in the order their owners return them, -1 = none), and for each
-# copy it keeps, in (source, token, k) order, its flat slot l * C + c and its rank-major receive row.
-IDX32, INFO, TOKENS, COPY_INDEX, COPY_SLOT, COPY_ROW = 2, 3, 4, 5, 6, 7
+# Handle tensors (after recv_topk_idx, recv_topk_weights): topk_idx int32 [T, K]; info (CPU int64);
+# sent [T, R] bool, the rows this rank sends to each rank (rank-major: those the receiver keeps);
+# expert-major also copy_index [T, K] (this rank's copies in the order their owners return them, -1 =
+# none), and for each copy it keeps, in (source, token, k) order, its flat slot l * C + c and its
+# rank-major receive row.
+IDX32, INFO, SENT, COPY_INDEX, COPY_SLOT, COPY_ROW = 2, 3, 4, 5, 6, 7
 # info: the dispatch's seq (the handle id), rows of recv_x (rank-major) or slots per expert (C), T, the
-# capacity its descriptor named (-1: exact), then per rank: rows sent to it, rows received from it,
-# copies sent to it that it keeps, copies kept from it (the last two expert-major only).
-I_SEQ, I_ROWS, I_T, I_CAP, I_SPLITS = 0, 1, 2, 3, 4
-
-
-def _up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _grow(n: int) -> int:
-    return (n + n // 4 + 4095) // 4096 * 4096
-
-
-def _problem(check, *args, **kwargs) -> Optional[str]:
-    try:
-        check(*args, **kwargs)
-    except InputError as exc:
-        return str(exc)
-    return None
+# capacity its descriptor named (-1: exact), the most rows any rank sent another (the same number on
+# every rank), then per rank: rows sent to it, rows received from it, copies sent to it that it keeps,
+# copies kept from it (the last two expert-major only).
+I_SEQ, I_ROWS, I_T, I_CAP, I_PAIR, I_SPLITS = 0, 1, 2, 3, 4, 5
+# Rank-major ops on a handle whose rows per peer may exceed this many bytes ("bulk") send the header
+# (and small side data) first and the rows then, straight from / into their tensors: one more
+# collective's latency (~0.3 ms on the 2-core CPU box) instead of copying the rows behind the header
+# and out again (~0.2 ms per MB there). Decided from numbers every rank holds alike.
+BULK = 2 << 20
 
 
 class CollectiveTorch(PythonOps, TorchGroupBackend):
@@ -127,11 +119,12 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         self.peers = [r for r in range(self.world) if r != self.rank]
         self.seq = 0
         self.slot = MIN_SLOT
+        self._op = OpKind.BARRIER
         self._fatal = None         # sticky status (a mismatch, a timeout): every later op raises it
         self._fatal_raised = False
         self._pending = None       # first non-sticky status not raised yet (bad input, capacity)
-        self._send = self._recv = None
-        self._op = OpKind.BARRIER
+        self._send = self._recv = self._rows = None
+        self._words = {}
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
 
     # ---- statuses (DESIGN §9) -------------------------------------------------------------------
@@ -147,7 +140,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
 
     def destroy(self) -> None:
         """Release the context; raise what it still had to report (a status never raised)."""
-        self._send = self._recv = None
+        self._send = self._recv = self._rows = None
         super().destroy()
         if self._fatal is not None and not self._fatal_raised:
             self._pending, self._fatal_raised = self._fatal, True
@@ -155,19 +148,18 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             status, self._pending = self._pending, None
             raise error_from_status(status, self.timeout_s)
 
-    def _begin(self, op: OpKind) -> int:
-        """The next op's sequence number; a failed context raises at once (on every rank alike)."""
+    def _begin(self, op: OpKind) -> None:
+        """Count the op; a failed context raises at once (on every rank alike: they all failed)."""
         self._op = op
         if self._fatal is not None:
             self._fatal_raised = True
             raise error_from_status(self._fatal, self.timeout_s)
         self.seq += 1
-        return self.seq
 
     def _settle(self, status: list, wait: bool) -> bool:
         """Act on an op's verdict; True when the op goes on. Raised at once with OMNIEP_CHECKS=sync or at
-        a host wait (``wait``); otherwise kept (sticky, or pending until check()/the next wait), and the
-        op returns results that moved nothing."""
+        a host wait (``wait``); otherwise kept (sticky, or pending until check() / the next host wait),
+        and the op returns results that moved nothing."""
         code = status[0]
         if code == StatusCode.OK:
             return True
@@ -178,7 +170,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                 raise error_from_status(status, self.timeout_s)
             return False
         self._report(status, wait)
-        return code == StatusCode.CAPACITY
+        return False
 
     def _report(self, status: list, wait: bool) -> None:
         if wait or self.checks == "sync":
@@ -186,17 +178,21 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         if self._pending is None:
             self._pending = status
 
-    def _status(self, code: StatusCode, peer: int, mine: int, theirs: int, op: OpKind) -> list:
-        return [int(code), self.rank, peer, 0, 0, 0, mine, theirs, int(op), self.seq]
+    def _status(self, code: StatusCode, peer: int, mine: int, theirs: int) -> list:
+        return [int(code), self.rank, peer, 0, 0, 0, mine, theirs, int(self._op), self.seq]
 
     # ---- exchanges --------------------------------------------------------------------------------
 
-    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list) -> None:
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, meanwhile=None) -> None:
+        """One ``all_to_all_single`` of byte splits; ``meanwhile()`` runs while it is in flight (this
+        rank's own rows, which never travel). A failed or timed-out collective fails the context."""
         work = self._dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        if meanwhile is not None:
+            meanwhile()
         try:
             work.wait(timeout=self._timeout)
         except RuntimeError as exc:  # the group cannot be trusted after a failed collective
-            self._fatal = self._status(StatusCode.PEER_TIMEOUT, -1, 0, 0, self._op)
+            self._fatal = self._status(StatusCode.PEER_TIMEOUT, -1, 0, 0)
             self._fatal_raised = True
             if "timed out" in str(exc).lower():
                 raise PeerTimeoutError(self.rank, None, self.timeout_s,
@@ -210,98 +206,166 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         if buf is None or buf.numel() < nbytes or buf.device != device:
             buf = torch.empty(_grow(max(nbytes, 1)), dtype=torch.uint8, device=device)
             setattr(self, which, buf)
+            # Host memory: the headers are read and written through an int32 numpy view of it (a few
+            # words; a torch op per header costs more than the rest of the descriptor handling).
+            self._words[which] = buf.numpy().view("<i4") if buf.device.type == "cpu" else None
         return buf
 
     def _exchange(self, desc: list, bodies: list, write, device, head: Optional[list] = None,
-                  expect: Optional[list] = None):
+                  expect: Optional[list] = None, meanwhile=None):
         """The first exchange of an op. Each peer block: the header, ``head`` (int32 words every block
         carries: the dispatch's counts), then a body of ``bodies[d]`` bytes (a multiple of ALIGN; this
         rank's entry is ignored) that ``write(buf, offsets)`` fills, ``offsets[d]`` being where d's body
         starts in ``buf``. ``expect[s]``: body bytes expected from s (transports needing equal sizes).
+        ``meanwhile()`` runs while the exchange is in flight.
 
         Returns ``(status, table, buf, offsets)``: the op's verdict, every rank's header + head words by
         rank, and where each peer's body landed (``offsets[me]`` is None)."""
         R, me, peers = self.world, self.rank, self.peers
         head = head or []
-        n_head = len(head)
-        head_bytes = _up(4 * n_head)
-        sizes = [HEADER + head_bytes + bodies[d] for d in peers]
+        n_words = HEADER_WORDS + len(head)
+        lead = HEADER + _up(4 * len(head))
+        sizes = [lead + bodies[d] for d in peers]
         big = max(sizes, default=0)
         flags = RESEND if self.tolerant and big > self.slot else 0
-        rows = [desc + [MAGIC, head_bytes + bodies[d], big, flags] + head for d in peers]
         mine = desc + [MAGIC, 0, big, flags] + head
         if not peers:
+            if meanwhile is not None:
+                meanwhile()
             return compare(desc, [desc], me), [mine], None, [None]
         total = sum(sizes)
         send = self._workspace("_send", total, device)
-        offsets, at = [None] * R, 0
+        offsets, starts, at = [None] * R, [], 0
         for d, size in zip(peers, sizes):
-            offsets[d] = at + HEADER + head_bytes
+            starts.append(at)
+            offsets[d] = at + lead
             at += size
-        words = send[:total].view(torch.int32)
-        heads = torch.tensor(rows, dtype=torch.int32)
-        for i, d in enumerate(peers):
-            o = (offsets[d] - HEADER - head_bytes) // 4
-            words[o:o + HEADER_WORDS + n_head].copy_(heads[i])
+        rows = [desc + [MAGIC, s - HEADER, big, flags] + head for s in sizes]
+        words = self._words["_send"]
+        if words is None:  # device memory
+            words, rows = send.view(torch.int32), torch.tensor(rows, dtype=torch.int32)
+        for row, o in zip(rows, starts):
+            words[o // 4:o // 4 + n_words] = row
         write(send, offsets)
 
         # Round 1: the agreed slot per peer (gloo), or exactly what this rank expects.
         if self.tolerant:
-            posted = [self.slot] * len(peers)
-            sent = [min(n, self.slot) for n in sizes]
+            slot = self.slot
+            posted = [slot] * len(peers)
+            sent = [min(n, slot) for n in sizes]
         else:
-            posted = [HEADER + head_bytes + expect[s] for s in peers]
+            posted = [lead + expect[s] for s in peers]
             sent = sizes
         recv = self._workspace("_recv", sum(posted), device)
-        if sent == sizes:
-            inp = send[:total]
-        else:  # a block larger than the slot: its first Q bytes now (the header), all of it later
-            inp = torch.cat([send[o - HEADER - head_bytes:o - HEADER - head_bytes + n]
-                             for o, n in zip((offsets[d] for d in peers), sent)])
-        self._a2a(recv[:sum(posted)], inp, _with_self(posted, me), _with_self(sent, me))
-        starts = _starts(posted)
-        rw = recv.view(torch.int32)
-        n_words = HEADER_WORDS + n_head
-        got = torch.stack([rw[o // 4:o // 4 + n_words] for o in starts]).tolist()
+        inp = torch.cat([send[o:o + n] for o, n in zip(starts, sent)]) if flags else send[:total]
+        self._a2a(recv[:sum(posted)], inp, _with_self(posted, me), _with_self(sent, me), meanwhile)
+        at_in = _starts(posted)
+        rw = self._words["_recv"]
+        if rw is None:
+            rw = recv.view(torch.int32)
+        if self.tolerant:  # blocks at a fixed stride: one read of every header
+            got = rw[:len(peers) * slot // 4].reshape(len(peers), slot // 4)[:, :n_words].tolist()
+        else:
+            got = [rw[o // 4:o // 4 + n_words].tolist() for o in at_in]
         table = got[:me] + [mine] + got[me:]
-        status = compare(desc, [row[:DESC_WORDS] if row[W_MAGIC] == MAGIC else [0] * DESC_WORDS
-                                for row in table], me)
-        if status[0] == StatusCode.RANK_MISMATCH:
-            return status, table, recv, _body_offsets(starts, peers, R, head_bytes)
+        key = desc[:DESC_WORDS - 3]  # the compared fields
+        if desc[9] == INPUT_OK and all(row[W_MAGIC] == MAGIC and row[:DESC_WORDS - 3] == key and row[9] == INPUT_OK
+                                       for row in got):
+            status = _OK  # the common case: every descriptor equal to this rank's, every input good
+        else:
+            status = compare(desc, [row[:DESC_WORDS] if row[W_MAGIC] == MAGIC else [0] * DESC_WORDS
+                                    for row in table], me)
+            if status[0] == StatusCode.RANK_MISMATCH:
+                return status, table, recv, _body_offsets(at_in, peers, R, lead)
         if self.tolerant:
             grown = max(row[W_BLOCK] for row in table)
             if grown > self.slot:
                 self.slot = _grow(grown)  # every rank saw every row: the same new slot everywhere
-        if status[0] != StatusCode.OK or not any(row[W_FLAGS] & RESEND for row in table):
-            return status, table, recv, _body_offsets(starts, peers, R, head_bytes)
+        if status is not _OK or not any(row[W_FLAGS] & RESEND for row in table):
+            return status, table, recv, _body_offsets(at_in, peers, R, lead)
         # Round 2 (rare): every block again, whole, at the sizes the headers announced.
         posted = [HEADER + table[s][W_BODY] for s in peers]
         recv = torch.empty(sum(posted), dtype=torch.uint8, device=device)
         self._a2a(recv, send[:total], _with_self(posted, me), _with_self(sizes, me))
-        return status, table, recv, _body_offsets(_starts(posted), peers, R, head_bytes)
+        return status, table, recv, _body_offsets(_starts(posted), peers, R, lead)
 
     def _rejected(self, desc: list, problem: str, device, n_head: int = 0) -> None:
         """Take this op's place in the group with a rejected descriptor (its peers stop the op too),
         then raise this rank's own error."""
-        self._exchange(desc, [0] * self.world, _nothing, device, head=[0] * n_head, expect=[0] * self.world)
+        self._exchange(desc, [0] * self.world, _nothing, device, [0] * n_head, expect=[0] * self.world)
         raise InputError(problem)
 
-    # ---- ops --------------------------------------------------------------------------------------
+    def _pack(self, x: torch.Tensor, sel, send_n: list) -> Optional[torch.Tensor]:
+        """The rows of ``x`` the peers get (``sel(d)``: their indices, None = all in order; ``send_n[d]`` rows),
+        destination after destination, as one byte buffer (``_rows`` workspace); None when x itself is
+        that buffer (one destination takes every row in order). This rank's own rows join them only
+        when it sits between peers in the receive order."""
+        R, me = self.world, self.rank
+        go_to = [d for d in range(R) if d != me or 0 < me < R - 1]
+        if len(go_to) == 1 and sel(go_to[0]) is None:
+            return None
+        xb = _as_rows(x)
+        W = xb.shape[1]
+        buf = self._workspace("_rows", sum(send_n[d] for d in go_to) * W, x.device)
+        at = 0
+        for d in go_to:
+            n = send_n[d]
+            _take(xb, sel(d), n, buf[at * W:(at + n) * W].view(n, W))
+            at += n
+        return buf[:at * W]
+
+    def _rows_exchange(self, x: torch.Tensor, sel, send_n: list, recv_n: list, out: torch.Tensor, then,
+                       packed=False) -> None:
+        """Rows of ``x`` to every rank d (``sel(d)``: their indices, None = all T in order; ``send_n[d]``
+        rows) and ``recv_n[s]`` rows from every rank s into ``out``, in source order. The sizes were
+        agreed in this op's first exchange: exact splits, no header. ``packed``: :meth:`_pack` of these
+        rows made earlier (False: not made). This rank's own rows go straight to their place while the
+        peers' travel (unless it sits between peers in the receive order: then they travel with the
+        others), and so does ``then()``, the work that needs no received row."""
+        R, me = self.world, self.rank
+        xb, ob = _as_rows(x), _as_rows(out)
+        W = xb.shape[1]
+        at_me = sum(recv_n[:me])
+        inside = 0 < me < R - 1
+
+        def meanwhile():
+            if not inside:
+                _take(xb, sel(me), send_n[me], ob[at_me:at_me + send_n[me]])
+            then()
+
+        if R == 1:
+            return meanwhile()
+        if packed is False:
+            packed = self._pack(x, sel, send_n)
+        go_to = [d for d in range(R) if d != me or inside]
+        first = at_me + recv_n[me] if (me == 0 and not inside) else 0
+        n_in = sum(recv_n[s] for s in go_to)
+        self._a2a(ob[first:first + n_in].view(-1), xb.view(-1) if packed is None else packed,
+                  [recv_n[s] * W if s in go_to else 0 for s in range(R)],
+                  [send_n[d] * W if d in go_to else 0 for d in range(R)], meanwhile)
+
+    def _grow_for(self, rows: int, width: int) -> None:
+        """Make the slot hold ``rows`` rows of ``width`` bytes (the largest block the handle's ops send):
+        computed from counts every rank holds, so the slot stays the same everywhere."""
+        if self.tolerant:
+            need = HEADER + 3 * ALIGN + rows * width
+            if need > self.slot:
+                self.slot = _grow(need)
 
     def _desc(self, op: OpKind, num_experts: int, hidden: int, dtype, layout: int, capacity: int,
-              handle: int = -1, num_topk: int = 0, input_status: int = INPUT_OK, detail: int = 0) -> list:
+              handle: int = -1, num_topk: int = 0, input_status: int = INPUT_OK) -> list:
         return descriptor(seq=self.seq, op=op, num_experts=num_experts, hidden=hidden,
                           dtype=str(dtype).removeprefix("torch."), layout=_LAYOUT_NAMES[layout],
-                          capacity=capacity, handle=handle, num_topk=num_topk, input_status=input_status,
-                          input_detail=detail)
+                          capacity=capacity, handle=handle, num_topk=num_topk, input_status=input_status)
+
+    # ---- dispatch ---------------------------------------------------------------------------------
 
     def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment):
-        problem = _problem(self._check_dispatch, x, x_scales, topk_idx, topk_weights, num_experts, capacity,
-                           expert_alignment)
+        problem = _problem(self._check_dispatch, x, x_scales, topk_idx, topk_weights, num_experts, capacity)
         return self.dispatch(x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment,
                              problem=problem)
 
-    def _check_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, capacity, expert_alignment):
+    def _check_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, capacity):
         v.check_group(num_experts, self.world)
         if self.world + num_experts > MAX_HEAD_WORDS - HEADER_WORDS:
             raise InputError(f"num_experts={num_experts} is too large for the collective backend (at most "
@@ -316,177 +380,153 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         """``omniep::dispatch`` (outputs as the schema in :mod:`omniep.frontends.torch_ops`)."""
         R, me, E = self.world, self.rank, num_experts
         em = layout == EXPERT_MAJOR
-        T, K = (int(topk_idx.shape[0]), int(topk_idx.shape[1])) if topk_idx.dim() == 2 else (0, 0)
-        H = int(x.shape[1]) if x.dim() == 2 else 0
+        T, K = (topk_idx.shape[0], topk_idx.shape[1]) if topk_idx.dim() == 2 else (0, 0)
+        H = x.shape[1] if x.dim() == 2 else 0
         cap = capacity if capacity >= 0 else (R * T if em else -1)
         self._begin(OpKind.DISPATCH)
-        status = INPUT_REJECTED if problem is not None else INPUT_OK
-        desc = self._desc(OpKind.DISPATCH, E, H, x.dtype, layout, cap, -1, K, status)
+        desc = self._desc(OpKind.DISPATCH, E, H, x.dtype, layout, cap, -1, K,
+                          INPUT_REJECTED if problem is not None else INPUT_OK)
+        n_head = R + (E if em else 0)
         if problem is not None:
-            self._rejected(desc, problem, x.device, R + (E if em else 0))
-        wait = not em and cap < 0  # the counted wait: the one host wait of the API
-        dev = x.device
-        x = x.contiguous()
-        owner, in_rank = routes(topk_idx, E, R)
-        send_rows = in_rank.sum(0).tolist()
-        tokens = in_rank.t().nonzero()[:, 1].clone()  # destination-major, ascending token inside (own storage)
+            self._rejected(desc, problem, x.device, n_head)
         if T * K:
             lo, hi = torch.aminmax(topk_idx)
             lo, hi = int(lo), int(hi)
-            if lo < -1 or hi >= E:  # every rank learns it from the descriptor; nothing moves
+            if lo < -1 or hi >= E:  # every rank learns it from this rank's descriptor; nothing moves
                 desc[9], desc[10] = INPUT_BAD_EXPERT_ID, lo if lo < -1 else hi
-        head = send_rows + (expert_counts(topk_idx, E).tolist() if em else [])
+        wait = not em and cap < 0  # the counted wait: the one host wait of the API
+        dev = x.device
+        x = x.contiguous()
         idx32 = topk_idx.to(torch.int32, copy=True)
-        # Each row's routing travels with the counts: [global ids (K int32) | weights (K f32)].
-        routing = torch.cat([idx32, topk_weights.to(torch.float32).view(torch.int32)], 1)
+        weights = topk_weights.contiguous()
         scales = x_scales.to(torch.float32).contiguous() if x_scales is not None else None
         S = scales.shape[1] if scales is not None else 0
-        starts = _starts(send_rows)
-        side = [_up(n * 8 * K) + _up(n * 4 * S) for n in send_rows]
+        if desc[9] != INPUT_OK:
+            status, *_ = self._exchange(desc, [0] * R, _nothing, dev, [0] * n_head, expect=[0] * R)
+            self._settle(status, wait)
+            return self._nothing_moved(x, scales, idx32, cap, E, em)
+        owner, in_rank = routes(idx32, E, R)
+        send_n = in_rank.sum(0).tolist()
+        sel = _selector(in_rank, send_n, T)
+        head = send_n + (expert_counts(idx32, E).tolist() if em else [])
+        # Every row's routing rides with the counts: [ids (K int32) | weights (K f32) | fp8 scales].
+        side = [_up(n * 4 * K) * 2 + _up(n * 4 * S) for n in send_n]
 
         def write_side(buf, offsets):
             for d in self.peers:
-                n, o = send_rows[d], offsets[d]
-                if n:
-                    sel = tokens[starts[d]:starts[d] + n]
-                    torch.index_select(routing, 0, sel, out=buf[o:o + n * 8 * K].view(torch.int32).view(n, 2 * K))
-                    if S:
-                        o += _up(n * 8 * K)
-                        torch.index_select(scales, 0, sel, out=buf[o:o + n * 4 * S].view(torch.float32).view(n, S))
+                n, o = send_n[d], offsets[d]
+                rows = sel(d)
+                _take(idx32, rows, n, buf[o:o + n * 4 * K].view(torch.int32).view(n, K))
+                o += _up(n * 4 * K)
+                _take(weights, rows, n, buf[o:o + n * 4 * K].view(torch.float32).view(n, K))
+                if S:
+                    o += _up(n * 4 * K)
+                    _take(scales, rows, n, buf[o:o + n * 4 * S].view(torch.float32).view(n, S))
+
+        packed = []
+
+        def pack():  # while the counts travel: the rows every peer gets, before any capacity cut
+            packed.append(self._pack(x, sel, send_n))
 
         if self.tolerant:
-            status, table, buf, offsets = self._exchange(desc, side, write_side, dev, head)
+            status, table, buf, offsets = self._exchange(desc, side, write_side, dev, head, meanwhile=pack)
         else:
-            status, table, buf, offsets = self._exchange(desc, [0] * R, _nothing, dev, head, expect=[0] * R)
-        go = self._settle(status, wait)
-        tok = [row[HEADER_WORDS:HEADER_WORDS + R] for row in table] if go else [[0] * R] * R
-        copies = None
-        if em:
-            copies = torch.tensor([row[HEADER_WORDS + R:HEADER_WORDS + R + E] for row in table] if go
-                                  else [[0] * E] * R, dtype=torch.int64)
-        if not go:  # nothing moves: empty results and handle, on every rank alike
-            send_rows = [0] * R
-            tokens = tokens[:0]
-        elif not self.tolerant and R > 1:  # the routing could not ride with the counts: sizes known now
-            buf = self._workspace("_recv", sum(_up(tok[s][me] * 8 * K) + _up(tok[s][me] * 4 * S) for s in self.peers),
-                                  dev)
+            status, table, buf, offsets = self._exchange(desc, [0] * R, _nothing, dev, head, expect=[0] * R,
+                                                         meanwhile=pack)
+        if not self._settle(status, wait):
+            return self._nothing_moved(x, scales, idx32, cap, E, em)
+        tok = [row[HEADER_WORDS:HEADER_WORDS + R] for row in table]
+        if not self.tolerant and R > 1:  # the routing could not ride with the counts: sizes known now
+            recv_sizes = [_up(tok[s][me] * 4 * K) * 2 + _up(tok[s][me] * 4 * S) if s != me else 0 for s in range(R)]
+            buf = self._workspace("_recv", sum(recv_sizes), dev)
             send = self._workspace("_send", sum(side[d] for d in self.peers), dev)
-            offsets = [None] * R
-            at, at_in = 0, 0
-            for d in range(R):
-                if d != me:
-                    offsets[d], at = at, at + side[d]
+            offsets, at = [None] * R, 0
+            for d in self.peers:
+                offsets[d], at = at, at + side[d]
             write_side(send, offsets)
-            recv_sizes = [_up(tok[s][me] * 8 * K) + _up(tok[s][me] * 4 * S) if s != me else 0 for s in range(R)]
             self._a2a(buf[:sum(recv_sizes)], send[:at], recv_sizes, [side[d] if d != me else 0 for d in range(R)])
-            offsets = [None] * R
-            for s in self.peers:
-                offsets[s], at_in = at_in, at_in + recv_sizes[s]
-        # Per source: the routing (and fp8 scales) of every row it sends here, before capacity.
-        got = []
-        for s in range(R):
-            n = tok[s][me]
+            offsets = _with_self(_starts([recv_sizes[s] for s in self.peers]), me)
+
+        def side_of(s: int, n: int):
+            """The routing (and scales) of the first ``n`` rows source s sends here: (ids, weights, scales)."""
             if s == me:
-                sel = tokens[starts[me]:starts[me] + n]
-                got.append((routing[sel], scales[sel] if S else None))
-                continue
-            o = offsets[s]
-            got.append((buf[o:o + n * 8 * K].view(torch.int32).view(n, 2 * K),
-                        buf[o + _up(n * 8 * K):o + _up(n * 8 * K) + n * 4 * S].view(torch.float32).view(n, S)
-                        if S else None))
+                rows = sel(me)
+                if rows is not None and n < send_n[me]:
+                    rows = rows[:n]
+                return (_take(idx32, rows, n), _take(weights, rows, n), _take(scales, rows, n) if S else None)
+            o, m = offsets[s], tok[s][me]
+            ids = buf[o:o + n * 4 * K].view(torch.int32).view(n, K)
+            o += _up(m * 4 * K)
+            w = buf[o:o + n * 4 * K].view(torch.float32).view(n, K)
+            o += _up(m * 4 * K)
+            return ids, w, buf[o:o + n * 4 * S].view(torch.float32).view(n, S) if S else None
+
         if em:
-            return self._dispatch_em(x, scales, idx32, owner, tokens, starts, send_rows, tok, copies, got, cap, E,
-                                     K, H, expert_alignment, go)
-        return self._dispatch_rm(x, scales, idx32, tokens, starts, tok, got, cap, E, K, H, expert_alignment, go,
-                                 wait)
+            copies = torch.tensor([row[HEADER_WORDS + R:HEADER_WORDS + R + E] for row in table], dtype=torch.int64)
+            return self._dispatch_em(x, scales, idx32, owner, in_rank, sel, send_n, tok, copies, side_of, cap, E, K,
+                                     expert_alignment, packed[0] if packed else False)
+        return self._dispatch_rm(x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, expert_alignment, wait,
+                                 packed[0] if packed else False)
 
-    def _rows_exchange(self, x, send_tokens, send_starts, send_n, recv_n, out: torch.Tensor, out_row0: int):
-        """Move rows ``x[send_tokens[...]]`` (``send_n[d]`` to rank d, from ``send_starts[d]``) and receive
-        ``recv_n[s]`` rows from each rank into ``out`` from row ``out_row0`` in source order. The splits
-        were agreed in this op's first exchange: exact sizes, no header."""
-        R, me = self.world, self.rank
-        W = x.element_size() * x.shape[1]
-        xb, ob = _as_rows(x), _as_rows(out)
-        at_me = out_row0 + sum(recv_n[:me])
-        # This rank's own rows go straight to their place; the all-to-all moves the peers' only, unless
-        # this rank sits between peers in the receive order (then its block travels with theirs).
-        inside = 0 < me < R - 1
-        own = send_tokens[send_starts[me]:send_starts[me] + send_n[me]]
-        if not inside and send_n[me]:
-            torch.index_select(xb, 0, own, out=ob[at_me:at_me + send_n[me]])
-        if R == 1:
-            return
-        go_to = [d for d in range(R) if d != me or inside]
-        total = sum(send_n[d] for d in go_to)
-        send = self._workspace("_send", total * W, x.device)
-        at = 0
-        for d in go_to:
-            n = send_n[d]
-            if n:
-                torch.index_select(xb, 0, send_tokens[send_starts[d]:send_starts[d] + n],
-                                   out=send[at * W:(at + n) * W].view(n, W))
-                at += n
-        first = out_row0 if (inside or me != 0) else at_me + recv_n[me]
-        n_in = sum(recv_n[s] for s in go_to)
-        in_splits = [send_n[d] * W if (d != me or inside) else 0 for d in range(R)]
-        out_splits = [recv_n[s] * W if (s != me or inside) else 0 for s in range(R)]
-        self._a2a(ob[first:first + n_in].view(-1), send[:total * W], out_splits, in_splits)
-
-    def _dispatch_rm(self, x, scales, idx32, tokens, starts, tok, side, cap, E, K, H, align, go, wait):
+    def _dispatch_rm(self, x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, align, wait, packed):
         R, me, L = self.world, self.rank, E // self.world
+        T, H = x.shape
         kept_from, kept_to, over = rank_major_plan(tok, me, cap)
         n = sum(kept_from)
         rows = n if cap < 0 else cap
         dev = x.device
-        recv_x = (torch.empty if rows == n else torch.zeros)((rows, H), dtype=x.dtype, device=dev)
-        if go:
-            kept_tokens = tokens if kept_to == [tok[me][d] for d in range(R)] else torch.cat(
-                [tokens[starts[d]:starts[d] + kept_to[d]] for d in range(R)])
-            kept_starts = [sum(kept_to[:d]) for d in range(R)]
-            self._rows_exchange(x, kept_tokens, kept_starts, kept_to, kept_from, recv_x, 0)
-            if R > 1:
-                self._grow_for(max(_pairs(rank_major_plan, tok, cap, R)), _width(x, scales, H) + 4 * K)
-        else:
-            kept_tokens = tokens[:0]
-        routing = torch.cat([side[s][0][:kept_from[s]] for s in range(R)]) if R > 1 else side[0][0][:n]
-        gid, gw = routing[:, :K], routing[:, K:].view(torch.float32)
-        mine = (gid >= me * L) & (gid < (me + 1) * L)
-        recv_idx, recv_w = torch.where(mine, gid - me * L, -1), torch.where(mine, gw, 0.0)
-        if rows > n:  # static capacity: padding rows name no expert
-            recv_idx = torch.cat([recv_idx, recv_idx.new_full((rows - n, K), -1)])
-            recv_w = torch.cat([recv_w, recv_w.new_zeros((rows - n, K))])
-        recv_scales = x.new_empty((0,), dtype=torch.float32)
-        if scales is not None:
-            recv_scales = torch.zeros((rows, scales.shape[1]), dtype=torch.float32, device=dev)
-            if n:
-                torch.cat([side[s][1][:kept_from[s]] for s in range(R)], out=recv_scales[:n])
-        per_expert = torch.bincount(torch.where(recv_idx >= 0, recv_idx, L).flatten(), minlength=L + 1)[:L]
-        info = torch.tensor([self.seq, rows, idx32.shape[0], cap] + kept_to + kept_from + [0] * (2 * R),
-                            dtype=torch.int64)
-        out = (recv_x, recv_scales, recv_idx, recv_w, _scalar(n, dev), _aligned(per_expert, align),
-               _scalar(sum(t[me] for t in tok) - n, dev), [idx32, info, kept_tokens])
+        if kept_to == send_n:
+            sent = in_rank
+        else:  # a destination keeps the first rows in token order: those within its share
+            sent = in_rank & (in_rank.cumsum(0) <= torch.tensor(kept_to, device=dev))
+            packed = False  # packed before the cut
+        recv_x = torch.empty((rows, H), dtype=x.dtype, device=dev)
+        pair = max((tok[s][d] for s in range(R) for d in range(R) if s != d), default=0)
+        out = []
+
+        def routing():  # from the count exchange: while the rows travel
+            parts = [side_of(s, kept_from[s]) for s in range(R)]
+            ids, w = (torch.cat([p[i] for p in parts]) if R > 1 else parts[0][i] for i in (0, 1))
+            recv_idx = torch.take(local_table(E, R, me, dev), ids.long() + 1)  # local expert id, -1: another rank's
+            recv_w = torch.where(recv_idx >= 0, w, 0.0)
+            per_expert = torch.bincount(recv_idx.view(-1) + 1, minlength=L + 1)[1:]
+            recv_scales = x.new_empty((0,), dtype=torch.float32)
+            if scales is not None:
+                recv_scales = torch.zeros((rows, scales.shape[1]), dtype=torch.float32, device=dev)
+                torch.cat([p[2] for p in parts], out=recv_scales[:n])
+            if rows > n:  # static capacity: padding rows are zero and name no expert
+                recv_x[n:].zero_()
+                recv_idx = torch.cat([recv_idx, recv_idx.new_full((rows - n, K), -1)])
+                recv_w = torch.cat([recv_w, recv_w.new_zeros((rows - n, K))])
+            info = torch.tensor([self.seq, rows, T, cap, pair] + kept_to + kept_from + [0] * (2 * R), dtype=torch.int64)
+            out.extend((recv_scales, recv_idx, recv_w, _scalar(n, dev), _aligned(per_expert, align),
+                        _scalar(sum(t[me] for t in tok) - n, dev), [idx32, info, sent]))
+
+        self._rows_exchange(x, _selector(sent, kept_to, T), kept_to, kept_from, recv_x, routing, packed)
+        if R > 1:  # the handle's ops move at most these rows per pair
+            self._grow_for(pair, _width(x, scales, H) + 4 * K)
         if over is not None:
-            self._report(self._status(StatusCode.CAPACITY, over[0], over[1], cap, OpKind.DISPATCH), wait)
+            self._report(self._status(StatusCode.CAPACITY, over[0], over[1], cap), wait)
         elif wait and self._pending is not None:
             self.check()  # the counted wait raises what earlier ops left pending
-        return out
+        return (recv_x, *out)
 
-    def _dispatch_em(self, x, scales, idx32, owner, tokens, starts, send_rows, tok, copies, side, C, E, K, H,
-                     align, go):
+    def _dispatch_em(self, x, scales, idx32, owner, in_rank, sel, send_n, tok, copies, side_of, C, E, K, align,
+                     packed):
         R, me, L = self.world, self.rank, E // self.world
+        T, H = x.shape
         dev = x.device
         rows_from = [tok[s][me] for s in range(R)]
         M = sum(rows_from)
         kept, kept_to, kept_from, per_expert, over = expert_major_plan(copies, me, R, C)
         moved = torch.empty((M, H), dtype=x.dtype, device=dev)
-        if go:
-            self._rows_exchange(x, tokens, starts, send_rows, rows_from, moved, 0)
-            if R > 1:
-                pair = max(max(_em_pairs(kept, R)), max(tok[s][d] for s in range(R) for d in range(R) if s != d))
-                self._grow_for(pair, _width(x, scales, H) + 4)
-        routing = torch.cat([side[s][0] for s in range(R)]) if R > 1 else side[0][0]
-        gid, gw = routing[:, :K], routing[:, K:].view(torch.float32)
-        recv_local = torch.where((gid >= me * L) & (gid < (me + 1) * L), gid - me * L, -1)
+        self._rows_exchange(x, sel, send_n, rows_from, moved, _nothing, packed)
+        pair = max((tok[s][d] for s in range(R) for d in range(R) if s != d), default=0)
+        if R > 1:  # the handle's ops move at most these rows (copies) per pair
+            self._grow_for(max(max(_em_pairs(kept, R)), pair), _width(x, scales, H) + 4)
+        parts = [side_of(s, rows_from[s]) for s in range(R)]
+        ids, w = (torch.cat([p[i] for p in parts]) if R > 1 else parts[0][i] for i in (0, 1))
+        recv_local = torch.take(local_table(E, R, me, dev), ids.long() + 1)
         slots = expert_major_recv_slots(recv_local, L, C)
         m, k = torch.nonzero(slots >= 0).unbind(1)
         m = m.clone()  # a handle tensor: its own storage
@@ -497,58 +537,64 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         recv_idx = torch.full((L * C,), -1, dtype=torch.int32, device=dev)
         recv_idx[flat] = local.to(torch.int32)
         recv_w = torch.zeros((L * C,), dtype=torch.float32, device=dev)
-        recv_w[flat] = gw[m, k]
+        recv_w[flat] = w[m, k]
         recv_scales = x.new_empty((0,), dtype=torch.float32)
         if scales is not None:
             S = scales.shape[1]
-            sc = torch.cat([side[s][1] for s in range(R)]) if R > 1 else side[0][1]
+            sc = torch.cat([p[2] for p in parts])
             recv_scales = torch.zeros((L * C, S), dtype=torch.float32, device=dev)
             recv_scales[flat] = sc[m]
             recv_scales = recv_scales.view(L, C, S)
-        if go:
-            _, copy_index = expert_major_send_slots(idx32, owner, copies, me, E, R, C)
-        else:
-            copy_index = torch.full(tuple(idx32.shape), -1, dtype=torch.int64, device=dev)
+        copy_index = expert_major_send_slots(idx32, owner, copies, me, E, R, C)
         num = int(per_expert.sum())
-        info = torch.tensor([self.seq, C, idx32.shape[0], C] + send_rows + rows_from + kept_to + kept_from,
-                            dtype=torch.int64)
+        info = torch.tensor([self.seq, C, T, C, pair] + send_n + rows_from + kept_to + kept_from, dtype=torch.int64)
         out = (recv_x.view(L, C, H), recv_scales, recv_idx.view(L, C), recv_w.view(L, C), _scalar(num, dev),
                _aligned(per_expert.to(dev), align), _scalar(int(copies[:, me * L:(me + 1) * L].sum()) - num, dev),
-               [idx32, info, tokens, copy_index, flat, m])
+               [idx32, info, in_rank, copy_index, flat, m])
         if over is not None:
-            self._report(self._status(StatusCode.CAPACITY, over[0], over[1], C, OpKind.DISPATCH), False)
+            self._report(self._status(StatusCode.CAPACITY, over[0], over[1], C), False)
         return out
 
-    def _grow_for(self, rows: int, width: int) -> None:
-        """Make the slot hold ``rows`` rows of ``width`` bytes (the largest block the handle's ops will
-        send): computed from counts every rank holds, so the slot stays the same everywhere."""
-        if self.tolerant:
-            need = HEADER + 3 * ALIGN + rows * width
-            if need > self.slot:
-                self.slot = _grow(need)
+    def _nothing_moved(self, x, scales, idx32, cap, E, em):
+        """A dispatch's results when its verdict stopped it (default checks mode): no rows, and a handle
+        whose ops move nothing either, the same on every rank."""
+        R, L, dev = self.world, E // self.world, x.device
+        T, K = idx32.shape
+        H = x.shape[1] if x.dim() == 2 else 0
+        S = scales.shape[1] if scales is not None else 0
+        lead = (L, cap) if em else (max(cap, 0),)
+        info = torch.tensor([self.seq, lead[-1], T, cap, 0] + [0] * (4 * R), dtype=torch.int64)
+        handle = [idx32, info, torch.zeros((T, R), dtype=torch.bool, device=dev)]
+        if em:
+            none = torch.empty((0,), dtype=torch.int64, device=dev)
+            handle += [torch.full((T, K), -1, dtype=torch.int64, device=dev), none, none.clone()]
+        per_copy = lead if em else lead + (K,)
+        return (torch.zeros(lead + (H,), dtype=x.dtype, device=dev),
+                torch.zeros(lead + (S,), dtype=torch.float32, device=dev) if S else x.new_empty((0,), dtype=torch.float32),
+                torch.full(per_copy, -1, dtype=torch.int32, device=dev), torch.zeros(per_copy, dtype=torch.float32, device=dev),
+                _scalar(0, dev), torch.zeros((L,), dtype=torch.int32, device=dev), _scalar(0, dev), handle)
 
     # ---- ops on a handle ------------------------------------------------------------------------
 
     def _handle_op(self, op: OpKind, handle: list, info: list, num_experts: int, layout: int, hidden: int,
-                   dtype, problem: Optional[str], bodies: list, write, expect: list, device):
+                   dtype, problem: Optional[str], bodies: list, write, expect: list, device, meanwhile=None):
         """The first exchange of an op on a handle (the handle's id is its dispatch's seq); ``(go, buf,
         offsets)``."""
         self._begin(op)
-        K = int(handle[IDX32].shape[1]) if handle[IDX32].dim() == 2 else 0
+        K = handle[IDX32].shape[1] if handle[IDX32].dim() == 2 else 0
         desc = self._desc(op, num_experts, hidden, dtype, layout, info[I_CAP], info[I_SEQ], K,
                           INPUT_REJECTED if problem is not None else INPUT_OK)
         if problem is not None:
             self._rejected(desc, problem, device)
-        status, _, buf, offsets = self._exchange(desc, bodies, write, device, expect=expect)
+        status, _, buf, offsets = self._exchange(desc, bodies, write, device, expect=expect, meanwhile=meanwhile)
         return self._settle(status, False), buf, offsets
 
     def _splits(self, info: list) -> tuple:
-        R = self.world
-        s = I_SPLITS
+        R, s = self.world, I_SPLITS
         return info[s:s + R], info[s + R:s + 2 * R], info[s + 2 * R:s + 3 * R], info[s + 3 * R:s + 4 * R]
 
     def op_cached_dispatch(self, x, x_scales, handle, num_experts, layout, capacity, expert_alignment):
-        problem = _problem(v.check_tokens, x, int(handle[IDX32].shape[0]), x_scales=x_scales)
+        problem = _problem(v.check_tokens, x, handle[IDX32].shape[0], x_scales=x_scales)
         if problem is None and layout != RANK_MAJOR:
             problem = "cached dispatch serves rank-major handles; dispatch again for the expert-major layout"
         return self.cached_dispatch(x, x_scales, handle, num_experts, layout, capacity, expert_alignment,
@@ -557,168 +603,230 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
     def cached_dispatch(self, x, x_scales, handle, num_experts, layout, capacity, expert_alignment,
                         problem: Optional[str] = None, op: OpKind = OpKind.CACHED_DISPATCH):
         """``omniep::cached_dispatch``: rows only, with the handle's routing; ``(recv_x, recv_x_scales)``."""
-        R, me = self.world, self.rank
+        me = self.rank
         x = x.contiguous()
-        H = int(x.shape[1]) if x.dim() == 2 else 0
+        T, H = x.shape if x.dim() == 2 else (0, 0)
         info = handle[INFO].tolist()
         send_n, recv_n = self._splits(info)[:2]
         rows = info[I_ROWS]
-        scales = x_scales.to(torch.float32) if x_scales is not None else None
+        scales = x_scales.to(torch.float32).contiguous() if x_scales is not None else None
         S = scales.shape[1] if scales is not None else 0
-        W = x.element_size() * H
-        tokens = handle[TOKENS]
-        starts = _starts(send_n)
-        bodies = [_up(n * W) + _up(n * 4 * S) for n in send_n]
+        xb = _as_rows(x)
+        W = xb.shape[1]
+        bulk = info[I_PAIR] * W > BULK  # the rows go after the header, straight into recv_x
+        Wx = 0 if bulk else W
+        sel = _selector(handle[SENT], send_n, T)
 
         def write(buf, offsets):
-            xb = _as_rows(x)
             for d in self.peers:
                 n, o = send_n[d], offsets[d]
-                if n:
-                    sel = tokens[starts[d]:starts[d] + n]
-                    torch.index_select(xb, 0, sel, out=buf[o:o + n * W].view(n, W))
-                    if S:
-                        o += _up(n * W)
-                        torch.index_select(scales, 0, sel, out=buf[o:o + n * 4 * S].view(torch.float32).view(n, S))
+                _take(xb, sel(d), n, buf[o:o + n * Wx].view(n, Wx))
+                if S:
+                    o += _up(n * Wx)
+                    _take(scales, sel(d), n, buf[o:o + n * 4 * S].view(torch.float32).view(n, S))
 
-        go, buf, offsets = self._handle_op(op, handle, info, num_experts, layout, H, x.dtype, problem,
-                                                 bodies, write, [_up(n * W) + _up(n * 4 * S) for n in recv_n],
-                                                 x.device)
         n = sum(recv_n)
-        recv_x = (torch.empty if rows == n and go else torch.zeros)((rows, H), dtype=x.dtype, device=x.device)
+        recv_x = torch.empty((rows, H), dtype=x.dtype, device=x.device)
         recv_scales = torch.zeros((rows, S), dtype=torch.float32, device=x.device) if S \
             else x.new_empty((0,), dtype=torch.float32)
+        ob, back = _as_rows(recv_x), _starts(recv_n)
+
+        def own_scales():
+            if S:
+                _take(scales, sel(me), send_n[me], recv_scales[back[me]:back[me] + send_n[me]])
+
+        def own():
+            _take(xb, sel(me), send_n[me], ob[back[me]:back[me] + send_n[me]])
+            own_scales()
+
+        go, buf, offsets = self._handle_op(op, handle, info, num_experts, layout, H, x.dtype, problem,
+                                           [_up(k * Wx) + _up(k * 4 * S) for k in send_n], write,
+                                           [_up(k * Wx) + _up(k * 4 * S) for k in recv_n], x.device,
+                                           own if problem is None and not bulk else None)
         if not go:
-            return recv_x, recv_scales
-        xb, ob = _as_rows(x), _as_rows(recv_x)
-        at = 0
-        for s in range(R):
-            k = recv_n[s]
-            if k and s == me:
-                sel = tokens[starts[me]:starts[me] + k]
-                torch.index_select(xb, 0, sel, out=ob[at:at + k])
-                if S:
-                    torch.index_select(scales, 0, sel, out=recv_scales[at:at + k])
-            elif k:
-                o = offsets[s]
-                ob[at:at + k].copy_(buf[o:o + k * W].view(k, W))
-                if S:
-                    o += _up(k * W)
-                    recv_scales[at:at + k].copy_(buf[o:o + k * 4 * S].view(torch.float32).view(k, S))
-            at += k
+            return recv_x.zero_(), recv_scales
+        if rows > n:
+            ob[n:].zero_()
+        for s in self.peers:
+            k, o = recv_n[s], offsets[s]
+            if not bulk:
+                ob[back[s]:back[s] + k].copy_(buf[o:o + k * W].view(k, W))
+            if S:
+                o += _up(k * Wx)
+                recv_scales[back[s]:back[s] + k].copy_(buf[o:o + k * 4 * S].view(torch.float32).view(k, S))
+        if bulk:
+            self._rows_exchange(x, sel, send_n, recv_n, recv_x, own_scales)
         return recv_x, recv_scales
 
     def op_combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment):
-        T = int(handle[IDX32].shape[0])
+        T = handle[IDX32].shape[0]
         shape = "[rows, H]" if layout == RANK_MAJOR else "[num_local_experts, capacity, H]"
         problem = _problem(v.check_combine_input, y, tuple(handle[0].shape[: 1 if layout == RANK_MAJOR else 2]),
                            layout_shape=shape)
-        if problem is None:
-            biases = tuple(b for b in (bias0, bias1) if b is not None)
-            problem = _problem(v.check_bias, biases, T, int(y.shape[-1]))
+        if problem is None and (bias0 is not None or bias1 is not None):
+            problem = _problem(v.check_bias, tuple(b for b in (bias0, bias1) if b is not None), T, y.shape[-1])
         return self.combine(y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment,
                             problem=problem)
 
     def combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment,
                 problem: Optional[str] = None):
         """``omniep::combine``: ``out [T, H]`` in ``y``'s dtype."""
-        biases = tuple(b for b in (bias0, bias1) if b is not None)
         if layout == EXPERT_MAJOR:
-            g_x, _ = self._return_copies(OpKind.COMBINE, y, None, handle, num_experts, topk_weights, problem)
-            return _finish(g_x, biases, y.dtype)
-        acc, _ = self._return_rows(OpKind.COMBINE, y, None, handle, num_experts, problem)
-        return _finish(acc, biases, y.dtype)
+            acc, _ = self._return_copies(OpKind.COMBINE, y, None, handle, num_experts, topk_weights, problem)
+        else:
+            acc, _ = self._return_rows(OpKind.COMBINE, y, None, handle, num_experts, problem)
+        for b in (bias0, bias1):
+            if b is not None:
+                acc.add_(b)
+        return acc if acc.dtype == y.dtype else acc.to(y.dtype)
 
     def _return_rows(self, op: OpKind, y, w_rows, handle, num_experts, problem):
         """Rank-major way back: the rows of ``y`` (and ``w_rows [rows, K]`` f32, the dispatch_bwd weight
         gradients) go back to their sources, which sum them over ranks in ascending order. Returns
-        ``(acc [T, H] fp32, w back [S, K] destination-major or None)``."""
+        ``(acc [T, H] fp32, w back [S, K] destination-major or None)``.
+
+        Behind the header a sender sends ``+0.0 + row`` (the pass that copies it there): a receiver
+        whose first contribution is a peer's then needs no pass of its own for the accumulator's
+        ``+0.0 +``. Bulk rows go as they are, after the header (and the weight gradients)."""
         R, me = self.world, self.rank
-        H = int(y.shape[-1]) if y.dim() == 2 else 0
+        y = y.contiguous()
+        H = y.shape[-1] if y.dim() == 2 else 0
         info = handle[INFO].tolist()
-        send_n, recv_n = self._splits(info)[:2]  # as the dispatch saw them: rows out, rows in
+        send_n, recv_n = info[I_SPLITS:I_SPLITS + R], info[I_SPLITS + R:I_SPLITS + 2 * R]  # as dispatched
         T = info[I_T]
-        K = int(handle[IDX32].shape[1])
+        K = handle[IDX32].shape[1]
         W = y.element_size() * H
+        bulk = info[I_PAIR] * W > BULK
+        Wy = 0 if bulk else W
         kw = 4 * K if w_rows is not None else 0
         back = _starts(recv_n)
-        bodies = [_up(n * W) + _up(n * kw) for n in recv_n]
+        at = acc_dtype(y.dtype)
+        acc = torch.empty((T, H), dtype=at, device=y.device)
+        full = [d for d in range(R) if send_n[d]]
+        own_first = full[:1] == [me] and send_n[me] == T and problem is None
+        # Two whole contributions, this rank's second and the peer's not +0.0 + row: (0 + a) + b ==
+        # a + (0 + b) bit for bit (signs of zero and NaN payloads included), so this rank's +0.0 + row
+        # goes while the peer's rows travel, and one pass adds the peer's after.
+        own_second = bulk and len(full) == 2 and full[1] == me and send_n[me] == T and send_n[full[0]] == T \
+            and problem is None
 
         def write(buf, offsets):
-            yb = _as_rows(y)
             for s in self.peers:
                 n, o = recv_n[s], offsets[s]
-                if n:
-                    buf[o:o + n * W].view(n, W).copy_(yb[back[s]:back[s] + n])
-                    if kw:
-                        o += _up(n * W)
-                        buf[o:o + n * kw].view(torch.float32).view(n, K).copy_(w_rows[back[s]:back[s] + n])
+                if n and not bulk:
+                    torch.add(y[back[s]:back[s] + n], 0.0, out=buf[o:o + n * W].view(y.dtype).view(n, H))
+                if n and kw:
+                    o += _up(n * Wy)
+                    buf[o:o + n * kw].view(torch.float32).view(n, K).copy_(w_rows[back[s]:back[s] + n])
 
-        go, buf, offsets = self._handle_op(op, handle, info, num_experts, RANK_MAJOR, H, y.dtype, problem, bodies,
-                                                 write, [_up(n * W) + _up(n * kw) for n in send_n], y.device)
-        at = acc_dtype(y.dtype)
-        tokens = handle[TOKENS]
-        starts = _starts(send_n)
-        acc = None
+        def own():  # this rank's rows, into the accumulator while the peers' travel
+            torch.add(y[back[me]:back[me] + T], 0.0, out=acc)
+
+        sizes = [[_up(n * Wy) + _up(n * kw) for n in counts] for counts in (recv_n, send_n)]
+        go, buf, offsets = self._handle_op(op, handle, info, num_experts, RANK_MAJOR, H, y.dtype, problem, sizes[0],
+                                           write, sizes[1], y.device, own if own_first and not bulk else None)
+        if not go:
+            return acc.zero_(), (w_rows.new_zeros((0, K)) if kw else None)
         w_back = [] if kw else None
-        for d in range(R):
-            n = send_n[d] if go else 0
-            if not n:
-                continue
-            if d == me:
-                rows = y[back[me]:back[me] + n]
-                if kw:
-                    w_back.append(w_rows[back[me]:back[me] + n])
-            else:
-                o = offsets[d]
-                rows = buf[o:o + n * W].view(y.dtype).view(n, H)
-                if kw:
-                    o += _up(n * W)
-                    w_back.append(buf[o:o + n * kw].view(torch.float32).view(n, K))
-            if n == T:  # every token: rows are in token order already
-                if acc is None:
-                    acc = torch.empty((T, H), dtype=at, device=y.device)
-                    torch.add(rows, 0.0, out=acc)  # +0.0 + row, as the accumulator starts at +0.0
-                else:
-                    acc.add_(rows)
-            else:
-                if acc is None:
-                    acc = torch.zeros((T, H), dtype=at, device=y.device)
-                acc.index_add_(0, tokens[starts[d]:starts[d] + n], rows.to(at))
-        if acc is None:
-            acc = torch.zeros((T, H), dtype=at, device=y.device)
         if kw:
+            for d in range(R):
+                n = send_n[d]
+                if d == me:
+                    w_back.append(w_rows[back[me]:back[me] + n])
+                elif n:
+                    o = offsets[d] + _up(n * Wy)
+                    w_back.append(buf[o:o + n * kw].view(torch.float32).view(n, K))
             w_back = torch.cat(w_back) if w_back else w_rows.new_zeros((0, K))
+        if bulk:  # the rows now: straight from y into a workspace, this rank's own sum going meanwhile
+            rows_b = self._blocks_exchange(_as_rows(y), back, recv_n, send_n,
+                                           own if (own_first or own_second) else _nothing)
+            offsets = [None if o is None else o for o in rows_b[1]]
+            buf = rows_b[0]
+        sel = _selector(handle[SENT], send_n, T)
+        ready, pending = own_first, None
+        for d in range(R):
+            n = send_n[d]
+            if not n or (d == me and (own_first or own_second)):
+                continue
+            rows = y[back[me]:back[me] + n] if d == me else buf[offsets[d]:offsets[d] + n * W].view(y.dtype).view(n, H)
+            if own_second:
+                torch.add(rows, acc, out=acc)
+                ready = True
+            elif n == T:  # every token: rows in token order
+                if ready:
+                    acc.add_(rows)
+                elif pending is not None:  # two whole contributions: one pass unless rows need converting
+                    if rows.dtype == at:
+                        torch.add(pending, rows, out=acc)
+                    else:
+                        acc.copy_(pending)
+                        acc.add_(rows)
+                    ready, pending = True, None
+                elif d != me and not bulk:  # a peer's rows are +0.0 + row already
+                    pending = rows
+                else:
+                    torch.add(rows, 0.0, out=acc)
+                    ready = True
+            else:
+                if pending is not None:
+                    acc.copy_(pending)
+                    ready, pending = True, None
+                if not ready:
+                    acc.zero_()
+                    ready = True
+                acc.index_add_(0, sel(d), rows.to(at))
+        if pending is not None:
+            acc.copy_(pending)
+        elif not ready:
+            acc.zero_()
         return acc, w_back
+
+    def _blocks_exchange(self, src: torch.Tensor, starts: list, send_n: list, recv_n: list, meanwhile):
+        """Rows ``src[starts[d]:starts[d] + send_n[d]]`` (byte rows, blocks in rank order) to every peer d,
+        ``recv_n[s]`` rows from every peer s into the receive workspace, exact sizes agreed in the op's
+        first exchange; ``(buf, offsets)`` of what arrived (``offsets[s]`` in bytes, None for this rank,
+        whose block travels only when it sits between peers)."""
+        R, me = self.world, self.rank
+        W = src.shape[1]
+        inside = 0 < me < R - 1
+        go = [d for d in range(R) if d != me or inside]
+        first, last = go[0], go[-1]
+        inp = src[starts[first]:starts[last] + send_n[last]].reshape(-1)
+        sizes = [recv_n[s] * W if s in go else 0 for s in range(R)]
+        buf = self._workspace("_recv", sum(sizes), src.device)
+        self._a2a(buf[:sum(sizes)], inp, sizes, [send_n[d] * W if d in go else 0 for d in range(R)], meanwhile)
+        offsets = _starts(sizes)
+        return buf, [None if s == me else offsets[s] for s in range(R)]
 
     def _return_copies(self, op: OpKind, y, w_copies, handle, num_experts, topk_weights, problem):
         """Expert-major way back: every kept copy of ``y [L, C, H]`` (and ``w_copies [L, C]``) goes back to
         its source, which sums ``topk_weights[t, k] * copy`` over k ascending (weights None: 1). Returns
         ``(acc [T, H], weights' gradients [T, K] or None)``."""
         R, me = self.world, self.rank
-        H = int(y.shape[-1]) if y.dim() == 3 else 0
+        H = y.shape[-1] if y.dim() == 3 else 0
         info = handle[INFO].tolist()
         copy_to, copy_from = self._splits(info)[2:]
-        T, K = info[I_T], int(handle[IDX32].shape[1])
+        T, K = info[I_T], handle[IDX32].shape[1]
         W = y.element_size() * H
         kw = 4 if w_copies is not None else 0
         flat = handle[COPY_SLOT]
         back = _starts(copy_from)
-        bodies = [_up(n * W) + _up(n * kw) for n in copy_from]
-        y_flat = y.reshape(-1, H) if H else y.reshape(-1, 0)
+        y_flat = y.contiguous().view(-1, H) if H else y.reshape(-1, 0)
+        yb = _as_rows(y_flat)
 
         def write(buf, offsets):
             for s in self.peers:
                 n, o = copy_from[s], offsets[s]
                 if n:
                     sel = flat[back[s]:back[s] + n]
-                    torch.index_select(_as_rows(y_flat), 0, sel, out=buf[o:o + n * W].view(n, W))
+                    torch.index_select(yb, 0, sel, out=buf[o:o + n * W].view(n, W))
                     if kw:
                         o += _up(n * W)
                         torch.index_select(w_copies.reshape(-1), 0, sel, out=buf[o:o + n * 4].view(torch.float32))
 
-        go, buf, offsets = self._handle_op(op, handle, info, num_experts, EXPERT_MAJOR, H, y.dtype, problem, bodies,
-                                                 write, [_up(n * W) + _up(n * kw) for n in copy_to], y.device)
+        go, buf, offsets = self._handle_op(op, handle, info, num_experts, EXPERT_MAJOR, H, y.dtype, problem,
+                                           [_up(n * W) + _up(n * kw) for n in copy_from], write,
+                                           [_up(n * W) + _up(n * kw) for n in copy_to], y.device)
         at = acc_dtype(y.dtype)
         acc = torch.zeros((T, H), dtype=at, device=y.device)
         g_w = torch.zeros((T, K), dtype=torch.float32, device=y.device) if kw else None
@@ -745,7 +853,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             at_k = copy_index[:, k]
             contrib = rows[at_k.clamp(min=0)].to(at)
             if weights is not None:
-                contrib = torch.mul(weights[:, k:k + 1], contrib)
+                contrib = torch.mul(weights[:, k:k + 1], contrib)  # rounded before the add: no fused multiply-add
             acc = torch.where((at_k >= 0).unsqueeze(-1), torch.add(acc, contrib), acc)
         if kw:
             w_all = torch.cat(w_parts)
@@ -758,27 +866,23 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
 
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle, num_experts, layout, capacity, expert_alignment):
         """``omniep::dispatch_bwd``: ``(g_x [T, H] in g_recv_x's dtype, g_topk_weights [T, K] f32)``."""
-        g_w_rows = g_recv_topk_weights.to(torch.float32)
+        g_w_rows = g_recv_topk_weights.to(torch.float32).contiguous()
         if layout == EXPERT_MAJOR:
             acc, g_w = self._return_copies(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None, None)
-            return _finish(acc, (), g_recv_x.dtype), g_w
-        acc, w_back = self._return_rows(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows.contiguous(), handle, num_experts,
-                                        None)
-        idx32 = handle[IDX32]
+            return acc.to(g_recv_x.dtype), g_w
+        acc, w_back = self._return_rows(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None)
+        idx32, sent = handle[IDX32], handle[SENT]
         T, K = idx32.shape
-        R = self.world
-        info = handle[INFO].tolist()
-        send_n = self._splits(info)[0]
+        R, dev = self.world, idx32.device
         owner, _ = routes(idx32, num_experts, R)
-        at = torch.full((T, R + 1), -1, dtype=torch.int64, device=idx32.device)
-        if w_back.shape[0]:
-            dest = torch.repeat_interleave(torch.arange(R, device=idx32.device),
-                                           torch.tensor(send_n, device=idx32.device))
-            at[handle[TOKENS], dest] = torch.arange(w_back.shape[0], device=idx32.device)
+        # Where the row of (t, owner) sits among the rows that came back (destination-major).
+        at = torch.full((T, R + 1), -1, dtype=torch.int64, device=dev)
+        d_idx, t_idx = sent.t().nonzero().unbind(1)
+        at[t_idx, d_idx] = torch.arange(t_idx.shape[0], device=dev)
         row = at.gather(1, owner)
-        picked = w_back[row.clamp(min=0), torch.arange(K, device=idx32.device)] if w_back.shape[0] \
-            else torch.zeros((T, K), dtype=torch.float32, device=idx32.device)
-        return _finish(acc, (), g_recv_x.dtype), torch.where(row >= 0, picked, torch.zeros_like(picked))
+        picked = w_back[row.clamp(min=0), torch.arange(K, device=dev)] if w_back.shape[0] \
+            else torch.zeros((T, K), dtype=torch.float32, device=dev)
+        return acc.to(g_recv_x.dtype), torch.where(row >= 0, picked, torch.zeros_like(picked))
 
     def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):
         return self.combine_bwd(g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment)
@@ -792,51 +896,46 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                                           op=OpKind.COMBINE_BWD)
             return g_y, g_out.new_empty((0,), dtype=torch.float32)
         R, me = self.world, self.rank
-        H = int(g_out.shape[1])
+        g_out = g_out.contiguous()
+        T, H = g_out.shape
         info = handle[INFO].tolist()
-        send_rows, rows_from, copy_to, copy_from = self._splits(info)
-        C, T, K = info[I_ROWS], info[I_T], int(handle[IDX32].shape[1])
+        send_n, rows_from, copy_to, copy_from = self._splits(info)
+        C, K = info[I_ROWS], handle[IDX32].shape[1]
         L = num_experts // R
         dtype = y.dtype if y is not None else g_out.dtype
-        W = g_out.element_size() * H
-        tokens = handle[TOKENS]
-        starts = _starts(send_rows)
+        gb = _as_rows(g_out)
+        W = gb.shape[1]
+        sel = _selector(handle[SENT], send_n, T)
 
         def write(buf, offsets):
-            gb = _as_rows(g_out)
             for d in self.peers:
-                n, o = send_rows[d], offsets[d]
-                if n:
-                    torch.index_select(gb, 0, tokens[starts[d]:starts[d] + n], out=buf[o:o + n * W].view(n, W))
+                n, o = send_n[d], offsets[d]
+                _take(gb, sel(d), n, buf[o:o + n * W].view(n, W))
 
         go, buf, offsets = self._handle_op(OpKind.COMBINE_BWD, handle, info, num_experts, EXPERT_MAJOR, H, g_out.dtype,
-                                                 None, [_up(n * W) for n in send_rows], write,
-                                                 [_up(n * W) for n in rows_from], g_out.device)
+                                           None, [_up(n * W) for n in send_n], write,
+                                           [_up(n * W) for n in rows_from], g_out.device)
         g_y = torch.zeros((L * C, H), dtype=dtype, device=g_out.device)
         g_w = torch.zeros((T, K), dtype=torch.float32, device=g_out.device) if y is not None else \
             g_out.new_empty((0,), dtype=torch.float32)
         if not go:
             return g_y.view(L, C, H), g_w
-        parts = []
-        for s in range(R):
-            n = rows_from[s]
-            if s == me:
-                parts.append(g_out[tokens[starts[me]:starts[me] + n]])
-            else:
-                parts.append(buf[offsets[s]:offsets[s] + n * W].view(g_out.dtype).view(n, H))
+        parts = [_take(g_out, sel(me), send_n[me]) if s == me else
+                 buf[offsets[s]:offsets[s] + rows_from[s] * W].view(g_out.dtype).view(rows_from[s], H) for s in range(R)]
         rows = torch.cat(parts)
         flat, m = handle[COPY_SLOT], handle[COPY_ROW]
         at = acc_dtype(dtype)
         g32 = rows[m].to(at)
         w_copy = handle[1].reshape(-1)[flat].to(at)
         g_y[flat] = torch.mul(w_copy.unsqueeze(-1), g32).to(dtype)
-        # The weights' gradients: dot products where the copies are, sent back to their sources.
+        # The weights' gradients: dot products where the copies are, then back to their sources (every
+        # expert-major combine_bwd makes this second, exact-size exchange: the ranks agree on it).
         dots = torch.zeros((flat.shape[0],), dtype=torch.float32, device=g_out.device)
         if y is not None and flat.shape[0]:
             dots = (g32.to(torch.float64) * y.reshape(-1, H)[flat].to(torch.float64)).sum(-1).to(torch.float32)
         back = _starts(copy_from)
         send = self._workspace("_send", 4 * sum(copy_from[d] for d in self.peers), g_out.device)
-        at_b, pieces = 0, []
+        at_b = 0
         for d in self.peers:
             n = copy_from[d]
             send[at_b:at_b + 4 * n].view(torch.float32).copy_(dots[back[d]:back[d] + n])
@@ -847,7 +946,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                       [4 * copy_from[d] if d != me else 0 for d in range(R)])
         if y is None:
             return g_y.view(L, C, H), g_w
-        at_g = 0
+        pieces, at_g = [], 0
         for d in range(R):
             n = copy_to[d]
             if d == me:
@@ -865,20 +964,35 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
 
     def fake_handle(self, topk_idx, num_experts, layout, rows):
         T, K = topk_idx.shape
-        ctx = torch.library.get_ctx()
         new = topk_idx.new_empty
         info = torch.empty((I_SPLITS + 4 * self.world,), dtype=torch.int64,
                            device="meta" if topk_idx.device.type == "meta" else "cpu")
-        tensors = [new((T, K), dtype=torch.int32), info, new((ctx.new_dynamic_size(),), dtype=torch.int64)]
+        tensors = [new((T, K), dtype=torch.int32), info, new((T, self.world), dtype=torch.bool)]
         if layout == RANK_MAJOR:
             return tensors
-        P = ctx.new_dynamic_size()
+        P = torch.library.get_ctx().new_dynamic_size()
         return tensors + [new((T, K), dtype=torch.int64), new((P,), dtype=torch.int64), new((P,), dtype=torch.int64)]
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
 
-def _nothing(buf, offsets) -> None:
+def _up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _grow(n: int) -> int:
+    return (n + n // 4 + 4095) // 4096 * 4096
+
+
+def _problem(check, *args, **kwargs) -> Optional[str]:
+    try:
+        check(*args, **kwargs)
+    except InputError as exc:
+        return str(exc)
+    return None
+
+
+def _nothing(*_) -> None:
     return None
 
 
@@ -887,10 +1001,10 @@ def _with_self(values: list, me: int) -> list:
     return values[:me] + [0] + values[me:]
 
 
-def _body_offsets(starts: list, peers: list, R: int, head_bytes: int) -> list:
+def _body_offsets(starts: list, peers: list, R: int, lead: int) -> list:
     offsets = [None] * R
     for s, at in zip(peers, starts):
-        offsets[s] = at + HEADER + head_bytes
+        offsets[s] = at + lead
     return offsets
 
 
@@ -902,9 +1016,26 @@ def _starts(counts: list) -> list:
     return out
 
 
-def _pairs(plan, tok: list, cap: int, R: int) -> list:
-    """Rank-major rows kept per (source, destination) pair, sources != destinations."""
-    return [plan(tok, r, cap)[0][s] for r in range(R) for s in range(R) if s != r]
+def _selector(mask: torch.Tensor, counts: list, T: int):
+    """``sel(d)``: the tokens ``mask[:, d]`` selects, ascending (None when it is every token: the rows go
+    as they are, no gather); looked up once per destination."""
+    found = {}
+
+    def sel(d: int):
+        if counts[d] == T:
+            return None
+        rows = found.get(d)
+        if rows is None:
+            rows = found[d] = mask[:, d].nonzero().view(-1)
+        return rows
+    return sel
+
+
+def _take(src: torch.Tensor, rows, n: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``src[rows]`` (``rows`` None: the first ``n`` rows as they are) into ``out`` (or a new tensor)."""
+    if rows is None:
+        return src[:n] if out is None else out.copy_(src[:n])
+    return torch.index_select(src, 0, rows) if out is None else torch.index_select(src, 0, rows, out=out)
 
 
 def _em_pairs(kept: torch.Tensor, R: int) -> list:
@@ -920,7 +1051,10 @@ def _width(x, scales, H: int) -> int:
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t [n, ...]`` (any dtype) as ``[n, bytes per row]`` uint8, a view: rows move as bytes, unchanged.
-    (Through a flat view: a tensor torch calls contiguous may still carry odd strides on size-1 dims.)"""
+    (Through a flat view unless plainly 2-D: a tensor torch calls contiguous may still carry odd strides
+    on size-1 dims.)"""
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == t.shape[1]:
+        return t.view(torch.uint8)
     width = t.element_size()
     for d in t.shape[1:]:
         width *= int(d)
@@ -933,9 +1067,3 @@ def _scalar(value: int, device) -> torch.Tensor:
 
 def _aligned(per_expert: torch.Tensor, alignment: int) -> torch.Tensor:
     return align_up(per_expert, alignment).to(torch.int32) if alignment > 1 else per_expert.to(torch.int32)
-
-
-def _finish(acc: torch.Tensor, biases: tuple, dtype: torch.dtype) -> torch.Tensor:
-    for b in biases:
-        acc.add_(b)
-    return acc if acc.dtype == dtype else acc.to(dtype)

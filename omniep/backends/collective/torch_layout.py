@@ -9,30 +9,44 @@ rank, source token), expert-major copies by (source rank, source token, k) insid
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
-def routes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """``(owner [T, K] int64, in_rank [T, R] bool)``: the rank holding each chosen expert (``R`` where
-    the id is -1 or out of range: such entries go nowhere) and whether token t goes to rank r (at most
-    once, however many of r's experts it chose)."""
-    idx = topk_idx.long()
+@functools.lru_cache(maxsize=64)
+def owner_table(num_experts: int, num_ranks: int, device) -> torch.Tensor:
+    """``[E + 1]`` int64: at ``id + 1`` the rank holding expert ``id``; ``R`` for ``id = -1``."""
     local = num_experts // num_ranks
-    owner = torch.where((idx >= 0) & (idx < num_experts), idx.div(local, rounding_mode="floor"), num_ranks)
-    in_rank = torch.zeros((idx.shape[0], num_ranks + 1), dtype=torch.bool, device=idx.device)
+    return torch.tensor([num_ranks] + [e // local for e in range(num_experts)], dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def local_table(num_experts: int, num_ranks: int, rank: int, device) -> torch.Tensor:
+    """``[E + 1]`` int32: at ``id + 1`` expert ``id``'s index among ``rank``'s experts, -1 if it is not
+    one of them (or ``id = -1``)."""
+    local = num_experts // num_ranks
+    return torch.tensor([-1] + [e - rank * local if e // local == rank else -1 for e in range(num_experts)],
+                        dtype=torch.int32, device=device)
+
+
+def routes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """``(owner [T, K] int64, in_rank [T, R] bool)`` for ids in ``[-1, E)`` (checked before): the rank
+    holding each chosen expert (``R`` for -1) and whether token t goes to rank r (at most once, however
+    many of r's experts it chose)."""
+    owner = torch.take(owner_table(num_experts, num_ranks, topk_idx.device), topk_idx.long() + 1)
+    in_rank = torch.zeros((owner.shape[0], num_ranks + 1), dtype=torch.bool, device=owner.device)
     in_rank.scatter_(1, owner, True)
-    return owner, in_rank[:, :num_ranks]
+    return owner, in_rank.narrow(1, 0, num_ranks).contiguous()
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[E]`` int64: (token, k) choices per expert; -1 and out-of-range ids count nowhere."""
-    idx = topk_idx.long().flatten()
-    binned = torch.where((idx >= 0) & (idx < num_experts), idx, num_experts)
-    return torch.bincount(binned, minlength=num_experts + 1)[:num_experts]
+    """``[E]`` int64: (token, k) choices per expert, for ids in ``[-1, E)``."""
+    return torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
 
 
 def local_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """DeepEP's ``get_dispatch_layout`` of one rank. Returns ``(idx32 [T, K] int32, owner [T, K] int64
+    """DeepEP's ``get_dispatch_layout`` of one rank (ids in ``[-1, E)``). Returns ``(idx32 [T, K] int32, owner [T, K] int64
     (-1 = none), send_pos [T, R] int32, num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32)``;
     ``send_pos[t, r]`` is t's position among the tokens sent to rank r (ascending t), -1 if not sent."""
     owner, in_rank = routes(topk_idx, num_experts, num_ranks)
@@ -93,10 +107,10 @@ def expert_major_plan(copies: torch.Tensor, me: int, num_ranks: int, capacity: i
 
 def expert_major_send_slots(idx: torch.Tensor, owner: torch.Tensor, copies: torch.Tensor, me: int,
                             num_experts: int, num_ranks: int, capacity: int):
-    """Sender side, expert-major: ``(keep [T, K] bool, copy_index [T, K] int64)``: whether copy (t, k)
-    finds a slot at its owner (``copies [R, E]``: every rank's copies per expert, host), and its position
-    among this rank's kept copies in destination-major, (t, k)-ascending order — the order the owners
-    return them in (-1 = none)."""
+    """Sender side, expert-major: ``copy_index [T, K]`` int64, the position of copy (t, k) among this
+    rank's copies that find a slot at their owner (``copies [R, E]``: every rank's copies per expert,
+    host), in destination-major, (t, k)-ascending order — the order the owners return them in; -1 for
+    none or dropped."""
     idx = idx.long()
     valid = owner < num_ranks
     pos = positions_in_group(torch.where(valid, idx, -1).flatten(), num_experts).view(idx.shape)
@@ -108,7 +122,7 @@ def expert_major_send_slots(idx: torch.Tensor, owner: torch.Tensor, copies: torc
     order = positions_in_group(torch.where(keep.flatten(), dest, -1), num_ranks).view(idx.shape)
     per_dest = torch.bincount(dest, minlength=num_ranks + 1)[:num_ranks]
     start = per_dest.cumsum(0) - per_dest
-    return keep, torch.where(keep, start[owner.clamp(max=num_ranks - 1)] + order, -1)
+    return torch.where(keep, start[owner.clamp(max=num_ranks - 1)] + order, -1)
 
 
 def expert_major_recv_slots(recv_local: torch.Tensor, num_local: int, capacity: int) -> torch.Tensor:
