@@ -86,6 +86,9 @@ def assert_results(res: dict, job: dict, r: int, what: str, *, autograd: bool) -
 def build_jobs(world: int) -> dict:
     cases = draw_cases(world, settings.default.max_examples) + edge_cases(world)
     jobs = dict(cases=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
+    # The edge cases again with the collective backend's rarer exchange paths forced (see variant_job).
+    edges = jobs["cases"][-len(edge_cases(world)):]
+    jobs["variants"] = [(variant, job) for variant in ("bulk", "slot") for job in edges]
     jobs["golden"] = []
     for path in golden.golden_files():
         g = golden.load(path)
@@ -95,6 +98,10 @@ def build_jobs(world: int) -> dict:
         jobs["opcheck"] = [make_job(make_case(20, num_ranks=2, num_experts=4, num_topk=2, hidden=8,
                                               num_tokens=[3, 4], layout=layout, capacity=cap), 20, 1)
                            for layout, cap in ((RM, None), (EM, None), (RM, 16))]
+        # torch.compile: rank-major exact (an unbacked row count), static capacity, expert-major
+        jobs["compile"] = [dict(case=make_case(21, num_ranks=2, num_experts=4, num_topk=2, hidden=16, num_tokens=6,
+                                               layout=layout, capacity=cap))
+                           for layout, cap in ((RM, None), (RM, 16), (EM, None))]
     buf_case = make_case(30, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=8,
                          num_tokens=[3 + r for r in range(world)], dtype="bfloat16", index_dtype="int64",
                          expert_alignment=2)
@@ -186,6 +193,32 @@ def test_static_capacity_backend_drops_bitwise(session):
     assert dropped > 0, "some case must overflow its static capacity"
 
 
+@pytest.mark.parametrize("variant", ["bulk", "slot"])
+def test_rarer_exchange_paths_bitwise(session, variant):
+    """The edge cases with every rank-major handle op sending its rows after the header (``bulk``, as
+    rows of several MB do), or with every first exchange overflowing a 1 KiB slot (``slot``: the blocks
+    go again, whole): the same bits, the same overflows."""
+    world, jobs, results = session
+    n_edges = len(edge_cases(world))
+    checked = 0
+    for v_i, (name, job) in enumerate(jobs["variants"]):
+        if name != variant:
+            continue
+        exp_job = jobs["cases"][len(jobs["cases"]) - n_edges + (v_i % n_edges)]
+        assert exp_job["case"] is job["case"]
+        for r in range(world):
+            res = results[r]["variants"][v_i]
+            what = f"{variant} edge case {v_i % n_edges} rank {r} [{describe(job['case'])}]"
+            if exp_job["expected"]["overflow"]:
+                assert res["frontend"].get("error") == "CapacityError", what
+            else:
+                assert_results(res["frontend"], exp_job, r, what + " frontend", autograd=True)
+            if res["backend"] is not None:
+                assert_results(res["backend"], exp_job, r, what + " backend", autograd=False)
+        checked += 1
+    assert checked == n_edges
+
+
 def test_case_mix_covers_the_contract(session):
     """The drawn + edge cases cover what DESIGN §7 asks for (guards against a silently narrowed mix)."""
     _, jobs, _ = session
@@ -222,6 +255,20 @@ def test_opcheck_dispatch_and_combine(session):
         for r in range(world):
             for op, tests in results[r]["opcheck"][i].items():
                 assert tests and all(v == "SUCCESS" for v in tests.values()), f"opcheck {op} job {i} rank {r}: {tests}"
+
+
+def test_torch_compile_fullgraph_matches_eager(session):
+    """dispatch -> expert function -> combine under torch.compile(fullgraph=True) (inductor, forward and
+    backward) on 2 gloo ranks: out, recv_x and the gradients of x and topk_weights bitwise as eager."""
+    world, jobs, results = session
+    if world != 2:
+        pytest.skip("torch.compile runs in the 2-rank group")
+    for i, job in enumerate(jobs["compile"]):
+        for r in range(world):
+            res = results[r]["compile"][i]
+            assert "error" not in res, f"compile job {i} rank {r} ({describe(job['case'])}):\n{res.get('error')}"
+            assert res["equal"] == [True] * 4, f"compile job {i} rank {r}: (out, recv_x, g_x, g_w) equal {res['equal']}"
+            assert res["rows"] > 0
 
 
 def test_buffer_deepep_api(session):

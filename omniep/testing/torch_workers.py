@@ -197,6 +197,37 @@ def opcheck_job(rank: int, job: dict) -> dict:
     return {k: {name: shown(r) for name, r in v.items()} for k, v in out.items()}
 
 
+def compile_job(rank: int, job: dict) -> dict:
+    """``torch.compile(fullgraph=True)`` (inductor) of a function that dispatches, applies an expert
+    function and combines, forward and backward, against the same function run eagerly: which of
+    (out, recv_x, grad x, grad topk_weights) are bitwise equal, or the error."""
+    import torch
+
+    from .. import torch as ep
+
+    case = job["case"]
+    x0, idx, w0 = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
+    H = x0.shape[1]
+
+    def moe(x, topk_idx, topk_weights):
+        d = ep.dispatch(x, topk_idx, topk_weights, num_experts=case.num_experts, layout=case.layout,
+                        capacity=case.capacity)
+        return ep.combine(d.recv_x * 2.0 + 1.0, d.handle), d.recv_x
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out, recv_x = fn(x, idx, w)
+        (out * torch.arange(H, dtype=out.dtype)).sum().backward()
+        return out.detach(), recv_x.detach(), x.grad, w.grad
+
+    eager = run(moe)
+    try:
+        compiled = run(torch.compile(moe, fullgraph=True))
+    except Exception:
+        return dict(error=traceback.format_exc())
+    return dict(equal=[bool(torch.equal(a, b)) for a, b in zip(eager, compiled)], rows=int(eager[1].shape[0]))
+
+
 def buffer_job(rank: int, job: dict) -> dict:
     """DeepEP-style use of :class:`omniep.torch.Buffer`; results for the parent to compare."""
     import torch.distributed as dist
@@ -266,8 +297,34 @@ def _raises(fn, exc_type) -> str:
     return "no error"
 
 
+def variant_job(rank: int, item: tuple) -> dict:
+    """A case job (frontend, and backend when it has a static capacity) with the collective backend's
+    rarer paths forced on every rank alike: ``bulk`` (every rank-major op on a handle sends its header
+    first and its rows then) or ``slot`` (a 256-byte slot that never grows: every first exchange whose
+    blocks carry more than the header sends them again in the second, whole)."""
+    from .. import torch as ep
+    from ..backends.collective import torch_backend as tb
+
+    variant, job = item
+    ctx = ep.context(backend="collective")
+    saved = tb.BULK, ctx.slot
+    try:
+        if variant == "bulk":
+            tb.BULK = 0
+        else:
+            ctx.slot = 256  # the header and the counts still fit (R + E <= 48)
+            ctx._grow_slot = lambda need: None
+        res = dict(frontend=frontend_job(rank, job))
+        res["backend"] = backend_job(rank, job) if job["case"].capacity is not None else None
+        return res
+    finally:
+        tb.BULK, ctx.slot = saved
+        ctx.__dict__.pop("_grow_slot", None)
+
+
 def collective_session(rank: int, world: int, port: int, jobs: dict, transport: str = "gloo") -> dict:
-    """Run every job list of ``jobs`` (keys: cases, golden, opcheck, buffer) in one process group
+    """Run every job list of ``jobs`` (keys: cases, golden, opcheck, buffer, buffer_ll, variants, compile) in one
+    process group
     (``transport`` gloo on CPU, or nccl with one GPU per rank)."""
     init_gloo(rank, world, port, transport=transport)
     out = {key: [] for key in jobs}
@@ -284,6 +341,10 @@ def collective_session(rank: int, world: int, port: int, jobs: dict, transport: 
                         result = opcheck_job(rank, item)
                     elif key == "buffer_ll":
                         result = buffer_ll_job(rank, item)
+                    elif key == "variants":
+                        result = variant_job(rank, item)
+                    elif key == "compile":
+                        result = compile_job(rank, item)
                     else:
                         result = buffer_job(rank, item)
                 except Exception as exc:

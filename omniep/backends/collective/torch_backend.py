@@ -280,7 +280,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         if self.tolerant:
             grown = max(row[W_BLOCK] for row in table)
             if grown > self.slot:
-                self.slot = _grow(grown)  # every rank saw every row: the same new slot everywhere
+                self._grow_slot(grown)  # every rank saw every row: the same new slot everywhere
         if status is not _OK or not any(row[W_FLAGS] & RESEND for row in table):
             return status, table, recv, _body_offsets(at_in, peers, R, lead)
         # Round 2 (rare): every block again, whole, at the sizes the headers announced.
@@ -350,7 +350,10 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         if self.tolerant:
             need = HEADER + 3 * ALIGN + rows * width
             if need > self.slot:
-                self.slot = _grow(need)
+                self._grow_slot(need)
+
+    def _grow_slot(self, need: int) -> None:
+        self.slot = _grow(need)
 
     def _desc(self, op: OpKind, num_experts: int, hidden: int, dtype, layout: int, capacity: int,
               handle: int = -1, num_topk: int = 0, input_status: int = INPUT_OK) -> list:
@@ -620,7 +623,8 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         def write(buf, offsets):
             for d in self.peers:
                 n, o = send_n[d], offsets[d]
-                _take(xb, sel(d), n, buf[o:o + n * Wx].view(n, Wx))
+                if not bulk:
+                    _take(xb, sel(d), n, buf[o:o + n * W].view(n, W))
                 if S:
                     o += _up(n * Wx)
                     _take(scales, sel(d), n, buf[o:o + n * 4 * S].view(torch.float32).view(n, S))
