@@ -88,7 +88,7 @@ def build_jobs(world: int) -> dict:
     jobs = dict(cases=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
     # The edge cases again with the collective backend's rarer exchange paths forced (see variant_job).
     edges = jobs["cases"][-len(edge_cases(world)):]
-    jobs["variants"] = [(variant, job) for variant in ("bulk", "slot") for job in edges]
+    jobs["variants"] = [(variant, job) for variant in ("bulk", "slot", "exact") for job in edges]
     jobs["golden"] = []
     for path in golden.golden_files():
         g = golden.load(path)
@@ -193,11 +193,12 @@ def test_static_capacity_backend_drops_bitwise(session):
     assert dropped > 0, "some case must overflow its static capacity"
 
 
-@pytest.mark.parametrize("variant", ["bulk", "slot"])
+@pytest.mark.parametrize("variant", ["bulk", "slot", "exact"])
 def test_rarer_exchange_paths_bitwise(session, variant):
     """The edge cases with every rank-major handle op sending its rows after the header (``bulk``, as
-    rows of several MB do), or with every first exchange overflowing a 1 KiB slot (``slot``: the blocks
-    go again, whole): the same bits, the same overflows."""
+    rows of several MB do), with every first exchange overflowing a 256-byte slot (``slot``: the blocks
+    go again, whole), or with receives posted at exactly the sizes expected (``exact``: NCCL's path,
+    the routing in an exchange of its own): the same bits, the same overflows."""
     world, jobs, results = session
     n_edges = len(edge_cases(world))
     checked = 0

@@ -202,6 +202,8 @@ DEFAULT_MODE = {  # name -> (check, kwargs, error every rank raises at the next 
         "error_dispatch", dict(bad_id=(None, 99), capacity=6, checks="default", then="dispatch"), "InputError"),
     "default: overflow, then check()": (
         "error_dispatch", dict(capacity=1, checks="default", then="check"), "CapacityError"),
+    "default: bad id, expert-major, then check()": (
+        "error_dispatch", dict(bad_id=(99, None), layout="expert_major", checks="default", then="check"), "InputError"),
 }
 CHECKS = [
     ("experts not a multiple of ranks", "error_dispatch", dict(experts=3)),
@@ -245,7 +247,8 @@ def test_default_mode_raises_at_the_next_host_wait(two_rank_errors, name):
         assert res["type"] == want, (rank, res)
         assert len(res["trace"]) == 1 and " returned" in res["trace"][0], (rank, res)  # the op itself did not raise
     if want == "InputError":
-        assert all("rank 1 rejected its input" in r["message"] for r in two_rank_errors[name])
+        bad = 1 if "bad_id" not in DEFAULT_MODE[name][1] else DEFAULT_MODE[name][1]["bad_id"].index(99)
+        assert all(f"rank {bad} rejected its input" in r["message"] for r in two_rank_errors[name])
     if want == "CapacityError":
         assert all("(dropped 0)" not in r["trace"][0] for r in two_rank_errors[name])
 

@@ -170,7 +170,7 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     ``capacity=None``, rank-major: ``recv_x[N, H]`` with exactly the N rows that arrive, ordered by
     (source rank, source token) — the one op that waits on the host (for N). ``capacity=None``,
     expert-major: ``recv_x[L, R * T, H]`` (the worst case without duplicate ids; every rank must have the
-    same T, else pass ``capacity``). An int gives static buffers of that many rows (slots per expert):
+    same T, else pass ``capacity``: ranks whose R * T differ raise RankMismatchError naming the capacity). An int gives static buffers of that many rows (slots per expert):
     rank-major padding rows are zero (``recv_topk_idx = -1``, weights 0); expert-major slots past
     ``num_recv_tokens_per_expert`` are unspecified (DESIGN §2). If a rank would receive more, the last
     rows in contract order are dropped and counted, and :class:`CapacityError` is raised at the next

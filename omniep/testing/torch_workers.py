@@ -300,25 +300,28 @@ def _raises(fn, exc_type) -> str:
 def variant_job(rank: int, item: tuple) -> dict:
     """A case job (frontend, and backend when it has a static capacity) with the collective backend's
     rarer paths forced on every rank alike: ``bulk`` (every rank-major op on a handle sends its header
-    first and its rows then) or ``slot`` (a 256-byte slot that never grows: every first exchange whose
-    blocks carry more than the header sends them again in the second, whole)."""
+    first and its rows then), ``slot`` (a 256-byte slot that never grows: every first exchange whose
+    blocks carry more than the header sends them again in the second, whole) or ``exact`` (the path of
+    transports that need equal sizes on both ends, NCCL's: receives posted at the sizes expected)."""
     from .. import torch as ep
     from ..backends.collective import torch_backend as tb
 
     variant, job = item
     ctx = ep.context(backend="collective")
-    saved = tb.BULK, ctx.slot
+    saved = tb.BULK, ctx.slot, ctx.tolerant
     try:
         if variant == "bulk":
             tb.BULK = 0
-        else:
+        elif variant == "slot":
             ctx.slot = 256  # the header and the counts still fit (R + E <= 48)
             ctx._grow_slot = lambda need: None
+        else:
+            ctx.tolerant = False
         res = dict(frontend=frontend_job(rank, job))
         res["backend"] = backend_job(rank, job) if job["case"].capacity is not None else None
         return res
     finally:
-        tb.BULK, ctx.slot = saved
+        tb.BULK, ctx.slot, ctx.tolerant = saved
         ctx.__dict__.pop("_grow_slot", None)
 
 

@@ -129,9 +129,10 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
 
     # ---- statuses (DESIGN §9) -------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Raise the sticky status (every time) or else the pending one (once)."""
-        if self._fatal is not None:
+    def check(self, again: bool = True) -> None:
+        """Raise the sticky status (at every check, unless ``again`` is False and it was raised before)
+        or else the pending one (once)."""
+        if self._fatal is not None and (again or not self._fatal_raised):
             self._fatal_raised = True
             raise error_from_status(self._fatal, self.timeout_s)
         if self._pending is not None:
@@ -139,14 +140,8 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             raise error_from_status(status, self.timeout_s)
 
     def destroy(self) -> None:
-        """Release the context; raise what it still had to report (a status never raised)."""
         self._send = self._recv = self._rows = None
         super().destroy()
-        if self._fatal is not None and not self._fatal_raised:
-            self._pending, self._fatal_raised = self._fatal, True
-        if self._pending is not None:
-            status, self._pending = self._pending, None
-            raise error_from_status(status, self.timeout_s)
 
     def _begin(self, op: OpKind) -> None:
         """Count the op; a failed context raises at once (on every rank alike: they all failed)."""
