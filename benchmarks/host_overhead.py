@@ -31,6 +31,49 @@ def _routing(T: int, E: int, K: int, gen):
     return torch.rand(T, E, generator=gen).topk(K, dim=1).indices, torch.rand(T, K, generator=gen)
 
 
+def descriptor_cost(ctx, api, iters: int) -> dict:
+    """Median µs per op spent on the op descriptor (DESIGN §9) in ``api`` pairs: the first exchange's
+    work outside its all-to-all and its body (headers built, written, read, compared) and, in combine,
+    the copy of the rows behind the header (``+0.0 + row``, which spares a receiver whose first
+    contribution is a peer's a pass; dispatch's first exchange carries the routing, which moves anyway)."""
+    import statistics
+
+    real_exchange, real_a2a = ctx._exchange, ctx._a2a
+    spent = {"a2a": 0.0, "write": 0.0}
+    per_op = {"dispatch": [], "combine": [], "combine_copy": []}
+
+    def a2a(*a, **k):
+        t0 = time.perf_counter()
+        real_a2a(*a, **k)
+        spent["a2a"] += time.perf_counter() - t0
+
+    def exchange(desc, bodies, write, *a, **k):
+        def timed_write(buf, offsets):
+            t0 = time.perf_counter()
+            write(buf, offsets)
+            spent["write"] += time.perf_counter() - t0
+
+        spent["a2a"] = spent["write"] = 0.0
+        t0 = time.perf_counter()
+        res = real_exchange(desc, bodies, timed_write, *a, **k)
+        headers = time.perf_counter() - t0 - spent["a2a"] - spent["write"]
+        if desc[1] == 1:
+            per_op["dispatch"].append(headers)
+        else:
+            per_op["combine"].append(headers)
+            per_op["combine_copy"].append(spent["write"])
+        return res
+
+    ctx._exchange, ctx._a2a = exchange, a2a
+    try:
+        for _ in range(iters):
+            api(False)
+    finally:
+        del ctx._exchange
+        ctx._a2a = real_a2a
+    return {f"descriptor_{k}": statistics.median(v) * 1e6 for k, v in per_op.items()}
+
+
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     import cProfile
     import datetime
@@ -123,6 +166,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         # Adjacent pairs share the machine's state of the moment: the median of their ratios is the
         # steadier figure on a noisy host.
         out[T]["pair_ratio"] = statistics.median(a / m for a, m in zip(times["api"], times["minimal"]))
+        if args["descriptor"]:
+            out[T].update(descriptor_cost(ctx, api, min(iters, 200)))
         if args["profile"]:
             prof = cProfile.Profile()
             prof.enable()
@@ -147,6 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's api pairs after timing")
+    p.add_argument("--descriptor", action="store_true",
+                   help="after timing, the µs per op the op descriptor costs (headers; combine's copy behind them)")
     a = p.parse_args(argv)
     if len(a.iters) != len(a.tokens):
         a.iters = (a.iters * len(a.tokens))[:len(a.tokens)]
@@ -169,6 +216,16 @@ def main(argv=None) -> int:
         print(f"| {T} | {api} | {minimal} | {mean('api') / mean('minimal'):.2f}x | {mean('pair_ratio'):.2f}x "
               f"| {mean('dispatch'):.0f} | {mean('combine'):.0f} | {mean('host_dispatch'):.0f} / "
               f"{mean('host_combine'):.0f} |")
+    if a.descriptor:
+        print("\n| T | dispatch: headers (µs, % of the op) | combine: headers | combine: rows copied behind them |")
+        print("|---|---|---|---|")
+        for T in a.tokens:
+            per = [r[T] for r in res]
+            cells = []
+            for key, op in (("dispatch", "dispatch"), ("combine", "combine"), ("combine_copy", "combine")):
+                us = sum(q[f"descriptor_{key}"] for q in per) / len(per)
+                cells.append(f"{us:.0f} ({100 * us / (sum(q[op] for q in per) / len(per)):.1f} %)")
+            print(f"| {T} | {' | '.join(cells)} |")
     if a.profile:
         for T in a.tokens:
             print(f"\n--- cProfile, rank 0, T={T} ---\n{res[0][T]['profile']}")

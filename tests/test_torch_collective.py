@@ -54,6 +54,11 @@ def edge_cases(world: int) -> list:
     ]
 
 
+def n_edge_jobs(world: int) -> int:
+    """The edge cases and the signed-zeros job, the last jobs of a session's cases."""
+    return len(edge_cases(world)) + 1
+
+
 def assert_dispatch(res: dict, disp, what: str, scales=None) -> None:
     for field in ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
         assert_bits(res[field], getattr(disp, field), f"{what} {field}")
@@ -86,8 +91,17 @@ def assert_results(res: dict, job: dict, r: int, what: str, *, autograd: bool) -
 def build_jobs(world: int) -> dict:
     cases = draw_cases(world, settings.default.max_examples) + edge_cases(world)
     jobs = dict(cases=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
+    # Signed zeros: every token goes to every rank and every y is -0.0, so the reference's +0.0 + ...
+    # decides the sign of every output.
+    zero_case = make_case(17, num_ranks=world, num_experts=2 * world, num_topk=world, hidden=8,
+                          num_tokens=[4 + r for r in range(world)], dtype="bfloat16")
+    zero_case.topk_idx = [np.tile(np.arange(0, 2 * world, 2, dtype=i.dtype), (i.shape[0], 1)) for i in zero_case.topk_idx]
+    zeros = make_job(zero_case, 17, 1)
+    zeros["y"] = [np.full(y.shape, -0.0, np.float32).astype(y.dtype) for y in zeros["y"]]
+    zeros["bias"] = [[np.full(b.shape, -0.0, np.float32).astype(b.dtype) for b in bs] for bs in zeros["bias"]]
+    jobs["cases"].append(zeros)
     # The edge cases again with the collective backend's rarer exchange paths forced (see variant_job).
-    edges = jobs["cases"][-len(edge_cases(world)):]
+    edges = jobs["cases"][-n_edge_jobs(world):]
     jobs["variants"] = [(variant, job) for variant in ("bulk", "slot", "exact") for job in edges]
     jobs["golden"] = []
     for path in golden.golden_files():
@@ -200,7 +214,7 @@ def test_rarer_exchange_paths_bitwise(session, variant):
     go again, whole), or with receives posted at exactly the sizes expected (``exact``: NCCL's path,
     the routing in an exchange of its own): the same bits, the same overflows."""
     world, jobs, results = session
-    n_edges = len(edge_cases(world))
+    n_edges = n_edge_jobs(world)
     checked = 0
     for v_i, (name, job) in enumerate(jobs["variants"]):
         if name != variant:

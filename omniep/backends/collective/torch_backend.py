@@ -403,10 +403,10 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             status, *_ = self._exchange(desc, [0] * R, _nothing, dev, [0] * n_head, expect=[0] * R)
             self._settle(status, wait)
             return self._nothing_moved(x, scales, idx32, cap, E, em)
-        owner, in_rank = routes(idx32, E, R)
+        owner, in_rank = routes(topk_idx, E, R)
         send_n = in_rank.sum(0).tolist()
         sel = _selector(in_rank, send_n, T)
-        head = send_n + (expert_counts(idx32, E).tolist() if em else [])
+        head = send_n + (expert_counts(topk_idx, E).tolist() if em else [])
         # Every row's routing rides with the counts: [ids (K int32) | weights (K f32) | fp8 scales].
         side = [_up(n * 4 * K) * 2 + _up(n * 4 * S) for n in send_n]
 
@@ -674,19 +674,14 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             acc, _ = self._return_copies(OpKind.COMBINE, y, None, handle, num_experts, topk_weights, problem)
         else:
             acc, _ = self._return_rows(OpKind.COMBINE, y, None, handle, num_experts, problem)
-        for b in (bias0, bias1):
-            if b is not None:
-                acc.add_(b)
-        return acc if acc.dtype == y.dtype else acc.to(y.dtype)
+        return _rounded(acc, (bias0, bias1), y.dtype)
 
     def _return_rows(self, op: OpKind, y, w_rows, handle, num_experts, problem):
         """Rank-major way back: the rows of ``y`` (and ``w_rows [rows, K]`` f32, the dispatch_bwd weight
         gradients) go back to their sources, which sum them over ranks in ascending order. Returns
-        ``(acc [T, H] fp32, w back [S, K] destination-major or None)``.
-
-        Behind the header a sender sends ``+0.0 + row`` (the pass that copies it there): a receiver
-        whose first contribution is a peer's then needs no pass of its own for the accumulator's
-        ``+0.0 +``. Bulk rows go as they are, after the header (and the weight gradients)."""
+        ``(acc [T, H], w back [S, K] destination-major or None)``: ``acc`` is the sum in the accumulator
+        dtype *without* the reference's leading ``+0.0`` (see :func:`_rounded`, which adds it last).
+        Bulk rows go as they are, after the header (and the weight gradients)."""
         R, me = self.world, self.rank
         y = y.contiguous()
         H = y.shape[-1] if y.dim() == 2 else 0
@@ -701,29 +696,30 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         back = _starts(recv_n)
         at = acc_dtype(y.dtype)
         acc = torch.empty((T, H), dtype=at, device=y.device)
-        full = [d for d in range(R) if send_n[d]]
-        own_first = full[:1] == [me] and send_n[me] == T and problem is None
-        # Two whole contributions, this rank's second and the peer's not +0.0 + row: (0 + a) + b ==
-        # a + (0 + b) bit for bit (signs of zero and NaN payloads included), so this rank's +0.0 + row
-        # goes while the peer's rows travel, and one pass adds the peer's after.
-        own_second = bulk and len(full) == 2 and full[1] == me and send_n[me] == T and send_n[full[0]] == T \
-            and problem is None
+        yb = _as_rows(y)
+        whole = [d for d in range(R) if send_n[d]]
+        whole = whole if all(send_n[d] == T for d in whole) else []
+        # This rank's rows start the accumulator while the peers' travel when they come first, or
+        # second of two (then the first is added in front of them: the operands in the reference's
+        # order, which decides a NaN's payload; the signs of zero are settled at the end).
+        own_early = me in whole[:2] and len(whole) <= 2 and problem is None
+        own_second = own_early and whole[0] != me
 
         def write(buf, offsets):
             for s in self.peers:
                 n, o = recv_n[s], offsets[s]
                 if n and not bulk:
-                    torch.add(y[back[s]:back[s] + n], 0.0, out=buf[o:o + n * W].view(y.dtype).view(n, H))
+                    buf[o:o + n * W].view(n, W).copy_(yb[back[s]:back[s] + n])
                 if n and kw:
                     o += _up(n * Wy)
                     buf[o:o + n * kw].view(torch.float32).view(n, K).copy_(w_rows[back[s]:back[s] + n])
 
-        def own():  # this rank's rows, into the accumulator while the peers' travel
-            torch.add(y[back[me]:back[me] + T], 0.0, out=acc)
+        def own():
+            acc.copy_(y[back[me]:back[me] + T])
 
         sizes = [[_up(n * Wy) + _up(n * kw) for n in counts] for counts in (recv_n, send_n)]
         go, buf, offsets = self._handle_op(op, handle, info, num_experts, RANK_MAJOR, H, y.dtype, problem, sizes[0],
-                                           write, sizes[1], y.device, own if own_first and not bulk else None)
+                                           write, sizes[1], y.device, own if own_early and not bulk else None)
         if not go:
             return acc.zero_(), (w_rows.new_zeros((0, K)) if kw else None)
         w_back = [] if kw else None
@@ -736,23 +732,20 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                     o = offsets[d] + _up(n * Wy)
                     w_back.append(buf[o:o + n * kw].view(torch.float32).view(n, K))
             w_back = torch.cat(w_back) if w_back else w_rows.new_zeros((0, K))
-        if bulk:  # the rows now: straight from y into a workspace, this rank's own sum going meanwhile
-            rows_b = self._blocks_exchange(_as_rows(y), back, recv_n, send_n,
-                                           own if (own_first or own_second) else _nothing)
-            offsets = [None if o is None else o for o in rows_b[1]]
-            buf = rows_b[0]
+        if bulk:  # the rows now: straight from y into a workspace, this rank's own start meanwhile
+            buf, offsets = self._blocks_exchange(yb, back, recv_n, send_n, own if own_early else _nothing)
         sel = _selector(handle[SENT], send_n, T)
-        ready, pending = own_first, None
+        ready, pending = own_early, None
         for d in range(R):
             n = send_n[d]
-            if not n or (d == me and (own_first or own_second)):
+            if not n or (d == me and own_early):
                 continue
             rows = y[back[me]:back[me] + n] if d == me else buf[offsets[d]:offsets[d] + n * W].view(y.dtype).view(n, H)
-            if own_second:
-                torch.add(rows, acc, out=acc)
-                ready = True
-            elif n == T:  # every token: rows in token order
-                if ready:
+            if n == T:  # every token, in token order
+                if own_second:
+                    torch.add(rows, acc, out=acc)
+                    own_second = False
+                elif ready:
                     acc.add_(rows)
                 elif pending is not None:  # two whole contributions: one pass unless rows need converting
                     if rows.dtype == at:
@@ -761,11 +754,8 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                         acc.copy_(pending)
                         acc.add_(rows)
                     ready, pending = True, None
-                elif d != me and not bulk:  # a peer's rows are +0.0 + row already
-                    pending = rows
                 else:
-                    torch.add(rows, 0.0, out=acc)
-                    ready = True
+                    pending = rows
             else:
                 if pending is not None:
                     acc.copy_(pending)
@@ -868,7 +858,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         g_w_rows = g_recv_topk_weights.to(torch.float32).contiguous()
         if layout == EXPERT_MAJOR:
             acc, g_w = self._return_copies(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None, None)
-            return acc.to(g_recv_x.dtype), g_w
+            return _rounded(acc, (), g_recv_x.dtype), g_w
         acc, w_back = self._return_rows(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None)
         idx32, sent = handle[IDX32], handle[SENT]
         T, K = idx32.shape
@@ -881,7 +871,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         row = at.gather(1, owner)
         picked = w_back[row.clamp(min=0), torch.arange(K, device=dev)] if w_back.shape[0] \
             else torch.zeros((T, K), dtype=torch.float32, device=dev)
-        return acc.to(g_recv_x.dtype), torch.where(row >= 0, picked, torch.zeros_like(picked))
+        return _rounded(acc, (), g_recv_x.dtype), torch.where(row >= 0, picked, torch.zeros_like(picked))
 
     def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):
         return self.combine_bwd(g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment)
@@ -1058,6 +1048,17 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     for d in t.shape[1:]:
         width *= int(d)
     return t.contiguous().view(-1).view(torch.uint8).view(t.shape[0], width)
+
+
+def _rounded(acc: torch.Tensor, biases: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The reference's ``round(((+0.0 + c1) + c2 + ...) + b1 + b2)`` from ``acc = (c1 + c2 + ...)``: the
+    two differ only where every term is -0.0 (-0.0 here, +0.0 there), so one ``+0.0`` at the end, after
+    the biases, makes them equal bit for bit (NaN payloads included); then one rounding to ``dtype``."""
+    for b in biases:
+        if b is not None:
+            acc.add_(b)
+    acc.add_(0.0)
+    return acc if acc.dtype == dtype else acc.to(dtype)
 
 
 def _scalar(value: int, device) -> torch.Tensor:
