@@ -11,8 +11,10 @@ times, alternately, on every rank:
 
 Medians over ``--iters`` pairs after warm-up, per rank; ``ratio`` = api / minimal (mean of the ranks'
 medians); ``ratio of adjacent pairs``: the median of api / minimal over each api pair and the minimal
-pair timed right after it (steadier on a noisy host). ``host`` is the time the api pair spends outside ``all_to_all_single`` (layout, packing, sums,
-Python), per op. ``--profile`` prints rank 0's cProfile of the api pair.
+pair timed right after it (steadier on a noisy host). ``host`` is the time an op spends outside
+``all_to_all_single`` (layout, packing, sums, Python; work overlapped with a collective counts as
+collective time). ``--descriptor``: what the op descriptor costs per op; ``--profile``: rank 0's cProfile
+of the api pair.
 
     python benchmarks/host_overhead.py [--tokens 128 4096] [--dtype float32] [--iters 300 40]
 """

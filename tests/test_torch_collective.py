@@ -95,7 +95,8 @@ def build_jobs(world: int) -> dict:
     # decides the sign of every output.
     zero_case = make_case(17, num_ranks=world, num_experts=2 * world, num_topk=world, hidden=8,
                           num_tokens=[4 + r for r in range(world)], dtype="bfloat16")
-    zero_case.topk_idx = [np.tile(np.arange(0, 2 * world, 2, dtype=i.dtype), (i.shape[0], 1)) for i in zero_case.topk_idx]
+    zero_case.topk_idx = [np.tile(np.arange(0, 2 * world, 2, dtype=i.dtype), (i.shape[0], 1))
+                          for i in zero_case.topk_idx]
     zeros = make_job(zero_case, 17, 1)
     zeros["y"] = [np.full(y.shape, -0.0, np.float32).astype(y.dtype) for y in zeros["y"]]
     zeros["bias"] = [[np.full(b.shape, -0.0, np.float32).astype(b.dtype) for b in bs] for bs in zeros["bias"]]

@@ -4,8 +4,8 @@ Each ``*_session`` function is a :func:`omniep.testing.procs.run_ranks` target: 
 once and runs a whole list of jobs, because process start-up dominates the cost of a test. Inputs come
 from the parent (numpy arrays, per rank); results go back as numpy arrays with their bits intact, and
 the parent compares them with :mod:`omniep.ep_core.reference`. Only errors that every rank raises
-alike (``CapacityError``, ``InputError`` from the frontends' agreement step) are caught here; anything
-else fails the rank, and with it the run, promptly.
+alike (``CapacityError``; in :func:`error_session`, every typed omniep error: a mismatch, a peer's bad
+input, a timeout) are caught here; anything else fails the rank, and with it the run, promptly.
 """
 
 from __future__ import annotations

@@ -567,9 +567,10 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             none = torch.empty((0,), dtype=torch.int64, device=dev)
             handle += [torch.full((T, K), -1, dtype=torch.int64, device=dev), none, none.clone()]
         per_copy = lead if em else lead + (K,)
+        f32 = torch.float32
         return (torch.zeros(lead + (H,), dtype=x.dtype, device=dev),
-                torch.zeros(lead + (S,), dtype=torch.float32, device=dev) if S else x.new_empty((0,), dtype=torch.float32),
-                torch.full(per_copy, -1, dtype=torch.int32, device=dev), torch.zeros(per_copy, dtype=torch.float32, device=dev),
+                torch.zeros(lead + (S,), dtype=f32, device=dev) if S else x.new_empty((0,), dtype=f32),
+                torch.full(per_copy, -1, dtype=torch.int32, device=dev), torch.zeros(per_copy, dtype=f32, device=dev),
                 _scalar(0, dev), torch.zeros((L,), dtype=torch.int32, device=dev), _scalar(0, dev), handle)
 
     # ---- ops on a handle ------------------------------------------------------------------------
@@ -909,8 +910,9 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             g_out.new_empty((0,), dtype=torch.float32)
         if not go:
             return g_y.view(L, C, H), g_w
-        parts = [_take(g_out, sel(me), send_n[me]) if s == me else
-                 buf[offsets[s]:offsets[s] + rows_from[s] * W].view(g_out.dtype).view(rows_from[s], H) for s in range(R)]
+        parts = [_take(g_out, sel(me), send_n[me]) if s == me
+                 else buf[offsets[s]:offsets[s] + rows_from[s] * W].view(g_out.dtype).view(rows_from[s], H)
+                 for s in range(R)]
         rows = torch.cat(parts)
         flat, m = handle[COPY_SLOT], handle[COPY_ROW]
         at = acc_dtype(dtype)

@@ -46,9 +46,10 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def local_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """DeepEP's ``get_dispatch_layout`` of one rank (ids in ``[-1, E)``). Returns ``(idx32 [T, K] int32, owner [T, K] int64
-    (-1 = none), send_pos [T, R] int32, num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32)``;
-    ``send_pos[t, r]`` is t's position among the tokens sent to rank r (ascending t), -1 if not sent."""
+    """DeepEP's ``get_dispatch_layout`` of one rank (ids in ``[-1, E)``). Returns ``(idx32 [T, K] int32,
+    owner [T, K] int64 (-1 = none), send_pos [T, R] int32, num_tokens_per_rank [R] int32,
+    num_tokens_per_expert [E] int32)``; ``send_pos[t, r]`` is t's position among the tokens sent to rank
+    r (ascending t), -1 if not sent."""
     owner, in_rank = routes(topk_idx, num_experts, num_ranks)
     send_pos = torch.where(in_rank, in_rank.long().cumsum(0) - 1, -1).to(torch.int32)
     return (topk_idx.to(torch.int32), torch.where(owner < num_ranks, owner, -1), send_pos,
