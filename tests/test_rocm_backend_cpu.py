@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from omniep.backends.rocm_rocshmem import torch_backend as tb  # noqa: E402
 
 MISSING = ("hip-python not installed", "libamdhip64 not found", "no AMD GPU",
-           "omniep native HIP module not built: make native OMNIEP_HIP=1", "torch is not a ROCm build")
+           "omniep native module omniep._native", "torch is not a ROCm build")
 
 
 def test_registered_for_torch_only():
@@ -73,9 +73,11 @@ def test_not_built_reason(monkeypatch):
     real = tb.importlib.import_module
 
     def fake(name, *a, **k):
-        if name == tb.NATIVE_MODULE:
+        if name in (tb.NATIVE_MODULE, tb.TORCH_OPS_MODULE):
             raise ImportError(f"No module named {name!r}")
         return real(name, *a, **k)
 
     monkeypatch.setattr(tb.importlib, "import_module", fake)
-    assert "omniep native HIP module not built: make native OMNIEP_HIP=1" in tb.RocmRocshmemTorch.availability().reason
+    reason = tb.RocmRocshmemTorch.availability().reason
+    assert f"omniep native module {tb.NATIVE_MODULE} not built for ROCm: make native OMNIEP_HIP=1" in reason
+    assert f"omniep native module {tb.TORCH_OPS_MODULE} (the torch ops) has no ROCm build yet" in reason

@@ -90,11 +90,14 @@ class RocmRocshmemTorch(CudaNvshmemTorch):
                     out.append("libamdhip64 not found")
                 if not os.path.exists("/dev/kfd"):
                     out.append("no AMD GPU (/dev/kfd absent)")
-        for module in (NATIVE_MODULE, TORCH_OPS_MODULE):  # the rank, and the torch ops over its EpRank
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                out.append(f"omniep native module {module} not built for ROCm: {BUILD_HINT}")
+        try:
+            importlib.import_module(NATIVE_MODULE)
+        except ImportError:
+            out.append(f"omniep native module {NATIVE_MODULE} not built for ROCm: {BUILD_HINT}")
+        try:  # the torch ops over the rank's EpRank: cmake/torch.cmake builds them against CUDA torch only
+            importlib.import_module(TORCH_OPS_MODULE)
+        except ImportError:
+            out.append(f"omniep native module {TORCH_OPS_MODULE} (the torch ops) has no ROCm build yet")
         try:
             import torch
         except ImportError:
