@@ -66,9 +66,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     import torch.distributed as dist
 
     from omniep import torch as ep
-    from omniep.backends.collective.torch_backend import CollectiveTorch
-    from omniep.backends.cuda_nvshmem.torch_backend import CudaNvshmemTorch, destroy_states
-    from omniep.ep_core.types import DispatchConfig, Layout
+    from omniep.ep_core.types import Layout
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

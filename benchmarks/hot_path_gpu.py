@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
-    print(f"\n| world | shape | mode | host µs / pair | wall µs / pair | device µs / pair | wall - device |")
+    print("\n| world | shape | mode | host µs / pair | wall µs / pair | device µs / pair | wall - device |")
     print("|---|---|---|---|---|---|---|")
     for shape in args["shapes"]:
         for mode in args["modes"]:

@@ -14,7 +14,7 @@ import datetime
 import os
 import traceback
 
-from ..ep_core.errors import CapacityError, DestroyedError, InputError
+from ..ep_core.errors import CapacityError, DestroyedError
 from ..ep_core.types import Layout
 from . import torch_bits
 from .torch_bits import to_numpy
