@@ -76,18 +76,24 @@ struct DispatchCall {
   int32_t* num_recv_tokens_per_expert;  // [L] (with topk_weights)
 };
 
-// Rank-major combine; with g_recv_topk_weights it is dispatch_bwd (weight gradients read back).
-struct CombineCall {
-  const void* y;  // [rows, hidden] in dtype (args.h DType)
-  int rows, hidden, dtype;
+// What both layouts' combine (and dispatch_bwd) take: y's rows summed per source token, plus biases.
+struct CombineBase {
+  const void* y;  // rank-major [rows, hidden]; expert-major [L, C, hidden]; in dtype (args.h DType)
+  int hidden, dtype;
   int num_tokens, num_topk, num_experts, capacity;
-  const int32_t *topk_idx32, *send_pos, *send_offset, *recv_counts;
-  const void* bias[2];  // [T, hidden] in bias_dtype[i]; first num_bias used
+  const int32_t* topk_idx32;  // [T, K] prepare's
+  const void* bias[2];        // [T, hidden] in bias_dtype[i]; first num_bias used
   int bias_dtype[2], num_bias;
-  void* out;  // [T, hidden] in dtype
+  void* out;                         // [T, hidden] in dtype
   bool with_topk_grad;               // dispatch_bwd: read the weight gradients back
-  const float* g_recv_topk_weights;  // [rows, K] (with_topk_grad)
+  const float* g_recv_topk_weights;  // y's rows x K (rank-major) / [L, C] (expert-major) (with_topk_grad)
   float* g_topk_weights;             // [T, K] (with_topk_grad)
+};
+
+// Rank-major combine; with g_recv_topk_weights it is dispatch_bwd (weight gradients read back).
+struct CombineCall : CombineBase {
+  int rows;  // y's rows (<= capacity)
+  const int32_t *send_pos, *send_offset, *recv_counts;  // prepare's
 };
 
 // Expert-major dispatch into recv_x[L, C, row_bytes] (slots past recv_expert_count unspecified).
@@ -106,19 +112,10 @@ struct EMDispatchCall {
 };
 
 // Expert-major combine (weighted) and dispatch_bwd (topk_weights null: weight 1; g_recv_topk_weights).
-struct EMCombineCall {
-  const void* y;  // [L, C, hidden]
-  int hidden, dtype;
-  int num_tokens, num_topk, num_experts, capacity;
-  bool weighted;                     // combine: times topk_weights; dispatch_bwd: weight 1
+struct EMCombineCall : CombineBase {
+  bool weighted;  // combine: times topk_weights; dispatch_bwd: weight 1
   const float* topk_weights;
-  const int32_t *topk_idx32, *copy_slot;
-  const void* bias[2];
-  int bias_dtype[2], num_bias;
-  void* out;                         // [T, hidden]
-  bool with_topk_grad;               // dispatch_bwd: read the weight gradients back
-  const float* g_recv_topk_weights;  // [L, C] (with_topk_grad)
-  float* g_topk_weights;             // [T, K] (with_topk_grad)
+  const int32_t* copy_slot;  // prepare's
 };
 
 // Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.

@@ -56,6 +56,30 @@ PerRank<T> mine(const Rank& g, const void* p) {
 
 inline void next_part(OpDesc& d) { ++d.w[kDescPart]; }
 
+// The kernel arguments both layouts' combine take from a CombineBase (y and g_recv_topk_weights
+// travel through the data region: the caller sets those).
+template <typename Args, typename Rank>
+void set_combine_args(Args& a, const CombineBase& c, const Rank& g, const OpDesc& d) {
+  a.out = mine<void>(g, c.out);
+  a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
+  a.num_tokens[g.rank()] = c.num_tokens;
+  a.hidden = c.hidden;
+  a.num_topk = c.num_topk;
+  a.num_experts = c.num_experts;
+  a.capacity = c.capacity;
+  a.dtype = c.dtype;
+  a.num_bias = c.num_bias;
+  for (int i = 0; i < c.num_bias && i < 2; ++i) {
+    a.bias[i] = mine<const void>(g, c.bias[i]);
+    a.bias_dtype[i] = c.bias_dtype[i];
+  }
+  if (c.with_topk_grad) {
+    a.g_topk_weights = mine<float>(g, c.g_topk_weights);
+    a.with_topk_grad = 1;
+  }
+  a.desc[g.rank()] = d;
+}
+
 template <typename Rank>
 OneRankOps<Rank>::~OneRankOps() {
   if (mailbox_ != nullptr) (void)cudaFreeHost(mailbox_);
@@ -262,24 +286,11 @@ void OneRankOps<Rank>::combine(const CombineCall& c, OpDesc& d, cudaStream_t s) 
   if (!ensure_data(static_cast<size_t>(pack_regions(C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
 
   CombineArgs a = {};
+  set_combine_args(a, c, g, d);
   a.y = g.template sym<const void>(offsets[0]);
-  a.out = mine<void>(g, c.out);
-  a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
   a.send_pos = mine<const int32_t>(g, c.send_pos);
   a.send_offset = mine<const int32_t>(g, c.send_offset);
-  a.num_tokens[g.rank()] = c.num_tokens;
-  a.hidden = c.hidden;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
-  a.dtype = c.dtype;
-  a.num_bias = c.num_bias;
-  for (int i = 0; i < c.num_bias && i < 2; ++i) {
-    a.bias[i] = mine<const void>(g, c.bias[i]);
-    a.bias_dtype[i] = c.bias_dtype[i];
-  }
   a.own_y = mine<const void>(g, c.y);  // my own rows are read from y itself; the copy-in skips them
-  a.desc[g.rank()] = d;
   const uintptr_t base = g.data_ptr();
   copy_rows_except(base + offsets[0], reinterpret_cast<uintptr_t>(c.y), y_row, c.rows,
                    reinterpret_cast<uintptr_t>(c.send_offset + g.rank()),
@@ -288,8 +299,6 @@ void OneRankOps<Rank>::combine(const CombineCall& c, OpDesc& d, cudaStream_t s) 
     if (c.rows > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.g_recv_topk_weights),
                            static_cast<size_t>(c.rows * K * 4), s);
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
-    a.g_topk_weights = mine<float>(g, c.g_topk_weights);
-    a.with_topk_grad = 1;
   }
   launch_combine(a, s);
   next_part(d);
@@ -341,32 +350,17 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   int64_t sizes[2] = {static_cast<int64_t>(c.hidden) * dtype_size(c.dtype), 4}, offsets[2] = {};
   if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
   EMCombineArgs a = {};
+  set_combine_args(a, c, g, d);
   a.y = g.template sym<const void>(offsets[0]);
-  a.out = mine<void>(g, c.out);
-  a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
   // weight 1 for dispatch_bwd: the kernel's null weights
   if (c.weighted) a.topk_weights = mine<const float>(g, c.topk_weights);
   a.copy_slot = mine<const int32_t>(g, c.copy_slot);
-  a.num_tokens[g.rank()] = c.num_tokens;
-  a.hidden = c.hidden;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
-  a.dtype = c.dtype;
-  a.num_bias = c.num_bias;
-  for (int i = 0; i < c.num_bias && i < 2; ++i) {
-    a.bias[i] = mine<const void>(g, c.bias[i]);
-    a.bias_dtype[i] = c.bias_dtype[i];
-  }
-  a.desc[g.rank()] = d;
   const uintptr_t base = g.data_ptr();
   const size_t slots = static_cast<size_t>(L * C);
   if (slots > 0) memcpy(base + offsets[0], reinterpret_cast<uintptr_t>(c.y), slots * static_cast<size_t>(sizes[0]), s);
   if (grad) {
     if (slots > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.g_recv_topk_weights), slots * 4, s);
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
-    a.g_topk_weights = mine<float>(g, c.g_topk_weights);
-    a.with_topk_grad = 1;
   }
   launch_em_combine(a, s);
   next_part(d);

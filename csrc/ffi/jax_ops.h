@@ -103,16 +103,36 @@ ffi::Error guarded(int64_t state, int32_t ordinal, const char* op, F&& body) {
   return ffi::Error::Success();
 }
 
-// Bias terms (0-2 remaining operands) of a combine, rank-major or expert-major.
-template <typename Call>
-void set_biases(Call& c, const ffi::RemainingArgs& biases) {
-  if (biases.size() > 2) throw std::invalid_argument("at most two bias terms");
-  c.num_bias = static_cast<int>(biases.size());
-  for (size_t i = 0; i < biases.size(); ++i) {
-    auto b = biases.get<ffi::AnyBuffer>(i);
-    if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
-    c.bias[i] = b->untyped_data();
-    c.bias_dtype[i] = dtype_code(b->element_type());
+// What combine and dispatch_bwd of both layouts take alike: y (hidden, capacity: its shape), prepare's
+// topk_idx32, the bias terms (0-2 remaining operands), out, and for dispatch_bwd the weight cotangents.
+inline void set_combine_base(CombineBase& c, const ffi::AnyBuffer& y, int64_t hidden, int64_t capacity,
+                             const ffi::AnyBuffer& idx32, const ffi::RemainingArgs* biases,
+                             ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer* g_recv_w,
+                             ffi::Result<ffi::AnyBuffer>* g_w, int64_t num_experts) {
+  c.y = data(y);
+  c.hidden = static_cast<int>(hidden);
+  c.dtype = dtype_code(y.element_type());
+  c.num_tokens = static_cast<int>(rows_of(idx32));
+  c.num_topk = static_cast<int>(cols_of(idx32));
+  c.num_experts = static_cast<int>(num_experts);
+  c.capacity = static_cast<int>(capacity);
+  c.topk_idx32 = as<const int32_t>(idx32);
+  if (biases) {
+    if (biases->size() > 2) throw std::invalid_argument("at most two bias terms");
+    c.num_bias = static_cast<int>(biases->size());
+    for (size_t i = 0; i < biases->size(); ++i) {
+      auto b = biases->get<ffi::AnyBuffer>(i);
+      if (!b.has_value()) throw std::invalid_argument("bias operand is not a buffer");
+      c.bias[i] = b->untyped_data();
+      c.bias_dtype[i] = dtype_code(b->element_type());
+    }
+  }
+  c.out = data(out);
+  if (g_recv_w) {
+    need_f32(*g_recv_w, "weight cotangents");
+    c.with_topk_grad = true;
+    c.g_recv_topk_weights = as<const float>(*g_recv_w);
+    c.g_topk_weights = as<float>(*g_w);
   }
 }
 
@@ -222,25 +242,11 @@ void run_combine(G& g, cudaStream_t stream, OpKind op, const ffi::AnyBuffer& y, 
                  const ffi::AnyBuffer& recv_counts, const ffi::RemainingArgs* biases, ffi::Result<ffi::AnyBuffer>& out,
                  ffi::Result<ffi::AnyBuffer>* g_w, int64_t num_experts) {
   CombineCall c = {};
-  c.y = data(y);
-  c.rows = c.capacity = static_cast<int>(rows_of(y));
-  c.hidden = static_cast<int>(cols_of(y));
-  c.dtype = dtype_code(y.element_type());
-  c.num_tokens = static_cast<int>(rows_of(idx32));
-  c.num_topk = static_cast<int>(cols_of(idx32));
-  c.num_experts = static_cast<int>(num_experts);
-  c.topk_idx32 = as<const int32_t>(idx32);
+  set_combine_base(c, y, cols_of(y), rows_of(y), idx32, biases, out, g_recv_w, g_w, num_experts);
+  c.rows = c.capacity;
   c.send_pos = as<const int32_t>(send_pos);
   c.send_offset = as<const int32_t>(send_offset);
   c.recv_counts = as<const int32_t>(recv_counts);
-  c.out = data(out);
-  if (biases) set_biases(c, *biases);
-  if (g_recv_w) {
-    need_f32(*g_recv_w, "weight cotangents");
-    c.with_topk_grad = true;
-    c.g_recv_topk_weights = as<const float>(*g_recv_w);
-    c.g_topk_weights = as<float>(*g_w);
-  }
   g.combine(c, g.begin(op, c.num_experts, c.hidden, c.dtype, 0, c.capacity, -1, c.num_topk), stream);
 }
 
@@ -353,28 +359,13 @@ void run_em_combine(G& g, cudaStream_t stream, OpKind op, const ffi::AnyBuffer& 
   const Dims dims = y.dimensions();
   if (dims.size() != 3) throw std::invalid_argument("y must be [L, C, H]");
   EMCombineCall c = {};
-  c.y = data(y);
-  c.hidden = static_cast<int>(dims[2]);
-  c.dtype = dtype_code(y.element_type());
-  c.num_tokens = static_cast<int>(rows_of(idx32));
-  c.num_topk = static_cast<int>(cols_of(idx32));
-  c.num_experts = static_cast<int>(num_experts);
-  c.capacity = static_cast<int>(dims[1]);
+  set_combine_base(c, y, dims[2], dims[1], idx32, biases, out, g_recv_w, g_w, num_experts);
   if (weights) {
     need_f32(*weights, "topk_weights");
     c.weighted = true;
     c.topk_weights = as<const float>(*weights);
   }
-  c.topk_idx32 = as<const int32_t>(idx32);
   c.copy_slot = as<const int32_t>(copy_slot);
-  if (biases) set_biases(c, *biases);
-  c.out = data(out);
-  if (g_recv_w) {
-    need_f32(*g_recv_w, "weight cotangents");
-    c.with_topk_grad = true;
-    c.g_recv_topk_weights = as<const float>(*g_recv_w);
-    c.g_topk_weights = as<float>(*g_w);
-  }
   g.em_combine(c, g.begin(op, c.num_experts, c.hidden, c.dtype, 1, c.capacity, -1, c.num_topk), stream);
 }
 

@@ -505,57 +505,43 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
   const Tensor g_recv_w = grad ? g_recv_w_in->contiguous() : Tensor();
   Tensor g_w = grad ? empty_like_device({T, K}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
   const cudaStream_t s = stream_of(c);
+  // What both layouts take alike (omniep::CombineBase).
+  const auto fill = [&](omniep::CombineBase& b) {
+    b.y = y.data_ptr();
+    b.hidden = static_cast<int>(H);
+    b.dtype = kernel_dtype(y);
+    b.num_tokens = static_cast<int>(T);
+    b.num_topk = static_cast<int>(K);
+    b.num_experts = static_cast<int>(num_experts);
+    b.capacity = static_cast<int>(h.capacity);
+    b.topk_idx32 = h.topk_idx32;
+    b.num_bias = num_bias;
+    for (int i = 0; i < num_bias; ++i) {
+      b.bias[i] = bias[i].data_ptr();
+      b.bias_dtype[i] = kernel_dtype(bias[i]);
+    }
+    b.out = out.data_ptr();
+    b.with_topk_grad = grad;
+    if (grad) {
+      b.g_recv_topk_weights = g_recv_w.data_ptr<float>();
+      b.g_topk_weights = g_w.data_ptr<float>();
+    }
+  };
   if (em) {
     omniep::EMCombineCall e = {};
-    e.y = y.data_ptr();
-    e.hidden = static_cast<int>(H);
-    e.dtype = kernel_dtype(y);
-    e.num_tokens = static_cast<int>(T);
-    e.num_topk = static_cast<int>(K);
-    e.num_experts = static_cast<int>(num_experts);
-    e.capacity = static_cast<int>(h.capacity);
+    fill(e);
     const Tensor w = weights_in != nullptr ? weights_in->contiguous() : Tensor();
     e.weighted = weights_in != nullptr;
     e.topk_weights = weights_in != nullptr ? w.data_ptr<float>() : nullptr;
-    e.topk_idx32 = h.topk_idx32;
     e.copy_slot = h.routing + h.parts.copy_slot;
-    e.num_bias = num_bias;
-    for (int i = 0; i < num_bias; ++i) {
-      e.bias[i] = bias[i].data_ptr();
-      e.bias_dtype[i] = kernel_dtype(bias[i]);
-    }
-    e.out = out.data_ptr();
-    e.with_topk_grad = grad;
-    if (grad) {
-      e.g_recv_topk_weights = g_recv_w.data_ptr<float>();
-      e.g_topk_weights = g_w.data_ptr<float>();
-    }
     c.rank->em_combine(e, d, s);
   } else {
     omniep::CombineCall q = {};
-    q.y = y.data_ptr();
+    fill(q);
     q.rows = static_cast<int>(rows[0]);
-    q.hidden = static_cast<int>(H);
-    q.dtype = kernel_dtype(y);
-    q.num_tokens = static_cast<int>(T);
-    q.num_topk = static_cast<int>(K);
-    q.num_experts = static_cast<int>(num_experts);
-    q.capacity = static_cast<int>(h.capacity);
-    q.topk_idx32 = h.topk_idx32;
     q.send_pos = h.routing + h.parts.send_pos;
     q.send_offset = h.routing + h.parts.send_offset;
     q.recv_counts = h.routing + h.parts.recv_counts;
-    q.num_bias = num_bias;
-    for (int i = 0; i < num_bias; ++i) {
-      q.bias[i] = bias[i].data_ptr();
-      q.bias_dtype[i] = kernel_dtype(bias[i]);
-    }
-    q.out = out.data_ptr();
-    q.with_topk_grad = grad;
-    if (grad) {
-      q.g_recv_topk_weights = g_recv_w.data_ptr<float>();
-      q.g_topk_weights = g_w.data_ptr<float>();
-    }
     c.rank->combine(q, d, s);
   }
   after_op(c, what);
