@@ -1,9 +1,12 @@
-"""Test session setup: 8 virtual XLA CPU devices (must precede any jax import) and hypothesis profiles."""
+"""Test session setup: 8 virtual XLA CPU devices (must precede any jax import), OMNIEP_CHECKS=sync and
+hypothesis profiles."""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DESIGN §9: the suites run with every op's status raised at once (jitted JAX calls included).
+os.environ.setdefault("OMNIEP_CHECKS", "sync")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
