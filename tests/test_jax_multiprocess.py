@@ -20,7 +20,7 @@ def test_two_processes_dispatch_combine_and_grads_match_reference():
     assert [r["process"] for r in results] == [0, 1]
     for proc, res in enumerate(results):
         assert res["num_devices"] == 4 and res["local_devices"] == 2
-        assert len(res["checked"]) == 3
+        assert len(res["checked"]) == 4
         for entry in res["checked"]:
             # each process checked exactly the two ranks whose devices it holds
             assert entry["ranks"] == [2 * proc, 2 * proc + 1], entry

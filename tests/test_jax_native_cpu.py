@@ -51,8 +51,8 @@ def test_traces_and_lowers_forward_and_both_backward_passes(monkeypatch, fp8):
     cap = R * T
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:R]), ("ep",))
     config = DispatchConfig(E, R, Layout.RANK_MAJOR, cap, 2)
-    disp = fe._dispatch_fn(jb.CudaNvshmemJax, "ep", config)
-    comb = fe._combine_fn(jb.CudaNvshmemJax, "ep", config, ("bfloat16",))
+    disp = fe._dispatch_fn(jb.CudaNvshmemJax, "ep", config, False)
+    comb = fe._combine_fn(jb.CudaNvshmemJax, "ep", config, ("bfloat16",), False)
 
     def body(x, idx, w, b):
         if fp8:
@@ -62,7 +62,8 @@ def test_traces_and_lowers_forward_and_both_backward_passes(monkeypatch, fp8):
         def loss(x, w, b):
             d = disp(x, idx, w)
             y = d.recv_x * d.recv_topk_weights.sum(-1, keepdims=True).astype(x.dtype)
-            return comb(y, d.handle, (b,)).astype(jnp.float32).sum()
+            out, status = comb(y, d.handle, (b,))
+            return out.astype(jnp.float32).sum() + status.sum()
 
         g = jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
         return jnp.stack([a.astype(jnp.float32).sum() for a in g])[None]

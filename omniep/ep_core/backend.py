@@ -17,6 +17,14 @@ class EPBackend(abc.ABC):
     results of :mod:`omniep.ep_core.reference` for this rank. The JAX backends implement the five op
     methods; a PyTorch backend is a group's context whose ops are ``torch.library`` ops (Python ones:
     ``op_*`` methods, :class:`omniep.backends.torch_group.PythonOps`; native ones: C++ kernels).
+
+    Status (JAX backends, DESIGN §9): what only the data or the other ranks can show travels as a
+    ``[STATUS_WORDS]`` int32 array per rank (:mod:`omniep.ep_core.descriptor`), all zero when every
+    rank agreed and every input was good. :meth:`prepare` sends the op descriptor it is given with the
+    counts and stores the status in ``handle.status`` (which :meth:`dispatch` keeps and the frontend
+    returns as ``Dispatched.status``); :meth:`combine` returns ``(out, status)``. When a status is not
+    OK the op moves nothing, and the backward passes (whose ``handle.status`` is the forward op's)
+    move nothing either. PyTorch backends raise instead and leave these out.
     """
 
     name: ClassVar[str]
@@ -41,7 +49,13 @@ class EPBackend(abc.ABC):
 
     def prepare(self, topk_idx, config: DispatchConfig) -> Handle:
         """Local layout (counts, ``is_token_in_rank``) plus the exchange of counts. The returned handle
-        may still lack receive-side routing (``recv_topk_idx``); :meth:`dispatch` completes it."""
+        may still lack receive-side routing (``recv_topk_idx``); :meth:`dispatch` completes it.
+
+        JAX backends take a third argument, ``descriptor``: the static op descriptor of the dispatch
+        this prepare starts (``DESC_WORDS`` ints, :func:`omniep.backends.collective.jax_status.op_descriptor`
+        with the hidden size and dtype of the ``x`` to come; ``None``: not known, then 0 / -1). The
+        backend fills in this rank's verdict on ``topk_idx`` (expert ids outside ``[-1, E)``) on the
+        device, sends it with the counts, and sets ``handle.status``."""
         raise NotImplementedError
 
     def dispatch(self, x, topk_weights, handle: Handle) -> tuple[tuple, Handle]:
@@ -51,7 +65,11 @@ class EPBackend(abc.ABC):
         raise NotImplementedError
 
     def combine(self, y, handle: Handle, bias: tuple = ()):
-        """``out[T, H]`` in ``y``'s dtype: fp32 sum in contract order, bias added last, rounded once."""
+        """``out[T, H]`` in ``y``'s dtype: fp32 sum in contract order, bias added last, rounded once.
+
+        JAX backends return ``(out, status)``: the status of ``handle`` when it is not OK, else the
+        combine's own descriptor check (op, E, H and dtype of ``y``, layout, capacity, num_topk); the
+        descriptor travels with data the combine already exchanges."""
         raise NotImplementedError
 
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: Handle):
@@ -60,5 +78,6 @@ class EPBackend(abc.ABC):
 
     def combine_bwd(self, g_out, handle: Handle, y: Optional[Any] = None):
         """Adjoint of combine: ``(g_y, g_topk_weights)``; ``g_topk_weights`` is None for rank-major and
-        needs ``y`` (the forward input) for expert-major."""
+        needs ``y`` (the forward input) for expert-major. JAX: ``handle.status`` is the forward
+        combine's status."""
         raise NotImplementedError

@@ -102,9 +102,15 @@ class Handle:
       num_recv        [] int32       rows (rank-major) or copies (expert-major) actually kept
       recv_expert_slot [M, K] int32  expert-major only: slot c of the copy (row, k) inside its local
                                      expert, ``-1`` when not local or dropped; ``None`` otherwise
+      status          JAX: [STATUS_WORDS] int32, the status of the op that made the handle
+                      (:mod:`omniep.ep_core.descriptor`); a handle whose status is not OK routes nothing
+                      and ops with it move nothing. ``None`` in PyTorch.
     Static:
       group           the EP group as the framework names it (the ``shard_map`` axis name in JAX), so that
                       ``combine(y, handle)`` needs no other argument; ``None`` where the caller holds it
+      descriptor      JAX: the op descriptor (a tuple of DESC_WORDS ints, input verdict 0) of the dispatch
+                      that made the handle: every rank that agreed holds the same, so later ops can size
+                      their exchanges from it. ``None`` in PyTorch.
     """
 
     config: DispatchConfig
@@ -119,6 +125,8 @@ class Handle:
     num_recv: Any
     recv_expert_slot: Any = None
     group: Any = None
+    status: Any = None
+    descriptor: Any = None
 
     @property
     def is_token_in_rank(self):
@@ -129,9 +137,9 @@ class Handle:
 
     DATA_FIELDS = (
         "topk_idx", "topk_weights", "send_pos", "num_tokens_per_rank", "recv_counts",
-        "recv_topk_idx", "recv_topk_weights", "num_recv", "recv_expert_slot",
+        "recv_topk_idx", "recv_topk_weights", "num_recv", "recv_expert_slot", "status",
     )
-    META_FIELDS = ("config", "backend", "group")
+    META_FIELDS = ("config", "backend", "group", "descriptor")
 
 
 @dataclasses.dataclass(frozen=True)

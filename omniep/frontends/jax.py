@@ -5,9 +5,16 @@ Both are ``jax.custom_vjp`` functions whose backward passes are the backend's ``
 pytree (:class:`~omniep.ep_core.types.Handle`) that flows through the graph: there is no hidden state
 per call, and combining with the handle of a dispatch is all a caller needs.
 
-Shapes and dtypes are checked while tracing, before anything runs (:class:`InputError`). Expert ids
-are checked when ``topk_idx`` is concrete; inside ``shard_map`` it never is, and out-of-range ids are
-then treated as ``-1`` and counted in ``dropped`` (a traced computation cannot raise).
+Shapes and dtypes are checked while tracing, before anything runs (:class:`InputError`). What only
+the data or the other ranks can show (DESIGN §9) is checked on the device, inside the exchanges the
+ops already make, and returned as a **status**: ``Dispatched.status`` and, with
+``combine(..., return_status=True)``, the combine's; a ``[STATUS_WORDS]`` int32 array per rank
+(:mod:`omniep.ep_core.descriptor`), all zero when every rank ran the same op (E, H, dtype, layout,
+capacity, top-k) and every expert id was in ``[-1, E)``. :func:`check` raises what a status reports
+(``RankMismatchError``, ``InputError``, ...) once it is on the host; an op whose status is not OK moved
+nothing (see :func:`dispatch`). With ``OMNIEP_CHECKS=sync`` (tests, debugging) a host callback raises
+inside the jitted program (see :func:`check`). Expert ids are also checked at once when ``topk_idx``
+is concrete (never inside ``shard_map``).
 """
 
 from __future__ import annotations
@@ -16,15 +23,21 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ..backends.collective import jax_layout as lay
+from ..backends.collective import jax_status as js
+from ..ep_core import descriptor as dsc
 from ..ep_core import registry
 from ..ep_core import validation as val
 from ..ep_core.capacity import check_expert_alignment, resolve_capacity
 from ..ep_core.errors import InputError
 from ..ep_core.types import Dispatched, DispatchConfig, Handle, Layout
 
-__all__ = ["dispatch", "combine", "Dispatched", "Handle"]
+__all__ = ["dispatch", "combine", "check", "Dispatched", "Handle", "STATUS_WORDS"]
+
+STATUS_WORDS = dsc.STATUS_WORDS
 
 
 def _register_pytrees() -> None:
@@ -72,6 +85,14 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     expert, ``recv_topk_idx[L, capacity]``, ``recv_topk_weights[L, capacity]``. ``capacity`` defaults to
     the exact worst case ``R * T``; what does not fit is counted in ``dropped``. For fp8 input
     ``recv_x`` is a tuple ``(recv_x, recv_x_scales)``.
+
+    ``status [STATUS_WORDS] int32`` (per rank): all zero when every rank of the group dispatched with
+    the same ``num_experts``, hidden size, dtype, layout, capacity and top-k and no rank's ``topk_idx``
+    held an id outside ``[-1, E)``; otherwise the same failure on every rank (RANK_MISMATCH naming the
+    first differing rank and field, or BAD_INPUT naming the rank and the id), and the op moved
+    nothing: ``recv_x`` 0, ``recv_topk_idx`` -1, ``recv_topk_weights`` 0, ``num_recv``,
+    ``num_recv_tokens_per_expert`` and ``dropped`` 0, and a handle that routes nothing (a combine with
+    it returns the bias, or 0, and reports the same status). Raise it with :func:`check`.
     """
     layout = Layout.parse(layout)
     fp8_pair = isinstance(x, (tuple, list))
@@ -94,10 +115,10 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     config = DispatchConfig(num_experts, num_ranks, layout,
                             resolve_capacity(capacity, num_ranks, num_tokens, layout, static=True),
                             check_expert_alignment(expert_alignment))
-    return _dispatch_fn(cls, axis_name, config)(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
+    return _dispatch_fn(cls, axis_name, config, _sync())(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
 
 
-def combine(y, handle: Handle, *, bias=None):
+def combine(y, handle: Handle, *, bias=None, return_status: bool = False):
     """Bring expert outputs back to the tokens' ranks: ``out[T, H]`` in ``y``'s dtype.
 
     ``y`` is shaped like the ``recv_x`` of the dispatch that made ``handle``: ``[capacity, H]``
@@ -105,6 +126,13 @@ def combine(y, handle: Handle, *, bias=None):
     applies routing weights) or ``[L, capacity, H]`` (expert-major, ``out[t] = Σ_k w[t, k] y[e_k][slot]``
     in k order). Sums are fp32, rounded once. ``bias``: None, one ``[T, H]`` array or a pair, added
     in fp32 after the sum, in the order given.
+
+    ``return_status=True`` returns ``(out, status)``, ``status [STATUS_WORDS] int32`` per rank: the
+    status of the dispatch that made ``handle`` when that failed, else a mismatch of this combine
+    between ranks (E, H and dtype of ``y``, layout, capacity, top-k), all zero when none. When it is
+    not OK nothing that came back is used and ``out`` is the bias sum (0 without bias). The status
+    has no gradient. (The check rides in the combine's own exchange when ``y`` has the hidden size and
+    element width of the dispatch's ``x``, bf16 after fp8; otherwise the combine exchanges twice.)
     """
     if not isinstance(handle, Handle):
         raise InputError(f"combine needs the Handle returned by dispatch (Dispatched.handle), got {type(handle).__name__}")
@@ -117,7 +145,74 @@ def combine(y, handle: Handle, *, bias=None):
     biases = val.check_bias(bias, int(handle.topk_idx.shape[0]), int(y.shape[-1]))
     cls = registry.get_backend_class(handle.backend, "jax")
     bias_dtypes = tuple(val.dtype_name(b) for b in biases)
-    return _combine_fn(cls, handle.group, cfg, bias_dtypes)(y, handle, biases)
+    out, status = _combine_fn(cls, handle.group, cfg, bias_dtypes, _sync())(y, handle, biases)
+    return (out, status) if return_status else out
+
+
+def check(status) -> None:
+    """Raise the first failure a status reports; return None when every word is OK.
+
+    ``status``: a concrete int array of ``STATUS_WORDS`` per rank with any leading shape, e.g. the
+    ``[R * STATUS_WORDS]`` or ``[R, STATUS_WORDS]`` that ``shard_map(..., out_specs=P(axis))`` returns
+    for ``Dispatched.status`` (or ``status[None]``); over several processes, each checks the ranks it
+    holds (every rank reports a failure, so each process raises). The ranks are read in order; the
+    error is the one :func:`omniep.ep_core.descriptor.error_from_status` makes: :class:`RankMismatchError` (naming the
+    rank, the ranks that differ and the fields), :class:`InputError` (the rank whose ``topk_idx`` held a
+    bad expert id, and the id), :class:`PeerTimeoutError`, :class:`CapacityError`.
+
+    Inside ``jit`` a status is not concrete: return it from the jitted function and check it after,
+    or set ``OMNIEP_CHECKS=sync``. In that mode every op's status is checked on the host inside the
+    program (a ``jax.pure_callback`` every output depends on; for tests and debugging: each op waits
+    for the host). On jax 0.10.2 the caller then gets ``jax.errors.JaxRuntimeError`` (a ``RuntimeError``)
+    when it first waits for a result of the failed program (``block_until_ready``, ``np.asarray``, ...),
+    not at the call (dispatch is asynchronous); its message is ``INTERNAL: CpuCallback error calling
+    callback: Traceback ...`` whose last line is the omniep error's class name and message, e.g.
+    ``RankMismatchError: rank 1: its dispatch #0 does not match what rank(s) [2, 3] sent: ...`` (the
+    rank whose callback failed first). Every rank fails at the same op, so none is left waiting in a
+    later exchange. JAX keeps that error and raises it again at the next ``jax.effects_barrier()`` and
+    prints it at exit.
+    """
+    if isinstance(status, jax.Array) and not isinstance(status, jax.core.Tracer) and not status.is_fully_addressable:
+        # Over several processes each one holds (and checks) its own ranks' words.
+        parts = sorted(status.addressable_shards, key=lambda sh: [i.start or 0 for i in sh.index])
+        status = np.concatenate([np.asarray(sh.data).reshape(-1) for sh in parts])
+    try:
+        words = np.asarray(status)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        raise InputError("check(status) needs a concrete status: inside jit, return the status from the jitted "
+                         "function and check it after the call, or set OMNIEP_CHECKS=sync") from None
+    if words.dtype.kind not in "iu" or words.size % STATUS_WORDS:
+        raise InputError(f"status must be an int array of {STATUS_WORDS} words per rank (Dispatched.status, "
+                         f"combine(..., return_status=True)), got {words.dtype} of shape {words.shape}")
+    for row in words.reshape(-1, STATUS_WORDS):
+        dsc.raise_for_status(row)
+
+
+def _sync() -> bool:
+    """``OMNIEP_CHECKS=sync``, read when an op is traced (part of the cached functions' keys)."""
+    return dsc.checks_mode() == "sync"
+
+
+def _raise_on_host(status):
+    dsc.raise_for_status(np.asarray(status))
+    return np.int32(0)
+
+
+def _checked(tree, status):
+    """``tree`` (unchanged) once the host has checked ``status``, raising on a failure.
+
+    The check is a ``pure_callback`` whose result (0) is OR-ed into the bits of every array of
+    ``tree``: nothing that uses an output (a later op's exchange above all) can run before the check,
+    on any rank, and the check cannot be dropped while an output is used. Not ``io_callback``: its
+    effect is refused under ``jax.checkpoint``; not an ``optimization_barrier`` beside the result:
+    XLA drops the callback when only the barrier reads it (seen with jax 0.10.2)."""
+    zero = jax.pure_callback(_raise_on_host, jax.ShapeDtypeStruct((), jnp.int32), status)
+
+    def after_check(a):
+        bits = lay.as_bits(a)
+        return lay.from_bits(bits | zero.astype(bits.dtype), a.dtype)
+
+    return jax.tree.map(after_check, tree)
 
 
 # ---- custom_vjp wrappers, one per static configuration ---------------------------------------------
@@ -127,14 +222,18 @@ def _is_zero_ct(ct) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _dispatch_fn(cls, axis_name, config: DispatchConfig):
+def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
     backend = cls(axis_name)
 
     def run(x, topk_idx, topk_weights):
-        handle = backend.prepare(topk_idx, config)
+        rows = x[0] if isinstance(x, tuple) else x
+        desc = js.op_descriptor(dsc.OpKind.DISPATCH, config, hidden=int(rows.shape[1]),
+                                dtype=val.dtype_name(rows), num_topk=int(topk_idx.shape[1]))
+        handle = backend.prepare(topk_idx, config, desc)
         (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.dispatch(
             x, topk_weights, handle)
-        return Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle)
+        out = Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle, handle.status)
+        return _checked(out, handle.status) if sync else out
 
     @jax.custom_vjp
     def dispatch_vjp(x, topk_idx, topk_weights):
@@ -160,19 +259,26 @@ def _dispatch_fn(cls, axis_name, config: DispatchConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _combine_fn(cls, group, config: DispatchConfig, bias_dtypes: tuple):
+def _combine_fn(cls, group, config: DispatchConfig, bias_dtypes: tuple, sync: bool):
     backend = cls(group)
     expert_major = config.layout == Layout.EXPERT_MAJOR
 
+    def run(y, handle, biases):
+        out, status = backend.combine(y, handle, biases)
+        return _checked((out, status), status) if sync else (out, status)
+
     @jax.custom_vjp
     def combine_vjp(y, handle, biases):
-        return backend.combine(y, handle, biases)
+        return run(y, handle, biases)
 
     def fwd(y, handle, biases):
+        out, status = run(y, handle, biases)
+        # The backward pass moves data only if this combine did: its handle carries this status.
         # Expert-major needs y for the weights' gradient <g_out[t], y[l, c]>.
-        return backend.combine(y, handle, biases), (handle, y if expert_major else None)
+        return (out, status), (handle.replace(status=status), y if expert_major else None)
 
-    def bwd(res, g_out):
+    def bwd(res, g):
+        g_out, _ = g  # the status has no gradient
         handle, y = res
         g_y, g_w = backend.combine_bwd(g_out, handle, y)
         if not expert_major:

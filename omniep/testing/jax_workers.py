@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..ep_core import descriptor as dsc
 from ..ep_core.types import Layout
 from . import golden
 from .cases import Case, make_case, np_dtype
@@ -24,6 +25,9 @@ from .cases import Case, make_case, np_dtype
 AXIS = "ep"
 OUTPUTS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv", "num_recv_tokens_per_expert",
            "dropped", "out", "g_x", "g_w", "g_y", "g_w_combine", "g_bias")
+# The ops' statuses (Dispatched.status; combine's with return_status=True): not in the reference,
+# all zero in every case the reference runs.
+STATUSES = ("status", "combine_status")
 
 
 def bits(a) -> np.ndarray:
@@ -43,13 +47,15 @@ def assert_bitwise_equal(got, expected, what: str) -> None:
                              f"{got[first]!r} vs expected {expected[first]!r}")
 
 
-def make_inputs(case: Case, capacity: int, num_bias: int, seed: int = 0) -> dict:
+def make_inputs(case: Case, capacity: int, num_bias: int, seed: int = 0, *, y_hidden: Optional[int] = None,
+                y_dtype: Optional[str] = None) -> dict:
     """Per-rank inputs besides the routing: combine input ``y`` shaped like ``recv_x``, ``biases``
-    (tuple of ``num_bias`` arrays: the case dtype, then float32), cotangents ``g_recv_x``, ``g_recv_w``,
-    ``g_out``."""
+    (tuple of ``num_bias`` arrays: ``y``'s dtype, then float32), cotangents ``g_recv_x``, ``g_recv_w``,
+    ``g_out``. ``y_hidden`` / ``y_dtype``: a combine whose ``y`` (and so ``out``, the biases and
+    ``g_out``) differs from ``x`` in hidden size or dtype (default: as ``x``)."""
     rng = np.random.default_rng(seed)
-    dt = np_dtype(case.dtype)
-    R, L, H = case.num_ranks, case.num_experts // case.num_ranks, case.hidden
+    dt = np_dtype(y_dtype or case.dtype)
+    R, L, H = case.num_ranks, case.num_experts // case.num_ranks, y_hidden or case.hidden
     rows = (capacity,) if case.layout == Layout.RANK_MAJOR else (L, capacity)
     w_shape = (capacity, case.num_topk) if case.layout == Layout.RANK_MAJOR else (L, capacity)
 
@@ -61,7 +67,7 @@ def make_inputs(case: Case, capacity: int, num_bias: int, seed: int = 0) -> dict
     return {
         "y": [randn(rows + (H,)) for _ in range(R)],
         "biases": [tuple(randn((T[r], H), bd) for bd in bias_dtypes) for r in range(R)],
-        "g_recv_x": [randn(rows + (H,)) for _ in range(R)],
+        "g_recv_x": [randn(rows + (case.hidden,), np_dtype(case.dtype)) for _ in range(R)],
         "g_recv_w": [randn(w_shape, np.float32) for _ in range(R)],
         "g_out": [randn((T[r], H)) for r in range(R)],
     }
@@ -82,10 +88,11 @@ def mesh_of(num_ranks: int, devices=None):
 
 @functools.lru_cache(maxsize=None)
 def case_runner(mesh, num_experts: int, layout: str, capacity: int, expert_alignment: int,
-                backend: Optional[str] = None):
+                backend: Optional[str] = None, checks: str = "default"):
     """``f(x, topk_idx, topk_weights, y, biases, g_recv_x, g_recv_w, g_out) -> dict`` over ``mesh``:
     inputs are the per-rank arrays concatenated on axis 0; every output gets a leading rank axis.
-    jit re-traces for new shapes and dtypes; one function per static configuration."""
+    jit re-traces for new shapes and dtypes; one function per static configuration and
+    ``OMNIEP_CHECKS`` mode (``checks``: jit's trace cache does not see the environment)."""
     import jax
 
     from .. import jax as ep
@@ -104,14 +111,15 @@ def case_runner(mesh, num_experts: int, layout: str, capacity: int, expert_align
         g_x, g_w = dispatch_vjp((g_recv_x, g_recv_w))
 
         def combined(y, w, biases):
-            return ep.combine(y, ep.dispatch(x, idx, w, **kw).handle, bias=biases or None)
+            return ep.combine(y, ep.dispatch(x, idx, w, **kw).handle, bias=biases or None, return_status=True)
 
-        out, combine_vjp = jax.vjp(combined, y, w, biases)
+        out, combine_vjp, combine_status = jax.vjp(combined, y, w, biases, has_aux=True)
         g_y, g_w_combine, g_bias = combine_vjp(g_out)
         res = {"recv_x": d.recv_x, "recv_topk_idx": d.recv_topk_idx, "recv_topk_weights": d.recv_topk_weights,
                "num_recv": d.num_recv, "num_recv_tokens_per_expert": d.num_recv_tokens_per_expert,
                "dropped": d.dropped, "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y,
-               "g_w_combine": g_w_combine, "g_bias": g_bias}
+               "g_w_combine": g_w_combine, "g_bias": g_bias, "status": d.status,
+               "combine_status": combine_status}
         return jax.tree.map(lambda a: a[None], res)
 
     spec = jax.P(AXIS)
@@ -134,7 +142,8 @@ def run_case(mesh, case: Case, capacity: int, inputs: dict, backend: Optional[st
     args = [_global(mesh, a) for a in (case.x, case.topk_idx, case.topk_weights, inputs["y"])]
     biases = tuple(_global(mesh, [inputs["biases"][r][i] for r in range(R)]) for i in range(num_bias))
     args += [biases] + [_global(mesh, inputs[k]) for k in ("g_recv_x", "g_recv_w", "g_out")]
-    f = case_runner(mesh, case.num_experts, case.layout.value, capacity, case.expert_alignment, backend)
+    f = case_runner(mesh, case.num_experts, case.layout.value, capacity, case.expert_alignment, backend,
+                    dsc.checks_mode())
     return f(*args)
 
 
@@ -167,9 +176,17 @@ def local_results(got: dict) -> dict:
 def compare(got: dict, expected: dict, *, names=OUTPUTS, label: str = "") -> list[int]:
     """Assert every output of every locally held rank equals the reference; returns the ranks checked.
 
-    Bitwise, except ``g_w_combine`` (a dot product over H in the expert-major layout): to rounding."""
+    Bitwise, except ``g_w_combine`` (a dot product over H in the expert-major layout): to rounding.
+    The statuses in ``got`` (:data:`STATUSES`) must be all zero: every rank agreed, every id was good."""
     checked = []
     for r, outputs in sorted(local_results(got).items()):
+        for name in STATUSES:
+            if name in outputs:
+                status = outputs[name]
+                assert status.shape == (dsc.STATUS_WORDS,) and status.dtype == np.int32, \
+                    f"{label}rank {r} {name}: {status.dtype} {status.shape}"
+                assert not np.any(status), f"{label}rank {r} {name} is not OK: {status.tolist()}: " \
+                                           f"{dsc.error_from_status(status)}"
         for name in names:
             exp = expected[name][r]
             if name == "g_bias":
@@ -186,18 +203,20 @@ def compare(got: dict, expected: dict, *, names=OUTPUTS, label: str = "") -> lis
     return checked
 
 
-def check_case(mesh, case: Case, capacity: int, num_bias: int = 1, seed: int = 0) -> list[int]:
-    """Run and compare one case; the x64 mode is switched on only around int64 cases."""
+def check_case(mesh, case: Case, capacity: int, num_bias: int = 1, seed: int = 0, *, backend: Optional[str] = None,
+               y_hidden: Optional[int] = None, y_dtype: Optional[str] = None) -> list[int]:
+    """Run and compare one case; the x64 mode is switched on only around int64 cases. ``y_hidden`` /
+    ``y_dtype``: a combine input unlike ``x`` (:func:`make_inputs`)."""
     import jax
 
     if case.x[0].shape[0] == 0:
         # XLA's Shardy partitioner (jax 0.10.2) fails to compile a shard_map that returns a zero-size
         # input unchanged, which the bias gradient (= g_out) is when T == 0. Not an omniep issue.
         num_bias = 0
-    inputs = make_inputs(case, capacity, num_bias, seed)
+    inputs = make_inputs(case, capacity, num_bias, seed, y_hidden=y_hidden, y_dtype=y_dtype)
     expected = reference_results(case, capacity, inputs)
     with jax.enable_x64(case.index_dtype == "int64"):
-        got = run_case(mesh, case, capacity, inputs)
+        got = run_case(mesh, case, capacity, inputs, backend)
         return compare(got, expected)
 
 
@@ -220,14 +239,17 @@ def mp_check_cases(rank: int, world: int, port: int, seeds=(0,)) -> dict:
     mesh = mesh_of(len(devices), devices)
     R = len(devices)
     checked = []
+    # The last case's combine input differs from x in hidden size and dtype: its descriptor cannot
+    # ride in the payload exchange, which then follows under a cond (the two-exchange path).
+    configs = ((Layout.RANK_MAJOR, None, {}), (Layout.EXPERT_MAJOR, None, {}), (Layout.RANK_MAJOR, 5, {}),
+               (Layout.RANK_MAJOR, None, {"y_hidden": 5, "y_dtype": "float32"}))
     for seed in seeds:
-        for num_bias, (layout, capacity) in enumerate(
-                ((Layout.RANK_MAJOR, None), (Layout.EXPERT_MAJOR, None), (Layout.RANK_MAJOR, 5))):
+        for i, (layout, capacity, y_like) in enumerate(configs):
             case = make_case(seed, num_ranks=R, num_experts=2 * R, num_topk=3, hidden=8, num_tokens=6,
                              dtype="bfloat16", layout=layout, capacity=capacity)
             cap = capacity if capacity is not None else R * 6
-            ranks = check_case(mesh, case, cap, num_bias=num_bias, seed=seed)
-            checked.append({"seed": seed, "layout": layout.value, "capacity": cap, "ranks": ranks})
+            ranks = check_case(mesh, case, cap, num_bias=i % 3, seed=seed, **y_like)
+            checked.append({"seed": seed, "layout": layout.value, "capacity": cap, "ranks": ranks, **y_like})
     return {"process": jax.process_index(), "num_devices": R,
             "local_devices": len(jax.local_devices()), "checked": checked}
 

@@ -15,6 +15,11 @@ import numpy as np
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
+def unsigned(width: int):
+    """The unsigned integer dtype of ``width`` bytes (1, 2, 4 or 8)."""
+    return _BITS[width]
+
+
 def as_bits(a):
     """``a`` reinterpreted as unsigned integers of the same width (data movement never rounds)."""
     return jax.lax.bitcast_convert_type(a, _BITS[np.dtype(a.dtype).itemsize])
@@ -33,6 +38,21 @@ def _varying_axes(a):
         except AttributeError:
             continue
     return None
+
+
+def refit_bytes(blocks, shape, dtype):
+    """``blocks [R, ...]`` as ``[R, *shape]`` of ``dtype`` (unsigned): each block's leading bytes, cut or
+    zero-padded to the new size."""
+    R = blocks.shape[0]
+    width = np.dtype(dtype).itemsize
+    size = int(np.prod(shape)) * width
+    flat = as_bits(blocks).reshape(R, -1)
+    if flat.dtype.itemsize > 1:
+        flat = jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(R, -1)
+    flat = jnp.pad(flat[:, :size], ((0, 0), (0, max(size - flat.shape[1], 0))))
+    if width > 1:
+        flat = jax.lax.bitcast_convert_type(flat.reshape(R, -1, width), dtype)
+    return flat.reshape((R,) + tuple(shape))
 
 
 def per_rank(tree, axis_name):
