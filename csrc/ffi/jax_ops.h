@@ -143,7 +143,8 @@ ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx
                    ffi::Result<ffi::AnyBuffer> send_pos, ffi::Result<ffi::AnyBuffer> per_rank,
                    ffi::Result<ffi::AnyBuffer> per_expert, ffi::Result<ffi::AnyBuffer> recv_counts,
                    ffi::Result<ffi::AnyBuffer> send_offset, ffi::Result<ffi::AnyBuffer> num_recv,
-                   ffi::Result<ffi::AnyBuffer> dropped, int64_t state, int64_t num_experts, int64_t capacity) {
+                   ffi::Result<ffi::AnyBuffer> dropped, int64_t state, int64_t num_experts, int64_t capacity,
+                   int64_t hidden, int64_t dtype) {
   return guarded<G>(state, ordinal, "omniep prepare (JAX)", [&](G& g) {
     const auto t = topk_idx.element_type();
     if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
@@ -163,8 +164,10 @@ ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx
     c.send_offset = as<int32_t>(send_offset);
     c.num_recv = as<int32_t>(num_recv);
     c.dropped = as<int32_t>(dropped);
-    // hidden and dtype join the descriptor at the dispatch that continues this op
-    g.prepare(c, g.begin(kOpDispatch, c.num_experts, 0, 0, 0, c.capacity, -1, c.num_topk), stream);
+    // hidden and dtype: of the x the dispatch that continues this op moves (the ranks compare them here)
+    g.prepare(c, g.begin(kOpDispatch, c.num_experts, static_cast<int>(hidden), static_cast<int>(dtype), 0, c.capacity,
+                         -1, c.num_topk),
+              stream);
   });
 }
 
@@ -214,11 +217,8 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
                     ffi::Result<ffi::AnyBuffer> recv_w, ffi::Result<ffi::AnyBuffer> per_expert,
                     ffi::Result<ffi::AnyBuffer> status, int64_t state, int64_t num_experts, int64_t expert_alignment) {
   return guarded<G>(state, ordinal, "omniep dispatch (JAX)", [&](G& g) {
-    OpDesc& d = g.current();  // prepare's op
-    d.w[kDescHidden] = static_cast<int32_t>(cols_of(x));
-    d.w[kDescDtype] = desc_dtype(x.element_type());
-    run_dispatch(g, stream, d, x, &x2, &idx32, &weights, send_pos, send_offset, recv_counts, num_recv, recv_x, &recv_x2,
-                 &recv_idx, &recv_w, &per_expert, num_experts, expert_alignment);
+    run_dispatch(g, stream, g.current(), x, &x2, &idx32, &weights, send_pos, send_offset, recv_counts, num_recv,
+                 recv_x, &recv_x2, &recv_idx, &recv_w, &per_expert, num_experts, expert_alignment);  // prepare's op
     g.take_status(as<Status>(status), stream);
   });
 }
@@ -284,7 +284,7 @@ ffi::Error EmPrepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_i
                      ffi::Result<ffi::AnyBuffer> recv_expert_count, ffi::Result<ffi::AnyBuffer> per_expert_aligned,
                      ffi::Result<ffi::AnyBuffer> num_recv, ffi::Result<ffi::AnyBuffer> dropped,
                      ffi::Result<ffi::AnyBuffer> max_expert_count, int64_t state, int64_t num_experts,
-                     int64_t capacity, int64_t expert_alignment) {
+                     int64_t capacity, int64_t expert_alignment, int64_t hidden, int64_t dtype) {
   return guarded<G>(state, ordinal, "omniep expert-major prepare (JAX)", [&](G& g) {
     const auto t = topk_idx.element_type();
     if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
@@ -311,7 +311,9 @@ ffi::Error EmPrepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_i
     c.num_recv_tokens_per_expert = as<int32_t>(per_expert_aligned);
     c.em_num_recv = as<int32_t>(num_recv);
     c.em_dropped = as<int32_t>(dropped);
-    g.prepare(c, g.begin(kOpDispatch, c.num_experts, 0, 0, 1, c.capacity, -1, c.num_topk), stream);
+    g.prepare(c, g.begin(kOpDispatch, c.num_experts, static_cast<int>(hidden), static_cast<int>(dtype), 1, c.capacity,
+                         -1, c.num_topk),
+              stream);
   });
 }
 
@@ -342,10 +344,7 @@ ffi::Error EmDispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     c.recv_x2 = c.row2_bytes > 0 ? data(recv_x2) : nullptr;
     c.recv_topk_idx = as<int32_t>(recv_idx);
     c.recv_topk_weights = as<float>(recv_w);
-    OpDesc& d = g.current();  // prepare's op
-    d.w[kDescHidden] = static_cast<int32_t>(cols_of(x));
-    d.w[kDescDtype] = desc_dtype(x.element_type());
-    g.em_dispatch(c, d, stream);
+    g.em_dispatch(c, g.current(), stream);  // continues prepare's op
     g.take_status(as<Status>(status), stream);
   });
 }
@@ -442,7 +441,9 @@ ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_o
                                     .Ret<xla::ffi::AnyBuffer>()                                             \
                                     .Attr<int64_t>("state")                                                 \
                                     .Attr<int64_t>("num_experts")                                           \
-                                    .Attr<int64_t>("capacity"));                                            \
+                                    .Attr<int64_t>("capacity")                                              \
+                                    .Attr<int64_t>("hidden")                                                \
+                                    .Attr<int64_t>("dtype"));                                               \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_dispatch, omniep::jax_ffi::Dispatch<G>,                            \
                                 xla::ffi::Ffi::Bind()                                                       \
                                     .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
@@ -526,7 +527,9 @@ ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_o
                                     .Attr<int64_t>("state")                                                   \
                                     .Attr<int64_t>("num_experts")                                             \
                                     .Attr<int64_t>("capacity")                                                \
-                                    .Attr<int64_t>("expert_alignment"));                                      \
+                                    .Attr<int64_t>("expert_alignment")                                        \
+                                    .Attr<int64_t>("hidden")                                                  \
+                                    .Attr<int64_t>("dtype"));                                                 \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_dispatch, omniep::jax_ffi::EmDispatch<G>,                         \
                                 xla::ffi::Ffi::Bind()                                                         \
                                     .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \

@@ -90,9 +90,10 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     the same ``num_experts``, hidden size, dtype, layout, capacity and top-k and no rank's ``topk_idx``
     held an id outside ``[-1, E)``; otherwise the same failure on every rank (RANK_MISMATCH naming the
     first differing rank and field, or BAD_INPUT naming the rank and the id), and the op moved
-    nothing: ``recv_x`` 0, ``recv_topk_idx`` -1, ``recv_topk_weights`` 0, ``num_recv``,
-    ``num_recv_tokens_per_expert`` and ``dropped`` 0, and a handle that routes nothing (a combine with
-    it returns the bias, or 0, and reports the same status). Raise it with :func:`check`.
+    nothing. The outputs of a failed op are not to be used: the collective backend returns zeros
+    (``recv_x`` 0, ``recv_topk_idx`` -1, counts 0) and a handle that routes nothing (a combine with it
+    returns the bias, or 0, and reports the same status); the native backends leave them unspecified
+    (zeroing would cost a pass over them on every call). Raise it with :func:`check`.
     """
     layout = Layout.parse(layout)
     fp8_pair = isinstance(x, (tuple, list))
@@ -130,9 +131,11 @@ def combine(y, handle: Handle, *, bias=None, return_status: bool = False):
     ``return_status=True`` returns ``(out, status)``, ``status [STATUS_WORDS] int32`` per rank: the
     status of the dispatch that made ``handle`` when that failed, else a mismatch of this combine
     between ranks (E, H and dtype of ``y``, layout, capacity, top-k), all zero when none. When it is
-    not OK nothing that came back is used and ``out`` is the bias sum (0 without bias). The status
-    has no gradient. (The check rides in the combine's own exchange when ``y`` has the hidden size and
-    element width of the dispatch's ``x``, bf16 after fp8; otherwise the combine exchanges twice.)
+    not OK, ``out`` is not to be used (collective backend: the bias sum, 0 without bias; native
+    backends: unspecified). The status has no gradient. (Collective backend: the check rides in the
+    combine's own exchange when ``y`` has the hidden size and element width of the dispatch's ``x``,
+    bf16 after fp8, otherwise the combine exchanges twice; native backends: in the kernels' first
+    barrier.)
     """
     if not isinstance(handle, Handle):
         raise InputError(f"combine needs the Handle returned by dispatch (Dispatched.handle), got {type(handle).__name__}")

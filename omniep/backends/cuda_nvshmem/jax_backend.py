@@ -17,6 +17,12 @@ device); or ONE process driving every local GPU (``jit(shard_map)`` over a mesh 
 every process does in the same order; the compiled programs contain only the FFI calls, which every
 process runs in the same order because they compile the same program.
 
+Status (DESIGN §9): the kernels exchange each op's descriptor (and this rank's verdict on its expert
+ids) at the op's first barrier; dispatch and combine return this rank's status words (the handlers'
+``status`` output), all zero when every rank agreed. A failed op stops on every rank before it moves
+data: its outputs are unspecified (not zeroed: that would cost a pass over them on every call), and a
+rank mismatch fails the group for good. Check the status (``omniep.jax.check``) before using them.
+
 Handles are :class:`NativeHandle`: the fields of :class:`~omniep.ep_core.types.Handle`, filled as the
 collective backend fills them, plus ``send_offset`` (where this rank's rows start in every receiver's
 buffer, which the kernels need) and ``num_invalid`` (expert ids outside ``[-1, E)``, treated as ``-1``
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...ep_core import descriptor as dsc
 from ...ep_core.backend import EPBackend
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout, ProcessModel
@@ -44,6 +51,8 @@ from ..jax_native import kv_client
 from .jax_state import JaxRankState, local_group_state
 
 MIN_CC = (9, 0)
+_STATUS = ((dsc.STATUS_WORDS,), jnp.int32)  # the status output of the ops that report one
+_HIDDEN, _DTYPE = dsc.DESC_FIELDS.index("hidden"), dsc.DESC_FIELDS.index("dtype")
 _STATES: dict = {}  # (backend, axis name, num_ranks) -> JaxRankState or NcclJaxState, in creation order
 _registered: set = set()  # native modules whose FFI handlers XLA knows
 
@@ -233,18 +242,22 @@ class CudaNvshmemJax(EPBackend):
         return per_rank(tuple(out), self.group)
 
     # ---- prepare / dispatch ----
-    def prepare(self, topk_idx, config: DispatchConfig) -> NativeHandle:
+    def prepare(self, topk_idx, config: DispatchConfig, descriptor=None) -> NativeHandle:
         """Layout kernel + count exchange through the peers' workspaces, on device (expert-major: then
-        the expert-major layout kernel: every copy's slot and the per-expert counts)."""
+        the expert-major layout kernel: every copy's slot and the per-expert counts). The kernels build
+        the op descriptor themselves (sequence numbers, the verdict on ``topk_idx``); ``descriptor``
+        gives the hidden size and dtype of the ``x`` to come, which the ranks compare here."""
+        shape_of_x = {"hidden": 0, "dtype": -1} if descriptor is None else {
+            "hidden": int(descriptor[_HIDDEN]), "dtype": int(descriptor[_DTYPE])}
         if config.layout == Layout.EXPERT_MAJOR:
-            return self._em_prepare(topk_idx, config)
+            return self._em_prepare(topk_idx, config, shape_of_x)
         R, E = config.num_ranks, config.num_experts
         T, K = topk_idx.shape
         i32 = jnp.int32
         idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped = self._call(
             "prepare",
             [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)],
-            topk_idx, num_experts=E, capacity=config.capacity)
+            topk_idx, num_experts=E, capacity=config.capacity, **shape_of_x)
         num_invalid = self._num_invalid(topk_idx, E)
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
                             None, group=self.group, send_offset=send_offset, num_invalid=num_invalid)
@@ -263,15 +276,16 @@ class CudaNvshmemJax(EPBackend):
         H, H2 = rows.shape[1], scales.shape[1]
         row_bytes = H * jnp.dtype(rows.dtype).itemsize
         self._state().reserve(_regions(C, [row_bytes] + ([H2 * 4] if H2 else []) + [K * 4, K * 4]))
-        recv_x, recv_s, recv_idx, recv_w, per_expert = self._call(
+        recv_x, recv_s, recv_idx, recv_w, per_expert, status = self._call(
             "dispatch",
             [((C, H), rows.dtype), ((C, H2), jnp.float32), ((C, K), jnp.int32), ((C, K), jnp.float32),
-             ((L,), jnp.int32)],
+             ((L,), jnp.int32), _STATUS],
             rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.send_pos, handle.send_offset,
             handle.recv_counts, handle.num_recv, num_experts=E, expert_alignment=cfg.expert_alignment)
         total = jnp.sum(handle.recv_counts, dtype=jnp.int32)
         dropped = total - handle.num_recv + handle.num_invalid
-        handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w)
+        handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,
+                                status=status)
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return per_rank(((out_x, recv_idx, recv_w, handle.num_recv, per_expert, dropped), handle), self.group)
 
@@ -279,16 +293,21 @@ class CudaNvshmemJax(EPBackend):
     def combine(self, y, handle: NativeHandle, bias: tuple = ()):
         """``out[T, H]`` in ``y``'s dtype: every source pulls its rows back, fp32 sum over ranks
         ascending, bias terms last in the order given, rounded once (expert-major: the weighted copies,
-        k ascending)."""
+        k ascending). Returns ``(out, status)``: the handle's status when its dispatch failed, else the
+        combine's own."""
         if handle.config.layout == Layout.EXPERT_MAJOR:
-            return self._em_combine(y, handle, bias)
-        C, H = y.shape
-        T = handle.topk_idx.shape[0]
-        self._state().reserve(_regions(C, [H * jnp.dtype(y.dtype).itemsize]))
-        biases = _native_biases(bias)
-        (out,) = self._call("combine", [((T, H), y.dtype)], y, handle.topk_idx, handle.send_pos,
-                            handle.send_offset, handle.recv_counts, *biases, num_experts=handle.config.num_experts)
-        return out
+            out, status = self._em_combine(y, handle, bias)
+        else:
+            C, H = y.shape
+            T = handle.topk_idx.shape[0]
+            self._state().reserve(_regions(C, [H * jnp.dtype(y.dtype).itemsize]))
+            biases = _native_biases(bias)
+            out, status = self._call("combine", [((T, H), y.dtype), _STATUS], y, handle.topk_idx, handle.send_pos,
+                                     handle.send_offset, handle.recv_counts, *biases,
+                                     num_experts=handle.config.num_experts)
+        if handle.status is not None:
+            status = jnp.where(handle.status[0] != dsc.StatusCode.OK, handle.status, status)
+        return out, status
 
     def dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: NativeHandle):
         """``(g_x, g_topk_weights)``: a combine of ``g_recv_x`` that also reads the weight cotangent back
@@ -324,7 +343,7 @@ class CudaNvshmemJax(EPBackend):
         return g_y.astype(dtype), None
 
     # ---- expert-major ("low-latency"): recv_x [L, C, H], the em_* handlers ----
-    def _em_prepare(self, topk_idx, config: DispatchConfig) -> NativeHandle:
+    def _em_prepare(self, topk_idx, config: DispatchConfig, shape_of_x: dict) -> NativeHandle:
         R, E, L = config.num_ranks, config.num_experts, config.num_local_experts
         T, K = topk_idx.shape
         i32 = jnp.int32
@@ -333,7 +352,7 @@ class CudaNvshmemJax(EPBackend):
             "em_prepare",
             [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32),
              ((T, K), i32), ((L,), i32), ((L,), i32), ((), i32), ((), i32), ((), i32)],
-            topk_idx, num_experts=E, capacity=config.capacity, expert_alignment=config.expert_alignment)
+            topk_idx, num_experts=E, capacity=config.capacity, expert_alignment=config.expert_alignment, **shape_of_x)
         num_invalid = self._num_invalid(topk_idx, E)
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
                             None, group=self.group, send_offset=send_offset, num_invalid=num_invalid,
@@ -349,12 +368,12 @@ class CudaNvshmemJax(EPBackend):
         scales = scales.astype(jnp.float32)
         H, H2 = rows.shape[1], scales.shape[1]
         self._state().reserve(_regions(L * C, [H * jnp.dtype(rows.dtype).itemsize, (H2 or 1) * 4, 4, 4]))
-        recv_x, recv_s, recv_idx, recv_w = self._call(
+        recv_x, recv_s, recv_idx, recv_w, status = self._call(
             "em_dispatch", [((L, C, H), rows.dtype), ((L, C, H2), jnp.float32), ((L, C), jnp.int32),
-                            ((L, C), jnp.float32)],
+                            ((L, C), jnp.float32), _STATUS],
             rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.copy_slot,
             handle.recv_expert_count, num_experts=cfg.num_experts)
-        handle = handle.replace(topk_weights=topk_weights)
+        handle = handle.replace(topk_weights=topk_weights, status=status)
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return per_rank(((out_x, recv_idx, recv_w, handle.num_recv, handle.em_per_expert, handle.em_dropped),
                          handle), self.group)
@@ -369,9 +388,8 @@ class CudaNvshmemJax(EPBackend):
         T = handle.topk_idx.shape[0]
         self._state().reserve(_regions(L * C, [H * jnp.dtype(y.dtype).itemsize]))
         biases = _native_biases(bias)
-        (out,) = self._call("em_combine", [((T, H), y.dtype)], y, handle.topk_idx, self._em_weights(handle),
-                            handle.copy_slot, *biases, num_experts=handle.config.num_experts)
-        return out
+        return self._call("em_combine", [((T, H), y.dtype), _STATUS], y, handle.topk_idx, self._em_weights(handle),
+                          handle.copy_slot, *biases, num_experts=handle.config.num_experts)
 
     def _em_dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: NativeHandle):
         L, C, H = g_recv_x.shape
