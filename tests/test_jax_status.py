@@ -42,9 +42,10 @@ def random_tables(rng, num_ranks: int, count: int):
                 for f in fields:
                     tables[t, r, f] = rng.choice(extremes) if rng.random() < 0.3 else base[f] + rng.integers(-2, 3)
             if rng.random() < p_bad:
-                tables[t, r, 9] = dsc.INPUT_BAD_EXPERT_ID
+                # a bad id, or a host that rejected its arguments (native backends send that verdict)
+                tables[t, r, 9] = dsc.INPUT_BAD_EXPERT_ID if rng.random() < 0.7 else dsc.INPUT_REJECTED
                 tables[t, r, 10] = rng.integers(-2**31, 2**31)
-            tables[t, r, 11] = rng.integers(-5, 5)  # reserved: never compared
+            tables[t, r, 11] = rng.integers(-5, 5)  # part: never compared
     ranks = rng.integers(0, num_ranks, count)
     mine = tables[np.arange(count), ranks].copy()
     # Now and then a rank whose own descriptor is not the row it sent (the reference allows it).

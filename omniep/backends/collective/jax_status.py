@@ -94,7 +94,9 @@ def compare(mine, table, rank):
     R, F = table.shape[0], _N_COMPARED
     fidx = jnp.arange(F, dtype=i32)
     ranks = jnp.arange(R, dtype=i32)
-    differs = table[:, :F] != mine[None, :F]                                                 # [R, F]
+    # A rank whose host rejected its arguments sent what it could fill in: only its verdict counts.
+    rejected = (table[:, _INPUT_STATUS] == dsc.INPUT_REJECTED) | (mine[_INPUT_STATUS] == dsc.INPUT_REJECTED)
+    differs = (table[:, :F] != mine[None, :F]) & ~rejected[:, None]                         # [R, F]
     diff = jnp.sum(jnp.where(differs, jnp.left_shift(i32(1), fidx), 0), axis=1, dtype=i32)   # [R] field masks
     field_r = jnp.min(jnp.where(differs, fidx, F), axis=1)                                   # lowest per row
     at_field = fidx[None, :] == field_r[:, None]
@@ -102,8 +104,10 @@ def compare(mine, table, rank):
     theirs_r = jnp.sum(jnp.where(at_field, table[:, :F], 0), axis=1, dtype=i32)
     row_differs = diff != 0
     first, field, mine_f, theirs_f = _first_of(jnp.where(row_differs, ranks, R), field_r, mine_r, theirs_r)
-    bad_rank, detail = _first_of(jnp.where(table[:, _INPUT_STATUS] != dsc.INPUT_OK, ranks, R),
-                                 table[:, _INPUT_DETAIL])
+    verdicts = table[:, _INPUT_STATUS]
+    # A rank that rejected its own arguments raises that error itself; the others report it.
+    reports = (verdicts != dsc.INPUT_OK) & ~((ranks == rank) & (verdicts == dsc.INPUT_REJECTED))
+    bad_rank, verdict, detail = _first_of(jnp.where(reports, ranks, R), verdicts, table[:, _INPUT_DETAIL])
     mismatch, has_bad = first < R, bad_rank < R
     # Bit r for ranks < 31 only (the sign bit stays clear), as the reference does.
     peers = jnp.sum(jnp.where(row_differs & (ranks < 31), jnp.left_shift(i32(1), jnp.minimum(ranks, 30)), 0),
@@ -119,7 +123,7 @@ def compare(mine, table, rank):
         "peer": pick(first, bad_rank, -1),
         "peers": pick(peers, 0),
         "fields": pick(fields, 0),
-        "field": pick(field, 0),
+        "field": pick(field, verdict),
         "mine": pick(mine_f, detail),
         "theirs": pick(theirs_f, mine[_FIELD["num_experts"]]),
         "op": mine[_FIELD["op"]],
