@@ -160,7 +160,8 @@ class EpRank {
   // is cleared when `clear_pending`.
   virtual void statuses(Status* fatal, Status* pending, bool clear_pending) = 0;
   // Stream-ordered, no host wait: the status the last op left (sticky, else pending, which is cleared)
-  // into device memory `out` (kStatusWords int32).
+  // into device memory `out` (kStatusWords int32). For static shapes: a capacity overflow reads as OK
+  // (the dropped rows are counted in the op's results).
   virtual void take_status(Status* out, cudaStream_t s) = 0;
 
   // The descriptor of the last op begun (a binding whose op spans two calls, prepare then dispatch,

@@ -291,11 +291,15 @@ __global__ void reset_remote_signals_kernel(Tr tr) {
 
 // One thread, stream-ordered after an op's kernels: the rank's status as that op left it (the sticky one
 // if set, else the pending one, which is then cleared: the next op reports its own). The XLA FFI
-// handlers return it as the op's `status` output.
+// handlers return it as the op's `status` output. A capacity overflow is not reported: with static
+// shapes (XLA's) rows that do not fit are a result, counted in `dropped` (DESIGN §2), not a failure.
 template <int kUnused = 0>  // a template: defined in every translation unit that includes this header
 __global__ void take_status_kernel(RankWorkspace* ws, Status* out) {
   const bool fatal = ws->fatal.w[kStCode] != kStatusOk;
-  *out = fatal ? ws->fatal : ws->pending;
+  Status st = fatal ? ws->fatal : ws->pending;
+  // OK reads as all zero (a cleared pending status keeps its other words).
+  if (st.w[kStCode] == kStatusOk || (!fatal && st.w[kStCode] == kStatusCapacity)) st = Status{};
+  *out = st;
   if (!fatal) ws->pending.w[kStCode] = kStatusOk;
 }
 

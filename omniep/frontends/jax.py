@@ -15,6 +15,12 @@ capacity, top-k) and every expert id was in ``[-1, E)``. :func:`check` raises wh
 nothing (see :func:`dispatch`). With ``OMNIEP_CHECKS=sync`` (tests, debugging) a host callback raises
 inside the jitted program (see :func:`check`). Expert ids are also checked at once when ``topk_idx``
 is concrete (never inside ``shard_map``).
+
+Ranks whose programs differ must first get through XLA's compiler: on GPU over several processes,
+XLA shares autotuning results between processes per compiled module (``--xla_gpu_shard_autotuning``,
+on by default), and a process compiling a program no other process compiles waits for them in
+compilation, before any op runs. Where ranks may diverge (tests, debugging), set
+``XLA_FLAGS=--xla_gpu_shard_autotuning=false`` so that the ops can report the difference.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from ..ep_core import descriptor as dsc
 from ..ep_core import registry
 from ..ep_core import validation as val
 from ..ep_core.capacity import check_expert_alignment, resolve_capacity
-from ..ep_core.errors import InputError
+from ..ep_core.errors import InputError, UnsupportedError
 from ..ep_core.types import Dispatched, DispatchConfig, Handle, Layout
 
 __all__ = ["dispatch", "combine", "check", "Dispatched", "Handle", "STATUS_WORDS"]
@@ -209,6 +215,12 @@ def _checked(tree, status):
     on any rank, and the check cannot be dropped while an output is used. Not ``io_callback``: its
     effect is refused under ``jax.checkpoint``; not an ``optimization_barrier`` beside the result:
     XLA drops the callback when only the barrier reads it (seen with jax 0.10.2)."""
+    try:
+        jax.devices("cpu")
+    except RuntimeError:
+        raise UnsupportedError("OMNIEP_CHECKS=sync checks every op's status in a host callback, which needs "
+                               "JAX's CPU platform: add cpu to JAX_PLATFORMS (e.g. JAX_PLATFORMS=cuda,cpu) or "
+                               "unset OMNIEP_CHECKS and call omniep.jax.check on the statuses") from None
     zero = jax.pure_callback(_raise_on_host, jax.ShapeDtypeStruct((), jnp.int32), status)
 
     def after_check(a):

@@ -76,7 +76,8 @@ def golden_names(R: int) -> list:
 def gpu_session_env(backend: str) -> dict:
     """Environment of the children of a JAX GPU session over ``backend``."""
     return {"OMNIEP_BACKEND": backend, "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
-            "JAX_PLATFORMS": "cuda"}
+            # cpu: OMNIEP_CHECKS=sync checks statuses in host callbacks, which need JAX's CPU platform
+            "JAX_PLATFORMS": "cuda,cpu"}
 
 
 def check_session_results(results: list, world: int, cases: list, names: list, *availability: str) -> None:

@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from ..ep_core import reference as ref
-from ..ep_core.types import Layout
+from ..ep_core.types import DispatchConfig, Layout
 from . import golden
 from .bounds import assert_dots_close
 from .torch_bits import assert_bits_equal, randn
@@ -31,7 +31,10 @@ def run_and_compare(vr, case, capacity=None, *, seed=0, num_bias=1):
     """
     R, E = case.num_ranks, case.num_experts
     em = case.layout == Layout.EXPERT_MAJOR
-    plan = ref.make_plan(case.topk_idx, case.config(capacity))
+    # None stays None in both layouts: VirtualRanks' exact mode (each rank's largest receive, as the
+    # reference sizes it), not the frontends' expert-major default R * T that case.config() resolves.
+    capacity = case.capacity if capacity is None else capacity
+    plan = ref.make_plan(case.topk_idx, DispatchConfig(E, R, case.layout, capacity, case.expert_alignment))
     want = ref.dispatch(case.x, case.topk_weights, plan)
     handle = vr.prepare([to_torch(i) for i in case.topk_idx], E, capacity=capacity,
                         expert_alignment=case.expert_alignment, layout=case.layout.value)
