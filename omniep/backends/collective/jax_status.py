@@ -45,8 +45,9 @@ def with_input_verdict(desc: Sequence[int], topk_idx, num_experts: int):
     ``input_status = INPUT_BAD_EXPERT_ID`` and ``input_detail`` = the first id outside ``[-1, E)`` in
     row-major order (saturated to int32), when there is one.
 
-    One pass over the ids (a reduction of (position, id) pairs to the first bad one): this runs on
-    every dispatch, and XLA:CPU pays per operation."""
+    One plain min-reduction over the ids (the first bad position), then one scalar read: this runs on
+    every dispatch, and XLA:CPU vectorises a plain reduction where a reduction of (position, id)
+    pairs runs element by element."""
     i32 = jnp.int32
     words = jnp.asarray(np.asarray(desc, np.int32))
     flat = topk_idx.reshape(-1)
@@ -54,15 +55,10 @@ def with_input_verdict(desc: Sequence[int], topk_idx, num_experts: int):
     if n == 0:
         return words
     info = jnp.iinfo(i32)
-    key = jnp.where((flat < -1) | (flat >= num_experts), jnp.arange(n, dtype=i32), n)
-    value = jnp.clip(flat, info.min, info.max).astype(i32)
-
-    def first(a, b):
-        take_a = a[0] <= b[0]
-        return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
-
-    pos, bad_id = jax.lax.reduce((key, value), (i32(n), i32(0)), first, (0,))
+    pos = jnp.min(jnp.where((flat < -1) | (flat >= num_experts), jnp.arange(n, dtype=i32), n))
     any_bad = pos < n
+    bad_id = jnp.clip(jax.lax.dynamic_index_in_dim(flat, jnp.minimum(pos, n - 1), keepdims=False),
+                      info.min, info.max).astype(i32)
     field = jnp.arange(dsc.DESC_WORDS, dtype=i32)
     verdict = jnp.where(any_bad, dsc.INPUT_BAD_EXPERT_ID, dsc.INPUT_OK).astype(i32)
     return (words + jnp.where(field == _INPUT_STATUS, verdict, 0)
