@@ -57,7 +57,21 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
     s_max = 0;
     s_overflow = E;
   }
-  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &a.desc[me])) {
+    // The op stopped on every rank: a handle that routes nothing (see layout_kernel).
+    int32_t* copy_slot = tr.local(a.copy_slot);
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * K; i += blockDim.x) copy_slot[i] = -1;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      tr.local(a.recv_expert_count)[l] = 0;
+      tr.local(a.num_recv_tokens_per_expert)[l] = 0;
+    }
+    if (threadIdx.x == 0) {
+      *tr.local(a.num_recv) = 0;
+      *tr.local(a.dropped) = 0;
+      if (int32_t* max_count = tr.local(a.max_expert_count)) *max_count = 0;
+    }
+    return;
+  }
   const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E], every source's row
 
   // 2a. source: first slot of my copies of every expert (copies from lower source ranks)

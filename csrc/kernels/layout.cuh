@@ -132,7 +132,19 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   RankWorkspace* ws = tr.workspace(me);
   HostMailbox* mailbox = tr.local(a.mailbox);
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
-    if (threadIdx.x == 0 && mailbox != nullptr) publish(mailbox, a.ticket, 0, 0, true, ws);
+    // The op stopped on every rank. Leave a handle that routes nothing: a binding that cannot stop
+    // the ops after this one (XLA runs the whole program) then moves nothing with it, instead of
+    // indexing peers' buffers with counts that were never exchanged.
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * R; i += blockDim.x) send_pos[i] = -1;
+    if (static_cast<int>(threadIdx.x) < R) {
+      tr.local(a.recv_counts)[threadIdx.x] = 0;
+      tr.local(a.send_offset)[threadIdx.x] = 0;
+    }
+    if (threadIdx.x == 0) {
+      *tr.local(a.num_recv) = 0;
+      *tr.local(a.dropped) = 0;
+      if (mailbox != nullptr) publish(mailbox, a.ticket, 0, 0, true, ws);
+    }
     return;
   }
 

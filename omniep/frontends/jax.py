@@ -97,9 +97,9 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     held an id outside ``[-1, E)``; otherwise the same failure on every rank (RANK_MISMATCH naming the
     first differing rank and field, or BAD_INPUT naming the rank and the id), and the op moved
     nothing. The outputs of a failed op are not to be used: the collective backend returns zeros
-    (``recv_x`` 0, ``recv_topk_idx`` -1, counts 0) and a handle that routes nothing (a combine with it
-    returns the bias, or 0, and reports the same status); the native backends leave them unspecified
-    (zeroing would cost a pass over them on every call). Raise it with :func:`check`.
+    (``recv_x`` 0, ``recv_topk_idx`` -1, counts 0), the native backends leave them unspecified (zeroing
+    would cost a pass over them on every call); both return a handle that routes nothing, so a combine
+    with it returns the bias (or 0) and reports the same status. Raise it with :func:`check`.
     """
     layout = Layout.parse(layout)
     fp8_pair = isinstance(x, (tuple, list))
@@ -137,8 +137,9 @@ def combine(y, handle: Handle, *, bias=None, return_status: bool = False):
     ``return_status=True`` returns ``(out, status)``, ``status [STATUS_WORDS] int32`` per rank: the
     status of the dispatch that made ``handle`` when that failed, else a mismatch of this combine
     between ranks (E, H and dtype of ``y``, layout, capacity, top-k), all zero when none. When it is
-    not OK, ``out`` is not to be used (collective backend: the bias sum, 0 without bias; native
-    backends: unspecified). The status has no gradient. (Collective backend: the check rides in the
+    not OK, ``out`` is not to be used: when the dispatch failed it is the bias sum (0 without bias);
+    when this combine's ranks disagree, it is that on the collective backend and unspecified on the
+    native ones. The status has no gradient. (Collective backend: the check rides in the
     combine's own exchange when ``y`` has the hidden size and element width of the dispatch's ``x``,
     bf16 after fp8, otherwise the combine exchanges twice; native backends: in the kernels' first
     barrier.)

@@ -64,6 +64,8 @@ CASES = (
     # no rank's y is like x: every rank sends its descriptor in x's geometry, then none goes on
     Divergence("combine_hidden_none_like_x", {"y_hidden": 16}, "combine", "hidden", everyone={"y_hidden": 12}),
     Divergence("bad_expert_id", {"bad": (-1, 1000)}, "dispatch", None, ("default", "sync")),
+    Divergence("bad_expert_id_expert_major", {"bad": (-1, 1000)}, "dispatch", None, ("default",),
+               everyone={"layout": "expert_major"}),
 )
 
 

@@ -28,7 +28,8 @@ WORLD = 2
 # in compilation, before any op runs (seen on jax 0.11.2). Divergent programs need it off.
 NO_SHARDED_AUTOTUNING = "--xla_gpu_shard_autotuning=false"
 SESSIONS = {
-    "bad_id_then_hidden": (("bad_expert_id", "default"), ("bad_expert_id", "sync"), ("hidden", "default")),
+    "bad_id_then_hidden": (("bad_expert_id", "default"), ("bad_expert_id", "sync"),
+                           ("bad_expert_id_expert_major", "default"), ("hidden", "default")),
     "combine_hidden_sync": (("combine_hidden", "sync"),),
     "num_experts": (("num_experts", "default"),),
 }
@@ -86,4 +87,8 @@ def test_every_rank_reports_the_failure(session):
             assert rec["check"]["status" if which == "error" else "combine_status"]["type"] == kind
             if name.startswith("combine"):
                 assert facts["error"] is None, facts  # the dispatch itself agreed
+            if name.startswith("bad_expert_id"):
+                # the failed prepare left a handle that routes nothing: the combine in the same
+                # program moved nothing and returned the bias
+                assert facts["combine_moved_nothing"], facts
 
