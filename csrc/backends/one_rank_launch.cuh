@@ -71,7 +71,7 @@ class OneRankLauncher {
     const int warps = kCopyRowsThreads / gpu::kWarpSize;
     const int64_t want = (a.rows + warps - 1) / warps;
     const int blocks = static_cast<int>(want < 4 * num_sms_ ? want : 4 * num_sms_);
-    copy_rows_except_kernel<<<blocks, kCopyRowsThreads, 0, stream>>>(a);
+    copy_rows_except_kernel<><<<blocks, kCopyRowsThreads, 0, stream>>>(a);
     check_cuda(cudaGetLastError(), "copy_rows_except");
   }
 

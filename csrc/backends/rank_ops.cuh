@@ -8,6 +8,7 @@
 //     the buffer);
 //   * combine / dispatch_bwd: I copy the rows of y but my own into my data buffer; peers PULL their
 //     rows from it, I read mine from y (kernels/copy_rows.cuh: copy_rows_except).
+//   Up to fused_copy_bytes the dispatch / combine kernel does that copy itself (one launch per op).
 //   * expert-major: the [L, C] slots move as one block each way (C is static).
 // Every kernel starts and ends with a barrier over all ranks, so these copies on my stream never race
 // a peer's access to my buffer (kernels/sync.cuh). Buffers are regions of [capacity, row bytes] packed
@@ -22,6 +23,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -45,6 +47,24 @@ inline size_t grown_size(size_t bytes, size_t current) {
   size_t n = bytes > 2 * current ? bytes : 2 * current;
   if (n < (size_t{1} << 21)) n = size_t{1} << 21;
   return (n + (size_t{1} << 21) - 1) >> 21 << 21;
+}
+
+// Bytes up to which the dispatch and combine kernels do the local copy-out / copy-in themselves (one
+// launch fewer per op: host time is what small ops are made of); larger copies get their own launch
+// over every SM, faster than the kernels' SM budget. OMNIEP_FUSED_COPY_BYTES (read once; 0: never).
+inline int64_t fused_copy_bytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("OMNIEP_FUSED_COPY_BYTES");
+    if (v == nullptr || *v == '\0') return int64_t{4} << 20;
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end == v || *end != '\0' || n < 0) {
+      throw std::invalid_argument(std::string("omniep: OMNIEP_FUSED_COPY_BYTES must be an integer >= 0, got '") + v +
+                                  "'");
+    }
+    return static_cast<int64_t>(n);
+  }();
+  return bytes;
 }
 
 template <typename T, typename Rank>
@@ -263,9 +283,12 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
     a.out_topk_weights = mine<float>(g, c.recv_topk_weights);
     a.out_rows = c.rows;
   }
+  const bool fused = c.rows > 0 && c.rows * (c.row_bytes + c.row2_bytes) <= fused_copy_bytes();
+  a.copy_rows = fused ? c.rows : 0;
   a.desc[g.rank()] = d;
   launch_dispatch(a, s);
   next_part(d);
+  if (fused) return;
 
   const uintptr_t base = g.data_ptr();
   const uintptr_t skip_begin = reinterpret_cast<uintptr_t>(c.send_offset + g.rank());
@@ -292,9 +315,16 @@ void OneRankOps<Rank>::combine(const CombineCall& c, OpDesc& d, cudaStream_t s) 
   a.send_offset = mine<const int32_t>(g, c.send_offset);
   a.own_y = mine<const void>(g, c.y);  // my own rows are read from y itself; the copy-in skips them
   const uintptr_t base = g.data_ptr();
-  copy_rows_except(base + offsets[0], reinterpret_cast<uintptr_t>(c.y), y_row, c.rows,
-                   reinterpret_cast<uintptr_t>(c.send_offset + g.rank()),
-                   reinterpret_cast<uintptr_t>(c.recv_counts + g.rank()), s);
+  if (c.rows > 0 && c.rows * y_row <= fused_copy_bytes()) {  // the kernel copies in itself
+    a.recv_counts = mine<const int32_t>(g, c.recv_counts);
+    a.copy_rows = static_cast<int>(c.rows);
+    const uintptr_t ends[2] = {base + offsets[0], reinterpret_cast<uintptr_t>(c.y)};
+    a.copy_unit = row_copy_unit(y_row, ends, 2);
+  } else {
+    copy_rows_except(base + offsets[0], reinterpret_cast<uintptr_t>(c.y), y_row, c.rows,
+                     reinterpret_cast<uintptr_t>(c.send_offset + g.rank()),
+                     reinterpret_cast<uintptr_t>(c.recv_counts + g.rank()), s);
+  }
   if (grad) {
     if (c.rows > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.g_recv_topk_weights),
                            static_cast<size_t>(c.rows * K * 4), s);

@@ -71,6 +71,9 @@ struct DispatchArgs {
   PerRank<int32_t> out_topk_idx;
   PerRank<float> out_topk_weights;
   int out_rows;
+  // > 0: after the end barrier the kernel itself copies rows [0, copy_rows) of recv_x / recv_x2 to
+  // own_x / own_x2, but the rank's own segment (the copy-out, fused: kernels/copy_rows.cuh).
+  int copy_rows;
   int num_tokens[kMaxRanks];
   int64_t row_bytes;
   int64_t row2_bytes;  // 0 = no second payload
@@ -96,6 +99,11 @@ struct CombineArgs {
   // Optional [C, H]: where a rank reads its OWN rows (it pulls from itself) instead of its y in the
   // symmetric buffer: the caller's y, so the copy-in skips them (kernels/copy_rows.cuh). Null: sym.
   PerRank<const void> own_y;
+  PerRank<const int32_t> recv_counts;       // [R] (copy_rows > 0)
+  // > 0: before the start barrier the kernel itself copies rows [0, copy_rows) of own_y but the
+  // rank's own segment into y (the copy-in, fused: kernels/copy_rows.cuh), in units of copy_unit.
+  int copy_rows;
+  int copy_unit;
   int num_tokens[kMaxRanks];
   int hidden;
   int num_topk;

@@ -14,13 +14,15 @@
 // (omniep/transport.h). I then read r's rows from my mirror: the sum is the same, in the same order
 // (bitwise unchanged). On p2p those branches compile away.
 //
-// A rank's own rows come from a.own_y when given (the caller's y; the copy-in skipped them).
+// A rank's own rows come from a.own_y when given (the caller's y; the copy-in skipped them). With
+// a.copy_rows the kernel does that copy-in itself before the start barrier (small ops).
 //
 // Barriers: start (every rank's y is complete: its producer ran before this kernel on that rank's
 // stream), end (peers finished reading my y, so my stream may free or overwrite it afterwards).
 #pragma once
 
 #include "kernels/args.h"
+#include "kernels/copy_rows.cuh"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
 
@@ -77,6 +79,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
       tr.put_i32(&my_ws->push_rows[2 * me + 1], s_rows[r], r);
     }
   };
+  if (a.copy_rows > 0) {  // the fused copy-in: my y but my own rows (read from own_y directly)
+    const int64_t b = send_offset[me], e = b + tr.local(a.recv_counts)[me];
+    grid_copy_rows_except(static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y))),
+                          static_cast<const uint8_t*>(tr.local(a.own_y)), static_cast<int64_t>(H) * sizeof(Scalar),
+                          a.copy_rows, b, e, a.copy_unit);
+  }
+  // (The start barrier orders the copy-in before any peer's reads: every block arrives after its
+  // writes.)
   if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, tell, &a.desc[me])) return;
   // ... and puts them into my mirror for it, as I put theirs into their mirrors for me.
   if constexpr (Tr::kHasRemote) {

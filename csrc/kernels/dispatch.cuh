@@ -6,7 +6,8 @@
 // The receiver meanwhile zero-fills its padding rows [min(sum(recv_counts), C), C), which no source
 // writes.
 // A receiver's own rows go to a.own_x / a.own_x2 instead when given (the caller's result tensors;
-// the copy-out then skips them, kernels/copy_rows.cuh).
+// the copy-out then skips them, kernels/copy_rows.cuh). With a.copy_rows the kernel does that
+// copy-out itself after the end barrier (small ops: one launch fewer).
 // Per-expert receive counts: each block counts the (token, local expert) pairs it delivered in
 // shared memory and adds them to the receiver's counters once at the end; the receiver zeroed those
 // counters before the start barrier and reads them after the end barrier.
@@ -26,6 +27,7 @@
 #pragma once
 
 #include "kernels/args.h"
+#include "kernels/copy_rows.cuh"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
 
@@ -167,8 +169,15 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   int32_t* out_idx = tr.local(a.out_topk_idx);
   float* out_w = tr.local(a.out_topk_weights);
   const bool copy_out = routing && out_idx != nullptr;
-  // With the routing to copy out, every block waits for the peers (their rows have arrived).
-  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/copy_out, puts)) return;
+  // With anything to copy out, every block waits for the peers (their rows have arrived).
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/copy_out || a.copy_rows > 0, puts)) return;
+  if (a.copy_rows > 0) {  // the rows but my own (those went straight to own_x): the fused copy-out
+    const int64_t b = s_offset[me], e = b + tr.local(a.recv_counts)[me];
+    grid_copy_rows_except(tr.local(a.own_x), tr.local(a.recv_x), a.row_bytes, a.copy_rows, b, e, a.unit);
+    if (a.row2_bytes > 0) {
+      grid_copy_rows_except(tr.local(a.own_x2), tr.local(a.recv_x2), a.row2_bytes, a.copy_rows, b, e, a.unit2);
+    }
+  }
   if (copy_out) {
     const int32_t* idx_in = tr.local(a.recv_topk_idx);
     const float* w_in = tr.local(a.recv_topk_weights);
