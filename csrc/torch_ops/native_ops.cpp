@@ -21,7 +21,8 @@
 //   [2] info       int64 [2] (CPU): the dispatch's sequence number (the handle id of later ops'
 //                  descriptors) and the symmetric capacity C
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -230,10 +231,11 @@ void reject(Context& c, OpDesc& d, const std::string& error) {
   TORCH_CHECK_VALUE(false, error);
 }
 
-Tensor i32(int64_t n, const Context& c) { return at::empty({n}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c.device)); }
-
-Tensor empty_like_device(std::vector<int64_t> shape, at::ScalarType t, const Context& c) {
-  return at::empty(shape, at::TensorOptions().dtype(t).device(at::kCUDA, c.device));
+// Results and handle tensors on the group's device, straight from the caching allocator
+// (at::detail::empty_cuda: no dispatcher round trip per tensor, and a dispatch allocates ten).
+Tensor device_empty(at::IntArrayRef shape, at::ScalarType t, const Context& c) {
+  return at::detail::empty_cuda(shape, t, at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(c.device)),
+                                std::nullopt);
 }
 
 // Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts.
@@ -313,11 +315,11 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
   const int64_t E = num_experts, L = E / R;
 
   const Routing parts(T, K, R, E, em);
-  Tensor idx32 = empty_like_device({T, K}, at::kInt, c);
-  Tensor routing = i32(parts.total, c);
-  Tensor info = at::empty({2}, at::TensorOptions().dtype(at::kLong));
-  Tensor num_recv = empty_like_device({}, at::kInt, c), dropped = empty_like_device({}, at::kInt, c);
-  Tensor per_expert = i32(L, c);
+  Tensor idx32 = device_empty({T, K}, at::kInt, c);
+  Tensor routing = device_empty({parts.total}, at::kInt, c);
+  Tensor info = at::detail::empty_cpu({2}, at::kLong);
+  Tensor num_recv = device_empty({}, at::kInt, c), dropped = device_empty({}, at::kInt, c);
+  Tensor per_expert = device_empty({L}, at::kInt, c);
   int32_t* r = routing.data_ptr<int32_t>();
 
   omniep::PrepareCall p = {};
@@ -363,10 +365,10 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
     v.insert(v.end(), more.begin(), more.end());
     return v;
   };
-  Tensor recv_x = at::empty(with(lead, {H}), x.options());
-  Tensor recv_s = fp8 ? empty_like_device(with(lead, {S}), at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
-  Tensor recv_idx = empty_like_device(em ? lead : with(lead, {K}), at::kInt, c);
-  Tensor recv_w = empty_like_device(em ? lead : with(lead, {K}), at::kFloat, c);
+  Tensor recv_x = device_empty(with(lead, {H}), x.scalar_type(), c);
+  Tensor recv_s = fp8 ? device_empty(with(lead, {S}), at::kFloat, c) : device_empty({0}, at::kFloat, c);
+  Tensor recv_idx = device_empty(em ? lead : with(lead, {K}), at::kInt, c);
+  Tensor recv_w = device_empty(em ? lead : with(lead, {K}), at::kFloat, c);
   if (em) {
     omniep::EMDispatchCall e = {};
     e.x = x.data_ptr();
@@ -435,8 +437,8 @@ std::tuple<Tensor, Tensor> dispatch_rows(Context& c, const Tensor& x_in, const s
   const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
   const std::optional<Tensor> x_scales = fp8 ? std::optional<Tensor>(x_scales_in->contiguous()) : std::nullopt;
   const int64_t S = fp8 ? x_scales->size(1) : 0;
-  Tensor recv_x = at::empty({rows, H}, x.options());
-  Tensor recv_s = fp8 ? empty_like_device({rows, S}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  Tensor recv_x = device_empty({rows, H}, x.scalar_type(), c);
+  Tensor recv_s = fp8 ? device_empty({rows, S}, at::kFloat, c) : device_empty({0}, at::kFloat, c);
   omniep::DispatchCall q = {};
   q.x = x.data_ptr();
   q.row_bytes = H * x.element_size();
@@ -500,10 +502,10 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
   for (const auto* b : {&b0, &b1}) {
     if (b->has_value()) bias[num_bias++] = (*b)->contiguous();
   }
-  Tensor out = at::empty({T, H}, y.options());
+  Tensor out = device_empty({T, H}, y.scalar_type(), c);
   const bool grad = g_recv_w_in != nullptr;
   const Tensor g_recv_w = grad ? g_recv_w_in->contiguous() : Tensor();
-  Tensor g_w = grad ? empty_like_device({T, K}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  Tensor g_w = grad ? device_empty({T, K}, at::kFloat, c) : device_empty({0}, at::kFloat, c);
   const cudaStream_t s = stream_of(c);
   // What both layouts take alike (omniep::CombineBase).
   const auto fill = [&](omniep::CombineBase& b) {
@@ -573,7 +575,7 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
   const std::vector<Tensor> handle = handle_list.vec();
   if (layout == 0) {  // a cached dispatch of g_out
     auto out = dispatch_rows(c, g_out_in, std::nullopt, handle, num_experts, omniep::kOpCombineBwd, "combine_bwd");
-    return {std::get<0>(out), empty_like_device({0}, at::kFloat, c)};
+    return {std::get<0>(out), device_empty({0}, at::kFloat, c)};
   }
   Checker chk{c, {}};
   HandleView h = handle_view(handle, c, num_experts, true);
@@ -596,8 +598,8 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
   const Tensor g_out = g_out_in.contiguous();
   const Tensor w = topk_weights->contiguous();
   const Tensor y = y_in.has_value() ? y_in->contiguous() : Tensor();
-  Tensor g_y = at::empty({L, C, H}, g_out.options());
-  Tensor g_w = y_in.has_value() ? empty_like_device({T, K}, at::kFloat, c) : empty_like_device({0}, at::kFloat, c);
+  Tensor g_y = device_empty({L, C, H}, g_out.scalar_type(), c);
+  Tensor g_w = y_in.has_value() ? device_empty({T, K}, at::kFloat, c) : device_empty({0}, at::kFloat, c);
   omniep::EMCombineBwdCall e = {};
   e.g_out = g_out.data_ptr();
   e.hidden = static_cast<int>(H);
