@@ -30,7 +30,7 @@ import torch
 from ..backends.torch_group import default_group
 from ..ep_core import registry
 from ..ep_core.errors import InputError, OmniEPError, UnsupportedError
-from ..ep_core.types import Dispatched, DispatchConfig, Layout
+from ..ep_core.types import Dispatched, DispatchConfig, Layout, frozen_new
 from . import torch_ops  # noqa: F401  (defines the ops)
 
 __all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "destroy", "context", "Dispatched",
@@ -214,10 +214,20 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         config = _CONFIGS[key] = DispatchConfig(experts, ctx.world, lay, None if cap < 0 else cap, align)
     # recv_topk_weights may be differentiable: the handle keeps it out of the autograd graph.
     recv_w = out[3].detach() if out[3].requires_grad else out[3]
-    handle = Handle((out[2], recv_w, *out[7]), ctx, config, topk_weights)
+    handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
+                           "topk_weights": topk_weights})
     recv_x = (out[0], out[1]) if x_scales is not None else out[0]
-    return Dispatched(recv_x=recv_x, recv_topk_idx=out[2], recv_topk_weights=out[3], num_recv=out[4],
-                      num_recv_tokens_per_expert=out[5], dropped=out[6], handle=handle)
+    return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
+                             "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
+                             "handle": handle, "status": None})
+
+
+def _new(cls, fields: dict):
+    """A frozen result object: eagerly without the dataclass ``__init__`` (ep_core.types.frozen_new);
+    through it while Dynamo traces (it does not trace ``__dict__`` updates)."""
+    if torch.compiler.is_compiling():
+        return cls(**fields)
+    return frozen_new(cls, fields)
 
 
 def _config(handle) -> tuple:
