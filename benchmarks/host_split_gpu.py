@@ -1,8 +1,10 @@
 """Where the host time of one op goes on a GPU (one rank): the public omniep.torch call, the C++ op
 called directly through torch.ops (no Python frontend), and the raw costs it is made of (torch.empty,
 a kernel launch, a cudaMemcpyAsync), each timed on the host while a spin kernel keeps the GPU busy.
+With OMNIEP_FUSED_COPY_BYTES=0 the kernels leave the local copy-out / copy-in to a launch of their own
+(the layout before 2026-11-25): run both to see what the fused copies save.
 
-    python benchmarks/host_split_gpu.py [--tokens 128] [--iters 200]
+    python benchmarks/host_split_gpu.py [--tokens 128] [--iters 200] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -10,19 +12,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-
-def host_us(torch, fn, iters: int) -> float:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(4e6) * iters)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+from host_timing import host_times, pin_cpu, quantile
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
@@ -33,6 +24,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
 
     from omniep import torch as ep
 
+    pin_cpu(rank)
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -45,20 +37,36 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     ctx = d.handle.context
     h = list(d.handle.tensors)
     ops = torch.ops.omniep_native
-    rows = {}
-    n = args["iters"]
     for _ in range(3):
         ep.combine(ep.dispatch(x, idx, w, num_experts=E, capacity=cap).recv_x, d.handle)
-    rows["omniep.torch.dispatch (static)"] = host_us(torch, lambda: ep.dispatch(x, idx, w, num_experts=E, capacity=cap), n)
-    rows["torch.ops dispatch (static)"] = host_us(torch, lambda: ops.dispatch(x, None, idx, w, ctx.id, E, 0, cap, 1), n)
-    rows["omniep.torch.combine"] = host_us(torch, lambda: ep.combine(d.recv_x, d.handle), n)
-    rows["torch.ops combine"] = host_us(torch, lambda: ops.combine(d.recv_x, None, None, None, h, ctx.id, E, 0, cap, 1), n)
-    rows["omniep.torch.cached_dispatch"] = host_us(torch, lambda: ep.cached_dispatch(x, d.handle), n)
-    rows["torch.empty x10"] = host_us(torch, lambda: [torch.empty(T, H, device="cuda") for _ in range(10)], n)
+
+    def static_pair():
+        out = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
+        return ep.combine(out.recv_x, out.handle)
+
     y = torch.empty(16, device="cuda")
-    rows["one tiny kernel (add_)"] = host_us(torch, lambda: y.add_(1), n)
     src, dst = torch.empty(T * H, device="cuda"), torch.empty(T * H, device="cuda")
-    rows["one copy_ (cudaMemcpyAsync)"] = host_us(torch, lambda: dst.copy_(src), n)
+    calls = {
+        "omniep.torch.dispatch (static)": lambda: ep.dispatch(x, idx, w, num_experts=E, capacity=cap),
+        "torch.ops dispatch (static)": lambda: ops.dispatch(x, None, idx, w, ctx.id, E, 0, cap, 1),
+        "omniep.torch.combine": lambda: ep.combine(d.recv_x, d.handle),
+        "torch.ops combine": lambda: ops.combine(d.recv_x, None, None, None, h, ctx.id, E, 0, cap, 1),
+        "omniep.torch.cached_dispatch": lambda: ep.cached_dispatch(x, d.handle),
+        "pair: static dispatch + combine": static_pair,
+        "pair: cached_dispatch + combine": lambda: ep.combine(ep.cached_dispatch(x, d.handle), d.handle),
+        "torch.empty x10": lambda: [torch.empty(T, H, device="cuda") for _ in range(10)],
+        "one tiny kernel (add_)": lambda: y.add_(1),
+        "the same through torch.ops.aten.add_": lambda: torch.ops.aten.add_(y, 1),
+        "torch.ops dispatch.default (static)": lambda: ops.dispatch.default(x, None, idx, w, ctx.id, E, 0, cap, 1),
+        "one copy_ (cudaMemcpyAsync)": lambda: dst.copy_(src),
+    }
+    # Rounds over every call, interleaved: a slow spell of the machine lands on all rows alike.
+    rounds = {name: [] for name in calls}
+    for _ in range(args["rounds"]):
+        for name, fn in calls.items():
+            rounds[name].append(host_times(torch, fn, args["iters"]))
+    rows = {name: (statistics.median(statistics.median(t) for t in v), statistics.median(quantile(t, 0.1) for t in v))
+            for name, v in rounds.items()}
     ep.destroy()
     dist.destroy_process_group()
     return rows
@@ -68,15 +76,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
     (rows,) = run_ranks(rank_main, 1, args=(vars(a),), timeout=300,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
-    print(f"\n| host µs per call, one rank, T={a.tokens}, H=7168, top-8 of 256 | median |\n|---|---|")
-    for k, v in rows.items():
-        print(f"| {k} | {v:.1f} |")
+    print(f"\n| host µs per call, one rank, T={a.tokens}, H=7168, top-8 of 256 "
+          f"| median | p10 |\n|---|---|---|")
+    for k, (median, p10) in rows.items():
+        print(f"| {k} | {median:.1f} | {p10:.1f} |")
+    print(f"(µs per call: the median over {a.rounds} interleaved rounds of each round's median / 10th percentile)")
     return 0
 
 

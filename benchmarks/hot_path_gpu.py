@@ -9,7 +9,8 @@ normal ``ht``: 4096 tokens, H=7168, top-8 of 256, bf16; low-latency ``ll``: 128 
   nothing waits and the launch queue never fills); not measurable for ``exact``, whose pair waits for
   its row count by design;
 * ``wall``: a steady loop of pairs, synchronised once at the end, per pair;
-* ``device``: the summed duration of the pair's GPU kernels and copies, from the CUDA profiler.
+* ``device``: the summed duration of the pair's GPU kernels and copies, from the CUDA profiler (run
+  after every host and wall measurement: CUPTI slows later launches, host_timing.py).
 
 ``--world 1`` runs one rank (one process); ``--world 2`` two processes sharing GPU 0 (CUDA IPC) — time
 slicing between the processes then inflates ``device`` and ``wall``. Prints a table, writes JSON.
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+
+from host_timing import host_times, pin_cpu, quantile
 
 SHAPES = {"ht": dict(tokens=4096, hidden=7168, topk=8, experts=256), "ll": dict(tokens=128, hidden=7168, topk=8,
                                                                                  experts=256)}
@@ -46,19 +48,6 @@ def _device_us(torch, step, iters: int) -> float:
     if total == 0.0:  # older event trees: the kernel events of the key averages
         total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count)
     return total / iters
-
-
-def _host_us(torch, step, iters: int) -> float:
-    """Host time to issue `step`, the GPU kept busy by a spin kernel queued ahead (nothing waits)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e6) * iters)  # ~1 ms of spinning per call: longer than any issue
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
 
 
 def _profile_host(torch, step, label: str) -> None:
@@ -107,11 +96,13 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
 
     from omniep import torch as ep
 
+    pin_cpu(rank)
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     rows = []
     try:
+        steps = []  # (shape, mode, step) in the order measured
         for shape in args["shapes"]:
             s = SHAPES[shape]
             T, H, K, E = s["tokens"], s["hidden"], s["topk"], s["experts"]
@@ -122,41 +113,47 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             cap = world * T
             handle = ep.dispatch(x, idx, w, num_experts=E, capacity=cap).handle
 
-            def exact():
+            def exact(x=x, idx=idx, w=w, E=E):
                 d = ep.dispatch(x, idx, w, num_experts=E)
                 return ep.combine(d.recv_x, d.handle)
 
-            def static():
+            def static(x=x, idx=idx, w=w, E=E, cap=cap):
                 d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap)
                 return ep.combine(d.recv_x, d.handle)
 
-            def cached():
+            def cached(x=x, handle=handle):
                 return ep.combine(ep.cached_dispatch(x, handle), handle)
 
-            def expert_major():
+            def expert_major(x=x, idx=idx, w=w, E=E, cap=cap):
                 d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
                 return ep.combine(d.recv_x, d.handle)
 
-            steps = dict(exact=exact, static=static, cached=cached, expert_major=expert_major)
+            by_mode = dict(exact=exact, static=static, cached=cached, expert_major=expert_major)
             for mode in args["modes"]:
                 if mode == "expert_major" and shape != "ll":
                     continue  # R * T slots per local expert: the low-latency shape's layout (issue 14 sizes it)
-                step = steps[mode]
-                for _ in range(5):
-                    step()  # warm-up: buffers grow, kernels load
-                torch.cuda.synchronize()
-                dist.barrier()
-                host = None if mode == "exact" else _host_us(torch, step, args["iters"])
-                dist.barrier()
-                wall = _wall_us(torch, step, args["iters"])
-                dist.barrier()
-                device = _device_us(torch, step, min(args["iters"], 20))
-                dist.barrier()
-                rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, host_us=host, wall_us=wall,
-                                 device_us=device))
-                if args["profile"] and rank == 0:
-                    _profile_host(torch, step, f"{shape} {mode}")
-                print(f"rank {rank} {shape} {mode}: host {host} wall {wall:.1f} device {device:.1f}", flush=True)
+                steps.append((shape, mode, by_mode[mode]))
+        # Host and wall first, the CUDA profiler last: once CUPTI is loaded every launch costs more host
+        # time (host_timing.py).
+        for shape, mode, step in steps:
+            for _ in range(5):
+                step()  # warm-up: buffers grow, kernels load
+            torch.cuda.synchronize()
+            dist.barrier()
+            host = None if mode == "exact" else host_times(torch, step, args["iters"], spin_cycles=2e6)
+            dist.barrier()
+            wall = _wall_us(torch, step, args["iters"])
+            dist.barrier()
+            rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, wall_us=wall,
+                             host_us=None if host is None else quantile(host, 0.5),
+                             host_p10_us=None if host is None else quantile(host, 0.1)))
+        for row, (shape, mode, step) in zip(rows, steps):
+            row["device_us"] = _device_us(torch, step, min(args["iters"], 20))
+            dist.barrier()
+            if args["profile"] and rank == 0:
+                _profile_host(torch, step, f"{shape} {mode}")
+            print(f"rank {rank} {shape} {mode}: host {row['host_us']} wall {row['wall_us']:.1f} "
+                  f"device {row['device_us']:.1f}", flush=True)
         ep.destroy()
     finally:
         dist.destroy_process_group()
@@ -179,7 +176,7 @@ def main(argv=None) -> int:
     results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
-    print("\n| world | shape | mode | host µs / pair | wall µs / pair | device µs / pair | wall - device |")
+    print("\n| world | shape | mode | host µs / pair (median, p10) | wall µs / pair | device µs / pair | wall - device |")
     print("|---|---|---|---|---|---|---|")
     for shape in args["shapes"]:
         for mode in args["modes"]:
@@ -187,9 +184,10 @@ def main(argv=None) -> int:
             if not mine:
                 continue
             host = max((r["host_us"] for r in mine if r["host_us"] is not None), default=None)
+            p10 = max((r["host_p10_us"] for r in mine if r["host_p10_us"] is not None), default=None)
             wall = max(r["wall_us"] for r in mine)
             dev = max(r["device_us"] for r in mine)
-            host_s = "—" if host is None else f"{host:.1f}"
+            host_s = "—" if host is None else f"{host:.1f}, {p10:.1f}"
             print(f"| {a.world} | {shape} | {mode} | {host_s} | {wall:.1f} | {dev:.1f} | {wall - dev:.1f} |")
     if a.out:
         with open(a.out, "w") as f:
