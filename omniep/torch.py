@@ -1,12 +1,12 @@
 """``omniep.torch``: the PyTorch entry point (re-exports :mod:`omniep.frontends.torch`).
 
 ``dispatch`` / ``combine`` (autograd-aware custom ops), ``cached_dispatch`` and the DeepEP-compatible
-``Buffer``.
+``Buffer`` (with its ``Config`` and ``EventOverlap``).
 """
 
 from .frontends.torch import (Dispatched, Handle, cached_dispatch, check, combine, context, destroy, dispatch,
                               synchronize)
-from .frontends.torch_buffer import Buffer
+from .frontends.torch_buffer import Buffer, Config, EventOverlap
 
 __all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "destroy", "context", "Buffer",
-           "Dispatched", "Handle"]
+           "Config", "EventOverlap", "Dispatched", "Handle"]

@@ -23,6 +23,7 @@ from omniep.testing.torch_workers import collective_session
 pytest.importorskip("torch")
 
 WORLDS = (2, 4)
+NO_WAIT = ("EventOverlap", False)  # a Buffer op's event on CPU: an EventOverlap holding no device event
 RM, EM = Layout.RANK_MAJOR, Layout.EXPERT_MAJOR
 
 
@@ -304,24 +305,24 @@ def test_buffer_deepep_api(session):
         assert_bits(per_rank, lay.num_tokens_per_rank, "num_tokens_per_rank")
         assert_bits(per_expert, lay.num_tokens_per_expert, "num_tokens_per_expert")
         assert_bits(in_rank, lay.is_token_in_rank, "is_token_in_rank")
-        assert per_rdma is None and event is None
+        assert per_rdma is None and event == NO_WAIT
         recv_x, recv_idx, recv_w, counts, event = res["dispatch"]
         assert_bits(recv_x, disp[r].recv_x, "Buffer.dispatch recv_x")
         assert_bits(recv_idx, disp[r].recv_topk_idx.astype(np.int64), "Buffer.dispatch recv_topk_idx (topk_idx dtype)")
         assert_bits(recv_w, disp[r].recv_topk_weights, "Buffer.dispatch recv_topk_weights")
-        assert counts == disp[r].num_recv_tokens_per_expert.tolist() and event is None
+        assert counts == disp[r].num_recv_tokens_per_expert.tolist() and event == NO_WAIT
         assert_bits(res["cached"][0], again[r].recv_x, "cached dispatch recv_x")
-        assert res["cached"][1:] == [None] * 5
+        assert res["cached"][1:] == [None] * 4 + [NO_WAIT]
         recv_x, recv_idx, recv_w, counts, event = res["worst"]
         assert recv_x.shape[0] == job["num_worst_tokens"]
         assert_bits(recv_x, worst[r].recv_x, "num_worst_tokens recv_x")
         assert_bits(recv_idx, worst[r].recv_topk_idx.astype(np.int64), "num_worst_tokens recv_topk_idx")
         assert_bits(recv_w, worst[r].recv_topk_weights, "num_worst_tokens recv_topk_weights")
-        assert counts == [] and event is None  # DeepEP: no per-expert list with num_worst_tokens
+        assert counts == [] and event == NO_WAIT  # DeepEP: no per-expert list with num_worst_tokens
         combined, combined_w, event = res["combine"]
         assert_bits(combined, out[r], "Buffer.combine x (two biases)")
         assert_bits(combined_w, weights[r], "Buffer.combine topk_weights")
-        assert event is None
+        assert event == NO_WAIT
         assert res["after_destroy"].startswith("DestroyedError"), res["after_destroy"]
         assert res["after_with"].startswith("DestroyedError"), res["after_with"]
 
@@ -354,7 +355,7 @@ def test_buffer_low_latency_api(session):
         assert_bits(recv_x, disp[r].recv_x, "low_latency_dispatch recv_x")
         assert_bits(count, disp[r].num_recv_tokens_per_expert, "low_latency_dispatch recv_count")
         assert_bits(res["stats"], disp[r].num_recv_tokens_per_expert, "cumulative_local_expert_recv_stats")
-        assert event is None
+        assert event == NO_WAIT
         x8, scales, count8, no_hook = res["fp8"]
         assert_bits(x8, disp8[r].recv_x, "low_latency_dispatch fp8 rows")
         assert_bits(scales, disp_s[r].recv_x, "low_latency_dispatch fp8 scales")
@@ -362,4 +363,4 @@ def test_buffer_low_latency_api(session):
         assert no_hook is None  # no return_recv_hook: no hook
         combined, into_out, event = res["combine"]
         assert_bits(combined, out[r], "low_latency_combine")
-        assert into_out and event is None
+        assert into_out and event == NO_WAIT

@@ -5,10 +5,12 @@ Method names, arguments and return tuples follow ``deep_ep.Buffer`` (normal, ran
 ``num_worst_tokens``), ``combine``. Differences a DeepEP user should know:
 
 * the handle is a named :class:`~omniep.ep_core.types.Handle`, not a tuple (treat it as opaque);
-* ``event`` is always ``None`` (every backend runs on the caller's stream);
-  ``config``, ``previous_event``, ``async_finish`` and ``allocate_on_comm_stream`` are accepted and
-  ignored; buffer sizes are accepted and ignored (the selected backend sizes its own buffers: the
-  native ones keep a symmetric buffer that grows on demand, the collective one allocates per call);
+* every op runs on the caller's current stream: ``previous_event`` makes that stream wait for it first,
+  ``async_finish`` returns an :class:`EventOverlap` recorded after the op on it (CUDA tensors; on CPU
+  an op is complete when it returns and the event waits for nothing), ``allocate_on_comm_stream`` is
+  accepted (results belong to the current stream). ``config`` (a :class:`Config`) and the buffer
+  sizes are accepted and ignored: the selected backend sizes its own buffers (the native ones keep a
+  symmetric buffer that grows on demand, the collective one allocates per call);
 * results follow omniep's contract: rows ordered by (source rank, source token), fp32 sums in
   ascending rank order — bit for bit the same on every backend and vendor;
 * a capacity overflow (``num_worst_tokens`` too small) raises ``CapacityError`` instead of
@@ -35,6 +37,127 @@ from ..ep_core import validation as v
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
 from ..ep_core.types import Layout
 from .torch import Handle, cached_dispatch, combine, context, dispatch
+
+
+class Config:
+    """DeepEP's tuning config of the normal-mode kernels: SMs, and tokens per NVLink / RDMA chunk sent and
+    received. Kept for API compatibility: omniep's kernels schedule themselves and take none of it; the
+    size hints say how many bytes a DeepEP-style buffer of these chunks holds, so that recipes sizing
+    ``Buffer(group, num_nvl_bytes, num_rdma_bytes)`` from them run unchanged (the sizes are ignored)."""
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        values = dict(num_sms=num_sms, num_max_nvl_chunked_send_tokens=num_max_nvl_chunked_send_tokens,
+                      num_max_nvl_chunked_recv_tokens=num_max_nvl_chunked_recv_tokens,
+                      num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
+                      num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(f"Config: {name} must be a positive int, got {value!r}")
+        if num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens:
+            raise InputError(f"Config: num_max_nvl_chunked_send_tokens ({num_max_nvl_chunked_send_tokens}) must be "
+                             f"below num_max_nvl_chunked_recv_tokens ({num_max_nvl_chunked_recv_tokens})")
+        if num_max_rdma_chunked_send_tokens > num_max_rdma_chunked_recv_tokens:
+            raise InputError(f"Config: num_max_rdma_chunked_send_tokens ({num_max_rdma_chunked_send_tokens}) must "
+                             f"not exceed num_max_rdma_chunked_recv_tokens ({num_max_rdma_chunked_recv_tokens})")
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        return ("Config(" + ", ".join(f"{k}={v}" for k, v in self.__dict__.items()) + ")")
+
+    def _chunk_bytes(self, hidden_bytes: int, tokens: int) -> int:
+        # Per received token: its row, up to 128 top-k ids (int64) and weights (f32), 128 fp8 scales (f32).
+        return tokens * (hidden_bytes + _MAX_TOPK * (8 + 4) + _MAX_SCALES * 4)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of the NVLink buffer: per channel (two SMs) and NVLink peer, one receive chunk and its
+        counters; rounded up to 128 bytes."""
+        nvl_ranks, rdma_ranks = _node_split(num_ranks)
+        per_peer = self._chunk_bytes(hidden_bytes, self.num_max_nvl_chunked_recv_tokens) + (2 * rdma_ranks + 3) * 4
+        return _round_up(self.num_sms // 2 * nvl_ranks * per_peer, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of the RDMA buffer: 0 within one node (at most 8 ranks); else, per channel and node, a send
+        and a receive chunk and their counters, rounded up to 128 bytes."""
+        nvl_ranks, rdma_ranks = _node_split(num_ranks)
+        if rdma_ranks == 1:
+            return 0
+        per_node = 2 * self._chunk_bytes(hidden_bytes, self.num_max_rdma_chunked_recv_tokens) + 2 * (nvl_ranks + 1) * 4
+        return _round_up(self.num_sms // 2 * rdma_ranks * per_node, 128)
+
+
+_MAX_TOPK = _MAX_SCALES = 128
+_NVL_PEERS = 8  # GPUs of a node on one NVLink domain (DeepEP's normal-mode node)
+
+# DeepEP's recommended configs by EP size (num_sms filled in at call time):
+# (nvl send, nvl recv, rdma send, rdma recv) tokens per chunk.
+_DISPATCH_CONFIGS = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128),
+                     24: (8, 288, 32, 128), 32: (8, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+                     144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+_COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (2, 288, 28, 128),
+                    24: (1, 288, 20, 128), 32: (1, 288, 20, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
+                    144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _node_split(num_ranks: int) -> tuple:
+    """(ranks per node on NVLink, nodes) of a normal-mode group, as DeepEP lays it out."""
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+        raise InputError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    if num_ranks > _NVL_PEERS and num_ranks % _NVL_PEERS:
+        raise InputError(f"num_ranks={num_ranks}: beyond one node the ranks come in whole nodes of {_NVL_PEERS}")
+    return min(num_ranks, _NVL_PEERS), max(num_ranks // _NVL_PEERS, 1)
+
+
+def _config_for(table: dict, num_ranks: int, what: str) -> Config:
+    if num_ranks not in table:
+        raise InputError(f"no recommended {what} config for {num_ranks} ranks (known: {sorted(table)}); "
+                         f"pass config=Config(...) (omniep ignores it)")
+    return Config(Buffer.num_sms, *table[num_ranks])
+
+
+class EventOverlap:
+    """DeepEP's ``EventOverlap``: the event after an op (``event``: a ``torch.cuda.Event`` or None) and
+    tensors to keep alive until it (``extra_tensors``). :meth:`current_stream_wait` makes the current
+    stream wait for it; ``with`` waits on exit. omniep runs every op on the current stream, so the wait
+    orders other streams (and ``previous_event`` users) after the op; an event of None (CPU ops, or
+    no ``async_finish``) waits for nothing: the op was complete or in stream order already."""
+
+    def __init__(self, event=None, extra_tensors: Optional[tuple] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait()
+
+
+def _before(previous_event) -> None:
+    """``previous_event``: what the op must run after (an EventOverlap, or None)."""
+    if previous_event is None:
+        return
+    if not isinstance(previous_event, EventOverlap):
+        raise InputError(f"previous_event must be an EventOverlap (or None), got {type(previous_event).__name__}")
+    previous_event.current_stream_wait()
+
+
+def _after(async_finish: bool, device: torch.device) -> EventOverlap:
+    """The op's event: recorded on the current stream for CUDA tensors with ``async_finish``."""
+    if async_finish and device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        return EventOverlap(event)
+    return EventOverlap()
 
 
 class Buffer:
@@ -86,23 +209,34 @@ class Buffer:
             raise DestroyedError("this omniep Buffer was destroyed (destroy() or the end of its `with` block); "
                                  "create a new Buffer to communicate again")
 
-    # ---- DeepEP's static helpers (accepted for compatibility; no backend needs them) --------------
+    # ---- DeepEP's static helpers (for its recipes; no backend needs the values) --------------------
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
+        """The SMs DeepEP's normal-mode kernels would use (even: two per channel). Recorded in the configs
+        :meth:`get_dispatch_config` returns; omniep's kernels choose their own."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise InputError(f"set_num_sms: the SM count must be a positive even int, got {new_num_sms!r}")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
-    def get_dispatch_config(num_ranks: int) -> None:
-        return None
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended dispatch :class:`Config` for ``num_ranks`` (2-160 ranks as DeepEP lists)."""
+        return _config_for(_DISPATCH_CONFIGS, num_ranks, "dispatch")
 
     @staticmethod
-    def get_combine_config(num_ranks: int) -> None:
-        return None
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's recommended combine :class:`Config` for ``num_ranks``."""
+        return _config_for(_COMBINE_CONFIGS, num_ranks, "combine")
 
     @staticmethod
-    def capture() -> None:
-        return None
+    def capture() -> EventOverlap:
+        """An event on the current stream now (CUDA; without a GPU one that waits for nothing)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record()
+            return EventOverlap(event)
+        return EventOverlap()
 
     # ---- normal (rank-major) mode ----------------------------------------------------------------
 
@@ -111,14 +245,15 @@ class Buffer:
         """Local layout, no communication. ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
 
         Returns ``(num_tokens_per_rank [R] int32, None (no RDMA ranks), num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, None (event))``.
+        is_token_in_rank [T, R] bool, event)`` (:class:`EventOverlap`).
         """
         self._alive()
+        _before(previous_event)
         v.check_group(num_experts, self.group_size)
         v.check_routing(topk_idx)
         v.check_expert_ids(topk_idx.detach().cpu().numpy(), num_experts)
         _, _, send_pos, per_rank, per_expert = local_layout(topk_idx, num_experts, self.group_size)
-        return per_rank, None, per_expert, send_pos >= 0, None
+        return per_rank, None, per_expert, send_pos >= 0, _after(async_finish, topk_idx.device)
 
     def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -136,15 +271,18 @@ class Buffer:
 
         Returns ``(recv_x, recv_topk_idx [N, K] local expert ids / -1 in topk_idx's dtype,
         recv_topk_weights [N, K] float32 or None, num_recv_tokens_per_expert_list (python ints, aligned;
-        empty with num_worst_tokens), handle, None)``. Cached mode (``handle=`` given, no topk
-        tensors): only ``x`` moves; returns ``(recv_x, None, None, None, None, None)``.
+        empty with num_worst_tokens), handle, event)``. Cached mode (``handle=`` given, no topk
+        tensors): only ``x`` moves; returns ``(recv_x, None, None, None, None, event)``.
         """
         self._alive()
+        _check_config(config)
+        _before(previous_event)
+        device = (x[0] if isinstance(x, tuple) else x).device
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InputError("cached dispatch (handle=...) takes no topk_idx/topk_weights: the handle's "
                                  "routing is reused")
-            return cached_dispatch(x, handle), None, None, None, None, None
+            return cached_dispatch(x, handle), None, None, None, None, _after(async_finish, device)
         if topk_idx is None or num_tokens_per_expert is None:
             raise InputError("dispatch without a handle needs topk_idx and num_tokens_per_expert "
                              "(from get_dispatch_layout)")
@@ -158,7 +296,8 @@ class Buffer:
                      layout=Layout.RANK_MAJOR, backend=self.backend)
         per_expert = [] if num_worst_tokens else d.num_recv_tokens_per_expert.tolist()
         return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
-                d.recv_topk_weights if topk_weights is not None else None, per_expert, d.handle, None)
+                d.recv_topk_weights if topk_weights is not None else None, per_expert, d.handle,
+                _after(async_finish, device))
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, config=None, previous_event=None, async_finish: bool = False,
@@ -167,14 +306,16 @@ class Buffer:
 
         ``topk_weights[N, K]`` float32, if given, is combined the same way (DeepEP returns the reduced
         weights). ``bias``: 0, 1 or 2 ``[T, H]`` tensors added after the sum. Returns
-        ``(combined_x [T, H], combined_topk_weights [T, K] or None, None)``.
+        ``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``.
         """
         self._alive()
+        _check_config(config)
+        _before(previous_event)
         if not isinstance(handle, Handle) or handle.config.layout != Layout.RANK_MAJOR:
             raise InputError("Buffer.combine needs the handle returned by Buffer.dispatch")
         combined = combine(x, handle, bias=bias)
         weights = combine(topk_weights, handle) if topk_weights is not None else None
-        return combined, weights, None
+        return combined, weights, _after(async_finish, x.device)
 
     # ---- low-latency (expert-major) mode ---------------------------------------------------------
 
@@ -194,7 +335,7 @@ class Buffer:
         """Send each token ``x[T, H]`` (bf16) to the ranks of its experts, one copy per (token, expert).
 
         ``T <= num_max_dispatch_tokens_per_rank``; ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
-        Returns ``(recv_x, recv_count, handle, None (event), hook)``: ``recv_x[L, C, H]`` with
+        Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x[L, C, H]`` with
         ``C = R * num_max_dispatch_tokens_per_rank`` (or, with ``use_fp8``, ``(x_fp8 [L, C, H],
         scales [L, C, H / 128] float32)``), slots past ``recv_count[l]`` zero; ``recv_count [L]`` int32;
         ``hook`` a no-op callable when ``return_recv_hook`` (the rows have arrived), else None.
@@ -214,7 +355,7 @@ class Buffer:
         count = d.num_recv_tokens_per_expert
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
-        return d.recv_x, count, d.handle, None, (_no_hook if return_recv_hook else None)
+        return d.recv_x, count, d.handle, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -222,7 +363,7 @@ class Buffer:
                             out: Optional[torch.Tensor] = None, combine_wait_recv_cost_stats=None):
         """``out[t] = sum_k topk_weights[t, k] * x[copy (t, k)]`` (fp32, k ascending, one rounding) for
         ``x[L, C, H]`` laid out as :meth:`low_latency_dispatch` returned it. Returns ``(combined_x [T, H],
-        None (event), hook or None)``; with ``out`` the result is written there too."""
+        event, hook or None)``; with ``out`` the result is written there too."""
         self._alive()
         if use_logfmt:
             raise UnsupportedError(self.backend, "LogFMT combine (use_logfmt)")
@@ -236,7 +377,12 @@ class Buffer:
         if out is not None:
             out.copy_(combined)
             combined = out
-        return combined, None, (_no_hook if return_recv_hook else None)
+        return combined, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)
+
+
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, Config):
+        raise InputError(f"config must be an omniep.torch.Config (or None), got {type(config).__name__}")
 
 
 def _no_hook() -> None:

@@ -228,6 +228,11 @@ def compile_job(rank: int, job: dict) -> dict:
     return dict(equal=[bool(torch.equal(a, b)) for a, b in zip(eager, compiled)], rows=int(eager[1].shape[0]))
 
 
+def _event(event) -> tuple:
+    """A Buffer op's event as plain data: (its type's name, whether it holds a device event)."""
+    return type(event).__name__, getattr(event, "event", None) is not None
+
+
 def buffer_job(rank: int, job: dict) -> dict:
     """DeepEP-style use of :class:`omniep.torch.Buffer`; results for the parent to compare."""
     import torch.distributed as dist
@@ -239,20 +244,20 @@ def buffer_job(rank: int, job: dict) -> dict:
     res = {}
     buf = ep.Buffer(dist.group.WORLD, int(1e6), 0)
     per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, case.num_experts)
-    res["layout"] = [to_numpy(per_rank), per_rdma, to_numpy(per_expert), to_numpy(in_rank), event]
+    res["layout"] = [to_numpy(per_rank), per_rdma, to_numpy(per_expert), to_numpy(in_rank), _event(event)]
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=idx, topk_weights=w, expert_alignment=case.expert_alignment)
-    res["dispatch"] = [to_numpy(recv_x), to_numpy(recv_idx), to_numpy(recv_w), counts, event]
+    res["dispatch"] = [to_numpy(recv_x), to_numpy(recv_idx), to_numpy(recv_w), counts, _event(event)]
     cached = buf.dispatch(to_torch(job["x2"][rank]), handle=handle)
-    res["cached"] = [to_numpy(cached[0])] + list(cached[1:])
+    res["cached"] = [to_numpy(cached[0])] + list(cached[1:5]) + [_event(cached[5])]
     worst = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                          num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
                          expert_alignment=case.expert_alignment, num_worst_tokens=job["num_worst_tokens"])
-    res["worst"] = [to_numpy(worst[0]), to_numpy(worst[1]), to_numpy(worst[2]), worst[3], worst[5]]
+    res["worst"] = [to_numpy(worst[0]), to_numpy(worst[1]), to_numpy(worst[2]), worst[3], _event(worst[5])]
     b0, b1 = (to_torch(b) for b in job["bias"][rank])
     combined, combined_w, event = buf.combine(to_torch(job["y"][rank]), handle, topk_weights=recv_w, bias=(b0, b1))
-    res["combine"] = [to_numpy(combined), to_numpy(combined_w), event]
+    res["combine"] = [to_numpy(combined), to_numpy(combined_w), _event(event)]
     buf.destroy()
     res["after_destroy"] = _raises(lambda: buf.dispatch(x, handle=handle), DestroyedError)
     with ep.Buffer(dist.group.WORLD) as scoped:
@@ -278,13 +283,13 @@ def buffer_ll_job(rank: int, job: dict) -> dict:
         x, idx, job["max_tokens"], case.num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=False,
         return_recv_hook=True)
     hook()
-    res = {"dispatch": [to_numpy(recv_x), to_numpy(count), event], "stats": to_numpy(stats)}
+    res = {"dispatch": [to_numpy(recv_x), to_numpy(count), _event(event)], "stats": to_numpy(stats)}
     (x8, scales), count8, _, _, no_hook = buf.low_latency_dispatch(x, idx, job["max_tokens"], case.num_experts)
     res["fp8"] = [to_numpy(x8), to_numpy(scales), to_numpy(count8), no_hook]
     y = to_torch(job["y"][rank])
     out = torch.empty((x.shape[0], x.shape[1]), dtype=y.dtype, device=y.device)
     combined, event, _ = buf.low_latency_combine(y, idx, w, handle, out=out)
-    res["combine"] = [to_numpy(combined), combined is out, event]
+    res["combine"] = [to_numpy(combined), combined is out, _event(event)]
     buf.destroy()
     return res
 

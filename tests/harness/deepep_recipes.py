@@ -1,0 +1,116 @@
+"""Worker side of tests/test_torch_buffer_recipes.py: DeepEP's documented normal-mode recipes (its
+README's ``get_buffer``, ``dispatch_forward`` / ``dispatch_backward`` / ``combine_forward`` /
+``combine_backward``), written as a DeepEP user writes them, with only the import changed, run on a gloo
+group; beside them the same data through ``omniep.torch``'s own calls, for the parent to compare.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from omniep.torch import Buffer, EventOverlap
+
+_buffer = None
+
+
+# ---- the recipes, as in DeepEP's README (only the import differs) ----------------------------------
+
+def get_buffer(group, hidden_bytes: int) -> Buffer:
+    global _buffer
+    num_nvl_bytes, num_rdma_bytes = 0, 0
+    for config in (Buffer.get_dispatch_config(group.size()), Buffer.get_combine_config(group.size())):
+        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, group.size()), num_nvl_bytes)
+        num_rdma_bytes = max(config.get_rdma_buffer_size_hint(hidden_bytes, group.size()), num_rdma_bytes)
+    if (_buffer is None or _buffer.group != group or _buffer.num_nvl_bytes < num_nvl_bytes
+            or _buffer.num_rdma_bytes < num_rdma_bytes):
+        _buffer = Buffer(group, num_nvl_bytes, num_rdma_bytes)
+    return _buffer
+
+
+def get_hidden_bytes(x) -> int:
+    t = x[0] if isinstance(x, tuple) else x
+    return t.size(1) * max(t.element_size(), 2)
+
+
+def dispatch_forward(x, topk_idx, topk_weights, num_experts, previous_event=None):
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, previous_event = \
+        _buffer.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event, async_finish=True,
+                                    allocate_on_comm_stream=previous_event is not None)
+    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = \
+        _buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=num_tokens_per_rank,
+                         num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
+                         num_tokens_per_expert=num_tokens_per_expert, previous_event=previous_event,
+                         async_finish=True, allocate_on_comm_stream=True)
+    return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
+
+
+def dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle):
+    combined_grad_x, combined_grad_recv_topk_weights, event = \
+        _buffer.combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights, async_finish=True)
+    return combined_grad_x, combined_grad_recv_topk_weights, event
+
+
+def combine_forward(x, handle, previous_event=None):
+    combined_x, _, event = _buffer.combine(x, handle, async_finish=True, previous_event=previous_event,
+                                           allocate_on_comm_stream=previous_event is not None)
+    return combined_x, event
+
+
+def combine_backward(grad_combined_x, handle, previous_event=None):
+    grad_x, _, _, _, _, event = _buffer.dispatch(grad_combined_x, handle=handle, async_finish=True,
+                                                 previous_event=previous_event,
+                                                 allocate_on_comm_stream=previous_event is not None)
+    return grad_x, event
+
+
+# ---- one session ------------------------------------------------------------------------------------
+
+def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
+    """Run the recipes once per rank; return their outputs and the same through omniep.torch's calls."""
+    from omniep import torch as ep
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+        topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices  # int64, as DeepEP takes it
+        topk_idx[0, 1:] = -1  # a token routed to one expert only
+        topk_weights = torch.rand(T, K, generator=gen)
+        group = dist.group.WORLD
+        buf = get_buffer(group, get_hidden_bytes(x))
+        same_buffer = get_buffer(group, get_hidden_bytes(x)) is buf
+
+        recv_x, recv_idx, recv_w, per_expert, handle, event = dispatch_forward(
+            x, topk_idx, topk_weights, E, previous_event=Buffer.capture())
+        event.current_stream_wait()
+        y = recv_x.float().mul(1.5).to(torch.bfloat16)  # the "experts"
+        combined, event2 = combine_forward(y, handle, previous_event=event)
+        with event2:  # DeepEP's EventOverlap is usable in `with`
+            pass
+        g_recv_w = torch.rand(recv_w.shape, generator=gen)
+        g_x, g_w, _ = dispatch_backward(y, g_recv_w, handle)
+        g_combined = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+        grad_x, _ = combine_backward(g_combined, handle)
+
+        d = ep.dispatch(x, topk_idx, topk_weights, num_experts=E)
+        direct = dict(recv_x=d.recv_x, recv_idx=d.recv_topk_idx.to(torch.int64), recv_w=d.recv_topk_weights,
+                      per_expert=d.num_recv_tokens_per_expert.tolist(), combined=ep.combine(y, d.handle),
+                      g_x=ep.combine(y, d.handle), g_w=ep.combine(g_recv_w, d.handle),
+                      grad_x=ep.cached_dispatch(g_combined, d.handle))
+        recipe = dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, combined=combined,
+                      g_x=g_x, g_w=g_w, grad_x=grad_x)
+        events = [type(e).__name__ for e in (event, event2)]
+        out = dict(same_buffer=same_buffer, events=events, event_is_overlap=isinstance(event, EventOverlap),
+                   nvl_bytes=buf.num_nvl_bytes, rdma_bytes=buf.num_rdma_bytes,
+                   recipe={k: (v if isinstance(v, list) else v.float().numpy()) for k, v in recipe.items()},
+                   direct={k: (v if isinstance(v, list) else v.float().numpy()) for k, v in direct.items()},
+                   recv_idx_dtype=str(recv_idx.dtype))
+        buf.destroy()
+        ep.destroy()
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""DeepEP's API around ``omniep.torch.Buffer``: ``Config`` and its size hints, the recommended configs,
+``set_num_sms``, ``EventOverlap`` and the events of every op, and DeepEP's README recipes run unchanged
+(only the import differs) on 2 gloo ranks, bitwise equal to ``omniep.torch``'s own calls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omniep.ep_core.errors import InputError
+from omniep.testing.procs import run_ranks
+from omniep.torch import Buffer, Config, EventOverlap
+from tests.harness import deepep_recipes
+
+# DeepEP's published recommendations (deep_ep/buffer.py): (nvl send, nvl recv, rdma send, rdma recv).
+DEEPEP_DISPATCH = {2: (24, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128), 160: (28, 720, 12, 128)}
+DEEPEP_COMBINE = {2: (10, 256, 6, 128), 8: (4, 256, 6, 128), 16: (2, 288, 28, 128), 160: (2, 720, 8, 128)}
+
+
+def _fields(c: Config) -> tuple:
+    return (c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens)
+
+
+@pytest.mark.parametrize("ranks", sorted(DEEPEP_DISPATCH))
+def test_recommended_configs_are_deepeps(ranks):
+    assert _fields(Buffer.get_dispatch_config(ranks)) == DEEPEP_DISPATCH[ranks]
+    assert _fields(Buffer.get_combine_config(ranks)) == DEEPEP_COMBINE[ranks]
+    assert Buffer.get_dispatch_config(ranks).num_sms == Buffer.num_sms == 20
+
+
+def test_unknown_rank_count_and_bad_configs_raise_naming_the_argument():
+    with pytest.raises(InputError, match="no recommended dispatch config for 3 ranks"):
+        Buffer.get_dispatch_config(3)
+    with pytest.raises(InputError, match="num_sms must be a positive int"):
+        Config(0)
+    with pytest.raises(InputError, match="num_max_nvl_chunked_send_tokens .8. must be below"):
+        Config(20, 8, 8)
+    with pytest.raises(InputError, match="num_max_rdma_chunked_send_tokens"):
+        Config(20, 6, 256, 300, 256)
+    with pytest.raises(InputError, match="whole nodes of 8"):
+        Config().get_nvl_buffer_size_hint(7168 * 2, 12)
+
+
+def test_size_hints_grow_with_the_rows_and_rdma_only_across_nodes():
+    c = Buffer.get_dispatch_config(8)
+    small, big = c.get_nvl_buffer_size_hint(1024, 8), c.get_nvl_buffer_size_hint(14336, 8)
+    assert 0 < small < big and big % 128 == 0
+    assert big >= c.num_sms // 2 * 8 * c.num_max_nvl_chunked_recv_tokens * 14336  # holds the rows at least
+    assert c.get_rdma_buffer_size_hint(14336, 8) == 0  # one node: no RDMA buffer
+    across = Buffer.get_dispatch_config(16)
+    assert across.get_rdma_buffer_size_hint(14336, 16) >= across.num_sms // 2 * 2 * 128 * 14336
+
+
+def test_set_num_sms_is_even_and_reaches_the_configs():
+    before = Buffer.num_sms
+    try:
+        with pytest.raises(InputError, match="positive even int, got 21"):
+            Buffer.set_num_sms(21)
+        Buffer.set_num_sms(24)
+        assert Buffer.get_combine_config(4).num_sms == 24
+    finally:
+        Buffer.num_sms = before
+
+
+def test_event_overlap_on_cpu_waits_for_nothing():
+    ev = EventOverlap()
+    ev.current_stream_wait()
+    with ev as same:
+        assert same is ev
+    assert Buffer.capture().event is None or torch.cuda.is_available()
+
+
+def test_deepep_readme_recipes_run_unchanged_and_match_omniep():
+    T, H, E, K = 12, 64, 8, 3
+    results = run_ranks(deepep_recipes.session, 2, args=(T, H, E, K), timeout=120,
+                        env={"OMNIEP_BACKEND": "collective"})
+    for r, res in enumerate(results):
+        assert res["same_buffer"], f"rank {r}: get_buffer made a second Buffer for the same group and sizes"
+        assert res["event_is_overlap"] and res["events"] == ["EventOverlap"] * 2, res["events"]
+        assert res["nvl_bytes"] > 0 and res["rdma_bytes"] == 0
+        assert res["recv_idx_dtype"] == "torch.int64"  # DeepEP returns topk_idx's dtype
+        for key, want in res["direct"].items():
+            got = res["recipe"][key]
+            if isinstance(want, list):
+                assert got == want, f"rank {r} {key}: {got} != {want}"
+            else:
+                assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                    f"rank {r} {key} differs"
+        assert res["recipe"]["recv_x"].shape[0] > 0
