@@ -1,6 +1,7 @@
 """DeepEP's API around ``omniep.torch.Buffer``: ``Config`` and its size hints, the recommended configs,
-``set_num_sms``, ``EventOverlap`` and the events of every op, and DeepEP's README recipes run unchanged
-(only the import differs) on 2 gloo ranks, bitwise equal to ``omniep.torch``'s own calls."""
+``set_num_sms``, ``EventOverlap`` and the events of every op, and DeepEP's README recipes (normal mode,
+and low-latency decode with receive hooks and the zero-copy combine buffer) run unchanged (only the
+import differs) on 2 gloo ranks, bitwise equal to ``omniep.torch``'s own calls."""
 
 from __future__ import annotations
 
@@ -89,3 +90,10 @@ def test_deepep_readme_recipes_run_unchanged_and_match_omniep():
                 assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
                     f"rank {r} {key} differs"
         assert res["recipe"]["recv_x"].shape[0] > 0
+        ll = res["ll"]
+        assert ll["x8_dtype"] == "torch.float8_e4m3fn"
+        for key, want in ll["direct"].items():
+            got = ll["recipe"][key]
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                f"rank {r} low-latency {key} differs"
+        assert ll["recipe"]["count"].sum() > 0

@@ -171,6 +171,37 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
         ll.low_latency_combine(recv_x, idx, w, ll_handle, use_logfmt=True)
 
 
+def test_buffer_rejects_what_deepep_rejects(world_of_one):
+    """DeepEP's argument checks, each a clear InputError naming the argument (and the expected shape)."""
+    for kwargs, match in ((dict(num_nvl_bytes=-1), "num_nvl_bytes must be an int >= 0"),
+                          (dict(num_rdma_bytes=-8), "num_rdma_bytes must be an int >= 0"),
+                          (dict(num_qps_per_rank=0), "num_qps_per_rank must be an int >= 1")):
+        with pytest.raises(InputError, match=match):
+            ep.Buffer(None, **kwargs)
+    x, idx, w = _routing()
+    ll = ep.Buffer(None, low_latency_mode=True)
+    with pytest.raises(InputError, match=r"x must be a \[T, H\] bfloat16 tensor.*float32"):
+        ll.low_latency_dispatch(torch.zeros(4, 256), idx, 4, 4)
+    recv_x, _, handle, _, _ = ll.low_latency_dispatch(torch.zeros(4, 256, dtype=torch.bfloat16), idx, 4, 4,
+                                                       use_fp8=False)
+    with pytest.raises(InputError, match=r"x must be an \[L, C, H\] bfloat16"):
+        ll.low_latency_combine(recv_x.float(), idx, w, handle)
+    with pytest.raises(InputError, match=r"out must be a torch.bfloat16 tensor of shape \(4, 256\).*\(4, 255\)"):
+        ll.low_latency_combine(recv_x, idx, w, handle, out=torch.empty(4, 255, dtype=torch.bfloat16))
+    zero_copy = ll.get_next_low_latency_combine_buffer(handle)
+    assert zero_copy.shape == recv_x.shape and zero_copy.dtype == torch.bfloat16
+    zero_copy.copy_(recv_x)
+    want, _, _ = ll.low_latency_combine(recv_x, idx, w, handle)
+    got, _, _ = ll.low_latency_combine(zero_copy, idx, w, handle, zero_copy=True)
+    assert torch.equal(got, want)
+    with pytest.raises(InputError, match="needs a handle returned by low_latency_dispatch"):
+        ep.Buffer(None, low_latency_mode=True).get_next_low_latency_combine_buffer(handle)
+    hint = ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    assert hint % 128 == 0 and hint >= 2 * 256 * 128 * 7168 * 2  # both receive sets of bf16 rows, at least
+    with pytest.raises(InputError, match="hidden must be a positive int"):
+        ep.Buffer.get_low_latency_rdma_size_hint(128, 0, 8, 256)
+
+
 # ---- two processes: every rank ends in a clear error, and the ranks stay in step -----------------
 # OMNIEP_CHECKS=sync (conftest): every op raises what it finds at once; the "default:" checks switch the
 # context to the default mode, where the op returns (moving nothing it cannot place) and the next host

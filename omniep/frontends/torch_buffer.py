@@ -181,6 +181,10 @@ class Buffer:
             raise InputError("torch.distributed is not initialized: call init_process_group(...) first")
         if comm is not None:
             raise UnsupportedError(backend or "omniep", "an mpi4py communicator (pass a torch.distributed group)")
+        for name, value, least in (("num_nvl_bytes", num_nvl_bytes, 0), ("num_rdma_bytes", num_rdma_bytes, 0),
+                                   ("num_qps_per_rank", num_qps_per_rank, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InputError(f"Buffer: {name} must be an int >= {least}, got {value!r}")
         self.group = group if group is not None else dist.group.WORLD
         self._context = context(self.group, backend)  # resolved once: every method runs on it
         self.rank = dist.get_rank(self.group)
@@ -190,6 +194,8 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.backend = self._context.name
         self._destroyed = False
+        self._ll_hidden = 0  # H of the last low_latency_dispatch (sizes get_next_low_latency_combine_buffer)
+        self._ll_combine_buffer = None
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -322,7 +328,33 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        return 0  # accepted for compatibility: backends size their own buffers
+        """Bytes of a low-latency buffer for these shapes (omniep's backends size their own and ignore
+        the value): two alternating sets of a send region (``num_max_dispatch_tokens_per_rank`` rows) and
+        a receive region (every expert slot of this rank: ``num_experts / num_ranks`` experts x
+        ``num_ranks * num_max_dispatch_tokens_per_rank`` slots), each row bf16 with its fp8 scales and
+        routing; rounded up to 128 bytes."""
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(f"get_low_latency_rdma_size_hint: {name} must be a positive int, got {value!r}")
+        v.check_group(num_experts, num_ranks)
+        row = hidden * 2 + -(-hidden // 128) * 4 + 16
+        slots = num_max_dispatch_tokens_per_rank + num_experts * num_max_dispatch_tokens_per_rank
+        return _round_up(2 * slots * row, 128)
+
+    def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
+        """A ``[L, R * num_max_dispatch_tokens_per_rank, H]`` bf16 tensor for the expert outputs of the next
+        :meth:`low_latency_combine` (DeepEP's zero-copy path: fill it, then combine it with
+        ``zero_copy=True``). Here it is an ordinary tensor the Buffer keeps; combine reads it like any x."""
+        self._alive()
+        if not isinstance(handle, Handle) or handle.config.layout != Layout.EXPERT_MAJOR or not self._ll_hidden:
+            raise InputError("get_next_low_latency_combine_buffer needs a handle returned by low_latency_dispatch")
+        L, C = handle.tensors[0].shape
+        shape = (L, C, self._ll_hidden)
+        buf = self._ll_combine_buffer
+        if buf is None or tuple(buf.shape) != shape or buf.device != handle.tensors[0].device:
+            buf = self._ll_combine_buffer = torch.empty(shape, dtype=torch.bfloat16, device=handle.tensors[0].device)
+        return buf
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -342,6 +374,10 @@ class Buffer:
         ``cumulative_local_expert_recv_stats [L]`` int32, if given, gets ``recv_count`` added.
         """
         self._alive()
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InputError(f"low_latency_dispatch: x must be a [T, H] bfloat16 tensor (DeepEP's low-latency "
+                             f"input), got {got}")
         if round_scale or use_ue8m0:
             raise UnsupportedError(self.backend, "power-of-two / UE8M0 fp8 scales (round_scale, use_ue8m0)")
         T = int(topk_idx.shape[0]) if topk_idx.dim() else 0
@@ -353,6 +389,7 @@ class Buffer:
                      capacity=self.group_size * num_max_dispatch_tokens_per_rank, layout=Layout.EXPERT_MAJOR,
                      backend=self.backend)
         count = d.num_recv_tokens_per_expert
+        self._ll_hidden = int(x.shape[1])
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
         return d.recv_x, count, d.handle, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)
@@ -362,9 +399,14 @@ class Buffer:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None, combine_wait_recv_cost_stats=None):
         """``out[t] = sum_k topk_weights[t, k] * x[copy (t, k)]`` (fp32, k ascending, one rounding) for
-        ``x[L, C, H]`` laid out as :meth:`low_latency_dispatch` returned it. Returns ``(combined_x [T, H],
+        ``x[L, C, H]`` bf16 laid out as :meth:`low_latency_dispatch` returned it (with ``zero_copy``, the
+        tensor :meth:`get_next_low_latency_combine_buffer` gave, filled). Returns ``(combined_x [T, H],
         event, hook or None)``; with ``out`` the result is written there too."""
         self._alive()
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype != torch.bfloat16:
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InputError(f"low_latency_combine: x must be an [L, C, H] bfloat16 tensor (the experts' outputs "
+                             f"in low_latency_dispatch's layout), got {got}")
         if use_logfmt:
             raise UnsupportedError(self.backend, "LogFMT combine (use_logfmt)")
         if not isinstance(handle, Handle) or handle.config.layout != Layout.EXPERT_MAJOR:
@@ -375,6 +417,10 @@ class Buffer:
                              f"match the dispatch's {routed}")
         combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
         if out is not None:
+            if not isinstance(out, torch.Tensor) or out.shape != combined.shape or out.dtype != combined.dtype:
+                got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+                raise InputError(f"low_latency_combine: out must be a {combined.dtype} tensor of shape "
+                                 f"{tuple(combined.shape)} (tokens, hidden), got {got}")
             out.copy_(combined)
             combined = out
         return combined, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)

@@ -66,6 +66,35 @@ def combine_backward(grad_combined_x, handle, previous_event=None):
     return grad_x, event
 
 
+_ll_buffer = None
+
+
+def get_ll_buffer(group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Buffer:
+    global _ll_buffer
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, group.size(),
+                                                           num_experts)
+    if (_ll_buffer is None or _ll_buffer.group != group or not _ll_buffer.low_latency_mode
+            or _ll_buffer.num_rdma_bytes < num_rdma_bytes):
+        assert num_experts % group.size() == 0
+        _ll_buffer = Buffer(group, 0, num_rdma_bytes, low_latency_mode=True,
+                            num_qps_per_rank=num_experts // group.size())
+    return _ll_buffer
+
+
+def low_latency_dispatch(hidden_states, topk_idx, num_max_dispatch_tokens_per_rank, num_experts):
+    recv_hidden_states, recv_expert_count, handle, event, hook = \
+        _ll_buffer.low_latency_dispatch(hidden_states, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                        async_finish=False, return_recv_hook=True)
+    return recv_hidden_states, recv_expert_count, handle, event, hook
+
+
+def low_latency_combine(hidden_states, topk_idx, topk_weights, handle):
+    combined_hidden_states, event_overlap, hook = \
+        _ll_buffer.low_latency_combine(hidden_states, topk_idx, topk_weights, handle, async_finish=False,
+                                       return_recv_hook=True)
+    return combined_hidden_states, event_overlap, hook
+
+
 # ---- one session ------------------------------------------------------------------------------------
 
 def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
@@ -109,8 +138,41 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
                    recipe={k: (v if isinstance(v, list) else v.float().numpy()) for k, v in recipe.items()},
                    direct={k: (v if isinstance(v, list) else v.float().numpy()) for k, v in direct.items()},
                    recv_idx_dtype=str(recv_idx.dtype))
+        out["ll"] = _low_latency(rank, world, E, group)
         buf.destroy()
         ep.destroy()
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _low_latency(rank: int, world: int, E: int, group) -> dict:
+    """DeepEP's low-latency decode recipe (hooks, fp8 dispatch, weighted combine, zero-copy combine) and the
+    same through omniep.torch's expert-major calls."""
+    from omniep import torch as ep
+    from omniep.frontends.torch_buffer import quantize_fp8
+
+    T, H, K, max_tokens = 5 + rank, 256, 2, 8
+    gen = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+    topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    topk_weights = torch.rand(T, K, generator=gen)
+    get_ll_buffer(group, max_tokens, H, E)
+    (x8, scales), count, handle, _, hook = low_latency_dispatch(x, topk_idx, max_tokens, E)
+    hook()  # the rows are there after the hook
+    y = x8.float().mul(scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)  # the "experts": dequantize
+    combined, _, hook = low_latency_combine(y, topk_idx, topk_weights, handle)
+    hook()
+    zero_copy = _ll_buffer.get_next_low_latency_combine_buffer(handle)
+    zero_copy.copy_(y)
+    combined_zero_copy, _, _ = _ll_buffer.low_latency_combine(zero_copy, topk_idx, topk_weights, handle,
+                                                              zero_copy=True)
+
+    d = ep.dispatch(quantize_fp8(x), topk_idx, topk_weights, num_experts=E, capacity=world * max_tokens,
+                    layout="expert_major")
+    direct = dict(x8=d.recv_x[0], scales=d.recv_x[1], count=d.num_recv_tokens_per_expert,
+                  combined=ep.combine(y, d.handle), combined_zero_copy=ep.combine(y, d.handle))
+    recipe = dict(x8=x8, scales=scales, count=count, combined=combined, combined_zero_copy=combined_zero_copy)
+    _ll_buffer.destroy()
+    return dict(recipe={k: v.float().numpy() for k, v in recipe.items()},
+                direct={k: v.float().numpy() for k, v in direct.items()}, x8_dtype=str(x8.dtype))
