@@ -5,14 +5,13 @@ import differs) on 2 gloo ranks, bitwise equal to ``omniep.torch``'s own calls."
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from omniep.ep_core.errors import InputError
 from omniep.testing.procs import run_ranks
 from omniep.torch import Buffer, Config, EventOverlap
-from tests.harness import deepep_recipes
+from harness import deepep_recipes
 
 # DeepEP's published recommendations (deep_ep/buffer.py): (nvl send, nvl recv, rdma send, rdma recv).
 DEEPEP_DISPATCH = {2: (24, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128), 160: (28, 720, 12, 128)}
@@ -74,26 +73,6 @@ def test_event_overlap_on_cpu_waits_for_nothing():
 
 
 def test_deepep_readme_recipes_run_unchanged_and_match_omniep():
-    T, H, E, K = 12, 64, 8, 3
-    results = run_ranks(deepep_recipes.session, 2, args=(T, H, E, K), timeout=120,
+    results = run_ranks(deepep_recipes.session, 2, args=(12, 64, 8, 3), timeout=120,
                         env={"OMNIEP_BACKEND": "collective"})
-    for r, res in enumerate(results):
-        assert res["same_buffer"], f"rank {r}: get_buffer made a second Buffer for the same group and sizes"
-        assert res["event_is_overlap"] and res["events"] == ["EventOverlap"] * 2, res["events"]
-        assert res["nvl_bytes"] > 0 and res["rdma_bytes"] == 0
-        assert res["recv_idx_dtype"] == "torch.int64"  # DeepEP returns topk_idx's dtype
-        for key, want in res["direct"].items():
-            got = res["recipe"][key]
-            if isinstance(want, list):
-                assert got == want, f"rank {r} {key}: {got} != {want}"
-            else:
-                assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
-                    f"rank {r} {key} differs"
-        assert res["recipe"]["recv_x"].shape[0] > 0
-        ll = res["ll"]
-        assert ll["x8_dtype"] == "torch.float8_e4m3fn"
-        for key, want in ll["direct"].items():
-            got = ll["recipe"][key]
-            assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
-                f"rank {r} low-latency {key} differs"
-        assert ll["recipe"]["count"].sum() > 0
+    deepep_recipes.check_recipes(results, device_events=False)

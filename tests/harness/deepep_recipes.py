@@ -1,13 +1,15 @@
 """Worker side of tests/test_torch_buffer_recipes.py: DeepEP's documented normal-mode recipes (its
 README's ``get_buffer``, ``dispatch_forward`` / ``dispatch_backward`` / ``combine_forward`` /
-``combine_backward``), written as a DeepEP user writes them, with only the import changed, run on a gloo
-group; beside them the same data through ``omniep.torch``'s own calls, for the parent to compare.
+``combine_backward``, and the low-latency decode with hooks), written as a DeepEP user writes them, with
+only the import changed, run on a gloo group (CPU tensors, or GPU 0 shared by the ranks); beside them
+the same data through ``omniep.torch``'s own calls; :func:`check_recipes` compares them in the parent.
 """
 
 from __future__ import annotations
 
 import datetime
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,10 +99,40 @@ def low_latency_combine(hidden_states, topk_idx, topk_weights, handle):
 
 # ---- one session ------------------------------------------------------------------------------------
 
-def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
-    """Run the recipes once per rank; return their outputs and the same through omniep.torch's calls."""
+def check_recipes(results: list, device_events: bool) -> None:
+    """The parent's checks of :func:`session`'s results (tests/test_torch_buffer_recipes.py on CPU,
+    tests/gpu/test_buffer_recipes.py on GPU): every output of the recipes bitwise equal to omniep.torch's,
+    events holding a device event exactly when ``device_events``."""
+    for r, res in enumerate(results):
+        assert res["same_buffer"], f"rank {r}: get_buffer made a second Buffer for the same group and sizes"
+        assert res["event_is_overlap"] and res["events"] == [("EventOverlap", device_events)] * 2, res["events"]
+        assert res["nvl_bytes"] > 0 and res["rdma_bytes"] == 0
+        assert res["recv_idx_dtype"] == "torch.int64"  # DeepEP returns topk_idx's dtype
+        for key, want in res["direct"].items():
+            got = res["recipe"][key]
+            if isinstance(want, list):
+                assert got == want, f"rank {r} {key}: {got} != {want}"
+            else:
+                assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                    f"rank {r} {key} differs"
+        assert res["recipe"]["recv_x"].shape[0] > 0
+        ll = res["ll"]
+        assert ll["x8_dtype"] == "torch.float8_e4m3fn"
+        for key, want in ll["direct"].items():
+            got = ll["recipe"][key]
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                f"rank {r} low-latency {key} differs"
+        assert ll["recipe"]["count"].sum() > 0
+
+
+
+def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int, device: str = "cpu") -> dict:
+    """Run the recipes once per rank on ``device`` ("cpu", or "cuda": GPU 0, shared by the ranks); return
+    their outputs and the same through omniep.torch's calls."""
     from omniep import torch as ep
 
+    if device == "cuda":
+        torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -109,6 +141,7 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
         topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices  # int64, as DeepEP takes it
         topk_idx[0, 1:] = -1  # a token routed to one expert only
         topk_weights = torch.rand(T, K, generator=gen)
+        x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
         group = dist.group.WORLD
         buf = get_buffer(group, get_hidden_bytes(x))
         same_buffer = get_buffer(group, get_hidden_bytes(x)) is buf
@@ -120,9 +153,9 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
         combined, event2 = combine_forward(y, handle, previous_event=event)
         with event2:  # DeepEP's EventOverlap is usable in `with`
             pass
-        g_recv_w = torch.rand(recv_w.shape, generator=gen)
+        g_recv_w = torch.rand(recv_w.shape, generator=gen).to(device)
         g_x, g_w, _ = dispatch_backward(y, g_recv_w, handle)
-        g_combined = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+        g_combined = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(device)
         grad_x, _ = combine_backward(g_combined, handle)
 
         d = ep.dispatch(x, topk_idx, topk_weights, num_experts=E)
@@ -132,13 +165,13 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
                       grad_x=ep.cached_dispatch(g_combined, d.handle))
         recipe = dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, combined=combined,
                       g_x=g_x, g_w=g_w, grad_x=grad_x)
-        events = [type(e).__name__ for e in (event, event2)]
+        events = [(type(e).__name__, e.event is not None) for e in (event, event2)]
         out = dict(same_buffer=same_buffer, events=events, event_is_overlap=isinstance(event, EventOverlap),
                    nvl_bytes=buf.num_nvl_bytes, rdma_bytes=buf.num_rdma_bytes,
-                   recipe={k: (v if isinstance(v, list) else v.float().numpy()) for k, v in recipe.items()},
-                   direct={k: (v if isinstance(v, list) else v.float().numpy()) for k, v in direct.items()},
+                   recipe={k: (v if isinstance(v, list) else v.float().cpu().numpy()) for k, v in recipe.items()},
+                   direct={k: (v if isinstance(v, list) else v.float().cpu().numpy()) for k, v in direct.items()},
                    recv_idx_dtype=str(recv_idx.dtype))
-        out["ll"] = _low_latency(rank, world, E, group)
+        out["ll"] = _low_latency(rank, world, E, group, device)
         buf.destroy()
         ep.destroy()
         return out
@@ -146,7 +179,7 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
         dist.destroy_process_group()
 
 
-def _low_latency(rank: int, world: int, E: int, group) -> dict:
+def _low_latency(rank: int, world: int, E: int, group, device: str) -> dict:
     """DeepEP's low-latency decode recipe (hooks, fp8 dispatch, weighted combine, zero-copy combine) and the
     same through omniep.torch's expert-major calls."""
     from omniep import torch as ep
@@ -157,6 +190,7 @@ def _low_latency(rank: int, world: int, E: int, group) -> dict:
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     topk_idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
     topk_weights = torch.rand(T, K, generator=gen)
+    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
     get_ll_buffer(group, max_tokens, H, E)
     (x8, scales), count, handle, _, hook = low_latency_dispatch(x, topk_idx, max_tokens, E)
     hook()  # the rows are there after the hook
@@ -174,5 +208,5 @@ def _low_latency(rank: int, world: int, E: int, group) -> dict:
                   combined=ep.combine(y, d.handle), combined_zero_copy=ep.combine(y, d.handle))
     recipe = dict(x8=x8, scales=scales, count=count, combined=combined, combined_zero_copy=combined_zero_copy)
     _ll_buffer.destroy()
-    return dict(recipe={k: v.float().numpy() for k, v in recipe.items()},
-                direct={k: v.float().numpy() for k, v in direct.items()}, x8_dtype=str(x8.dtype))
+    return dict(recipe={k: v.float().cpu().numpy() for k, v in recipe.items()},
+                direct={k: v.float().cpu().numpy() for k, v in direct.items()}, x8_dtype=str(x8.dtype))
