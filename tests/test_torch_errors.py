@@ -179,6 +179,19 @@ def test_buffer_rejects_what_deepep_rejects(world_of_one):
         with pytest.raises(InputError, match=match):
             ep.Buffer(None, **kwargs)
     x, idx, w = _routing()
+    buf = ep.Buffer(None)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    given = dict(topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                 num_tokens_per_expert=per_expert)
+    for change, match in ((dict(num_tokens_per_expert=per_expert.float()), "num_tokens_per_expert must be an integer tensor"),
+                          (dict(num_tokens_per_expert=per_expert.view(2, 2)), r"num_tokens_per_expert.*shape \(E,\), got"),
+                          (dict(num_tokens_per_rank=torch.zeros(2, dtype=torch.int32)),
+                           r"num_tokens_per_rank must be an integer tensor of shape \(1,\), got torch.int32 \(2,\)"),
+                          (dict(is_token_in_rank=in_rank.int()),
+                           r"is_token_in_rank must be a bool tensor of shape \(4, 1\), got torch.int32")):
+        with pytest.raises(InputError, match=match):
+            buf.dispatch(x, **{**given, **change})
+    assert buf.dispatch(x, **given)[0].shape[0] > 0  # the same call, as get_dispatch_layout gave it
     ll = ep.Buffer(None, low_latency_mode=True)
     with pytest.raises(InputError, match=r"x must be a \[T, H\] bfloat16 tensor.*float32"):
         ll.low_latency_dispatch(torch.zeros(4, 256), idx, 4, 4)

@@ -294,6 +294,7 @@ class Buffer:
                              "(from get_dispatch_layout)")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise InputError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        self._check_layout(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
         weights = topk_weights
         if weights is None:
             weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
@@ -304,6 +305,33 @@ class Buffer:
         return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
                 d.recv_topk_weights if topk_weights is not None else None, per_expert, d.handle,
                 _after(async_finish, device))
+
+    def _check_layout(self, topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) -> None:
+        """DeepEP's checks of the layout tensors a dispatch is given (get_dispatch_layout's shapes): the
+        routing itself is recomputed from ``topk_idx``, so these only have to be what that call returns."""
+        R = self.group_size
+        T = int(topk_idx.shape[0]) if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else "T"
+
+        def bad(name, t, want, kinds):  # want: sizes, a name where any size goes
+            shown = "(" + ", ".join(str(n) for n in want) + ("," if len(want) == 1 else "") + ")"
+            if not isinstance(t, torch.Tensor):
+                return f"{name} must be a tensor of shape {shown}, got {type(t).__name__}"
+            shape_ok = t.dim() == len(want) and all(isinstance(w, str) or w == n for w, n in zip(want, t.shape))
+            if not shape_ok or (t.dtype.is_floating_point or t.dtype.is_complex) or (t.dtype == torch.bool) != (
+                    kinds == "bool"):
+                kind = "a bool" if kinds == "bool" else "an integer"
+                return f"{name} must be {kind} tensor of shape {shown}, got {t.dtype} {tuple(t.shape)}"
+            return None
+
+        checks = [("num_tokens_per_expert", num_tokens_per_expert, ("E",), "int")]
+        if num_tokens_per_rank is not None:
+            checks.append(("num_tokens_per_rank", num_tokens_per_rank, (R,), "int"))
+        if is_token_in_rank is not None:
+            checks.append(("is_token_in_rank", is_token_in_rank, (T, R), "bool"))
+        for name, t, want, kinds in checks:
+            problem = bad(name, t, want, kinds)
+            if problem:
+                raise InputError(f"Buffer.dispatch: {problem} (pass what get_dispatch_layout returned)")
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, config=None, previous_event=None, async_finish: bool = False,
