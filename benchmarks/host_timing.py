@@ -2,7 +2,7 @@
 
 * :func:`pin_cpu`: a rank process on one CPU core of its own (no migrations between the calls timed:
   on the lent machines an unpinned process read the same call 30-50 % slower in some runs);
-* :func:`host_us`: the host time to issue ``fn`` while a spin kernel queued ahead keeps the GPU busy,
+* :func:`host_times`: the host times to issue ``fn`` while a spin kernel queued ahead keeps the GPU busy,
   so that nothing waits and the launch queue never drains.
 
 Measure host time before any ``torch.profiler`` session with CUDA activity in the process: once CUPTI
@@ -13,7 +13,6 @@ after a profiled step, 45 µs without one).
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 
@@ -37,11 +36,6 @@ def host_times(torch, fn, iters: int, spin_cycles: float = 4e6) -> list:
         times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return sorted(times)
-
-
-def host_us(torch, fn, iters: int, spin_cycles: float = 4e6) -> float:
-    """Median host µs of ``fn()`` (:func:`host_times`)."""
-    return statistics.median(host_times(torch, fn, iters, spin_cycles))
 
 
 def quantile(sorted_times: list, q: float) -> float:

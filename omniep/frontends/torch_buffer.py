@@ -34,6 +34,7 @@ import torch
 
 from ..backends.collective.torch_layout import local_layout
 from ..ep_core import validation as v
+from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
 from ..ep_core.types import Layout
 from .torch import Handle, cached_dispatch, combine, context, dispatch
@@ -53,7 +54,7 @@ class Config:
                       num_max_rdma_chunked_send_tokens=num_max_rdma_chunked_send_tokens,
                       num_max_rdma_chunked_recv_tokens=num_max_rdma_chunked_recv_tokens)
         for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not _int_at_least(value, 1):
                 raise InputError(f"Config: {name} must be a positive int, got {value!r}")
         if num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens:
             raise InputError(f"Config: num_max_nvl_chunked_send_tokens ({num_max_nvl_chunked_send_tokens}) must be "
@@ -75,7 +76,7 @@ class Config:
         counters; rounded up to 128 bytes."""
         nvl_ranks, rdma_ranks = _node_split(num_ranks)
         per_peer = self._chunk_bytes(hidden_bytes, self.num_max_nvl_chunked_recv_tokens) + (2 * rdma_ranks + 3) * 4
-        return _round_up(self.num_sms // 2 * nvl_ranks * per_peer, 128)
+        return align_up(self.num_sms // 2 * nvl_ranks * per_peer, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of the RDMA buffer: 0 within one node (at most 8 ranks); else, per channel and node, a send
@@ -84,7 +85,7 @@ class Config:
         if rdma_ranks == 1:
             return 0
         per_node = 2 * self._chunk_bytes(hidden_bytes, self.num_max_rdma_chunked_recv_tokens) + 2 * (nvl_ranks + 1) * 4
-        return _round_up(self.num_sms // 2 * rdma_ranks * per_node, 128)
+        return align_up(self.num_sms // 2 * rdma_ranks * per_node, 128)
 
 
 _MAX_TOPK = _MAX_SCALES = 128
@@ -100,13 +101,19 @@ _COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 12
                     144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
+def _int_at_least(value, least: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _described(t) -> str:
+    """A tensor as an error message shows it (dtype and shape), else the type of what was passed."""
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _node_split(num_ranks: int) -> tuple:
     """(ranks per node on NVLink, nodes) of a normal-mode group, as DeepEP lays it out."""
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+    if not _int_at_least(num_ranks, 1):
         raise InputError(f"num_ranks must be a positive int, got {num_ranks!r}")
     if num_ranks > _NVL_PEERS and num_ranks % _NVL_PEERS:
         raise InputError(f"num_ranks={num_ranks}: beyond one node the ranks come in whole nodes of {_NVL_PEERS}")
@@ -153,11 +160,14 @@ def _before(previous_event) -> None:
 
 def _after(async_finish: bool, device: torch.device) -> EventOverlap:
     """The op's event: recorded on the current stream for CUDA tensors with ``async_finish``."""
-    if async_finish and device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        return EventOverlap(event)
-    return EventOverlap()
+    return _recorded() if async_finish and device.type == "cuda" else EventOverlap()
+
+
+def _recorded() -> EventOverlap:
+    """An event recorded on the current CUDA stream now."""
+    event = torch.cuda.Event()
+    event.record()
+    return EventOverlap(event)
 
 
 class Buffer:
@@ -183,7 +193,7 @@ class Buffer:
             raise UnsupportedError(backend or "omniep", "an mpi4py communicator (pass a torch.distributed group)")
         for name, value, least in (("num_nvl_bytes", num_nvl_bytes, 0), ("num_rdma_bytes", num_rdma_bytes, 0),
                                    ("num_qps_per_rank", num_qps_per_rank, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if not _int_at_least(value, least):
                 raise InputError(f"Buffer: {name} must be an int >= {least}, got {value!r}")
         self.group = group if group is not None else dist.group.WORLD
         self._context = context(self.group, backend)  # resolved once: every method runs on it
@@ -221,7 +231,7 @@ class Buffer:
     def set_num_sms(new_num_sms: int) -> None:
         """The SMs DeepEP's normal-mode kernels would use (even: two per channel). Recorded in the configs
         :meth:`get_dispatch_config` returns; omniep's kernels choose their own."""
-        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+        if not _int_at_least(new_num_sms, 1) or new_num_sms % 2:
             raise InputError(f"set_num_sms: the SM count must be a positive even int, got {new_num_sms!r}")
         Buffer.num_sms = new_num_sms
 
@@ -238,11 +248,7 @@ class Buffer:
     @staticmethod
     def capture() -> EventOverlap:
         """An event on the current stream now (CUDA; without a GPU one that waits for nothing)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            event = torch.cuda.Event()
-            event.record()
-            return EventOverlap(event)
-        return EventOverlap()
+        return _recorded() if torch.cuda.is_available() and torch.cuda.is_initialized() else EventOverlap()
 
     # ---- normal (rank-major) mode ----------------------------------------------------------------
 
@@ -315,12 +321,12 @@ class Buffer:
         def bad(name, t, want, kinds):  # want: sizes, a name where any size goes
             shown = "(" + ", ".join(str(n) for n in want) + ("," if len(want) == 1 else "") + ")"
             if not isinstance(t, torch.Tensor):
-                return f"{name} must be a tensor of shape {shown}, got {type(t).__name__}"
+                return f"{name} must be a tensor of shape {shown}, got {_described(t)}"
             shape_ok = t.dim() == len(want) and all(isinstance(w, str) or w == n for w, n in zip(want, t.shape))
             if not shape_ok or (t.dtype.is_floating_point or t.dtype.is_complex) or (t.dtype == torch.bool) != (
                     kinds == "bool"):
                 kind = "a bool" if kinds == "bool" else "an integer"
-                return f"{name} must be {kind} tensor of shape {shown}, got {t.dtype} {tuple(t.shape)}"
+                return f"{name} must be {kind} tensor of shape {shown}, got {_described(t)}"
             return None
 
         checks = [("num_tokens_per_expert", num_tokens_per_expert, ("E",), "int")]
@@ -363,12 +369,12 @@ class Buffer:
         routing; rounded up to 128 bytes."""
         for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not _int_at_least(value, 1):
                 raise InputError(f"get_low_latency_rdma_size_hint: {name} must be a positive int, got {value!r}")
         v.check_group(num_experts, num_ranks)
         row = hidden * 2 + -(-hidden // 128) * 4 + 16
         slots = num_max_dispatch_tokens_per_rank + num_experts * num_max_dispatch_tokens_per_rank
-        return _round_up(2 * slots * row, 128)
+        return align_up(2 * slots * row, 128)
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """A ``[L, R * num_max_dispatch_tokens_per_rank, H]`` bf16 tensor for the expert outputs of the next
@@ -403,9 +409,8 @@ class Buffer:
         """
         self._alive()
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise InputError(f"low_latency_dispatch: x must be a [T, H] bfloat16 tensor (DeepEP's low-latency "
-                             f"input), got {got}")
+                             f"input), got {_described(x)}")
         if round_scale or use_ue8m0:
             raise UnsupportedError(self.backend, "power-of-two / UE8M0 fp8 scales (round_scale, use_ue8m0)")
         T = int(topk_idx.shape[0]) if topk_idx.dim() else 0
@@ -432,9 +437,8 @@ class Buffer:
         event, hook or None)``; with ``out`` the result is written there too."""
         self._alive()
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype != torch.bfloat16:
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise InputError(f"low_latency_combine: x must be an [L, C, H] bfloat16 tensor (the experts' outputs "
-                             f"in low_latency_dispatch's layout), got {got}")
+                             f"in low_latency_dispatch's layout), got {_described(x)}")
         if use_logfmt:
             raise UnsupportedError(self.backend, "LogFMT combine (use_logfmt)")
         if not isinstance(handle, Handle) or handle.config.layout != Layout.EXPERT_MAJOR:
@@ -446,9 +450,8 @@ class Buffer:
         combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.shape != combined.shape or out.dtype != combined.dtype:
-                got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
                 raise InputError(f"low_latency_combine: out must be a {combined.dtype} tensor of shape "
-                                 f"{tuple(combined.shape)} (tokens, hidden), got {got}")
+                                 f"{tuple(combined.shape)} (tokens, hidden), got {_described(out)}")
             out.copy_(combined)
             combined = out
         return combined, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)

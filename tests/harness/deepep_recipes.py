@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import datetime
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from omniep.native.mp_suite import assert_bits
+from omniep.testing.torch_bits import to_numpy
 from omniep.torch import Buffer, EventOverlap
 
 _buffer = None
@@ -108,21 +109,16 @@ def check_recipes(results: list, device_events: bool) -> None:
         assert res["event_is_overlap"] and res["events"] == [("EventOverlap", device_events)] * 2, res["events"]
         assert res["nvl_bytes"] > 0 and res["rdma_bytes"] == 0
         assert res["recv_idx_dtype"] == "torch.int64"  # DeepEP returns topk_idx's dtype
-        for key, want in res["direct"].items():
-            got = res["recipe"][key]
-            if isinstance(want, list):
-                assert got == want, f"rank {r} {key}: {got} != {want}"
-            else:
-                assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
-                    f"rank {r} {key} differs"
+        for what, part in (("", res), ("low-latency ", res["ll"])):
+            for key, want in part["direct"].items():
+                got = part["recipe"][key]
+                if isinstance(want, list):
+                    assert got == want, f"rank {r} {key}: {got} != {want}"
+                else:
+                    assert_bits(got, want, f"rank {r} {what}{key}")
         assert res["recipe"]["recv_x"].shape[0] > 0
-        ll = res["ll"]
-        assert ll["x8_dtype"] == "torch.float8_e4m3fn"
-        for key, want in ll["direct"].items():
-            got = ll["recipe"][key]
-            assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
-                f"rank {r} low-latency {key} differs"
-        assert ll["recipe"]["count"].sum() > 0
+        assert res["ll"]["x8_dtype"] == "torch.float8_e4m3fn"
+        assert res["ll"]["recipe"]["count"].sum() > 0
 
 
 
@@ -168,8 +164,7 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int, de
         events = [(type(e).__name__, e.event is not None) for e in (event, event2)]
         out = dict(same_buffer=same_buffer, events=events, event_is_overlap=isinstance(event, EventOverlap),
                    nvl_bytes=buf.num_nvl_bytes, rdma_bytes=buf.num_rdma_bytes,
-                   recipe={k: (v if isinstance(v, list) else v.float().cpu().numpy()) for k, v in recipe.items()},
-                   direct={k: (v if isinstance(v, list) else v.float().cpu().numpy()) for k, v in direct.items()},
+                   recipe=_plain(recipe), direct=_plain(direct),
                    recv_idx_dtype=str(recv_idx.dtype))
         out["ll"] = _low_latency(rank, world, E, group, device)
         buf.destroy()
@@ -208,5 +203,9 @@ def _low_latency(rank: int, world: int, E: int, group, device: str) -> dict:
                   combined=ep.combine(y, d.handle), combined_zero_copy=ep.combine(y, d.handle))
     recipe = dict(x8=x8, scales=scales, count=count, combined=combined, combined_zero_copy=combined_zero_copy)
     _ll_buffer.destroy()
-    return dict(recipe={k: v.float().cpu().numpy() for k, v in recipe.items()},
-                direct={k: v.float().cpu().numpy() for k, v in direct.items()}, x8_dtype=str(x8.dtype))
+    return dict(recipe=_plain(recipe), direct=_plain(direct), x8_dtype=str(x8.dtype))
+
+
+def _plain(outputs: dict) -> dict:
+    """Outputs for the parent: tensors as numpy with their bits (and dtype) unchanged, lists as they are."""
+    return {k: v if isinstance(v, list) else to_numpy(v) for k, v in outputs.items()}
