@@ -96,8 +96,12 @@ struct CombineCall : CombineBase {
   const int32_t *send_pos, *send_offset, *recv_counts;  // prepare's
 };
 
-// Expert-major dispatch into recv_x[L, C, row_bytes] (slots past recv_expert_count unspecified).
+// Expert-major dispatch into recv_x[L, C, row_bytes]: slots past recv_expert_count unspecified unless
+// zero_padding (their recv_topk_idx -1, weights 0 either way). With `route` (an expert-major
+// PrepareCall) the dispatch routes too, in the same kernel: no prepare call before it, and
+// topk_idx32 / copy_slot / recv_expert_count here are ignored (route's outputs serve).
 struct EMDispatchCall {
+  const PrepareCall* route;
   const void* x;
   int64_t row_bytes;
   const void* x2;
@@ -109,13 +113,15 @@ struct EMDispatchCall {
   void* recv_x2;             // [L, C, row2_bytes]
   int32_t* recv_topk_idx;    // [L, C]
   float* recv_topk_weights;  // [L, C]
+  bool zero_padding;         // zero the padding rows of recv_x / recv_x2 (DESIGN §2)
 };
 
 // Expert-major combine (weighted) and dispatch_bwd (topk_weights null: weight 1; g_recv_topk_weights).
 struct EMCombineCall : CombineBase {
   bool weighted;  // combine: times topk_weights; dispatch_bwd: weight 1
   const float* topk_weights;
-  const int32_t* copy_slot;  // prepare's
+  const int32_t* copy_slot;          // prepare's
+  const int32_t* recv_expert_count;  // prepare's [L], or null: y's padding slots move too
 };
 
 // Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.

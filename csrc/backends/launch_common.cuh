@@ -64,7 +64,14 @@ inline size_t checked_smem(const EMLayoutArgs& a) {
 
 inline size_t checked_smem(const EMDispatchArgs& a) {
   if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
-  return 0;
+  if (!a.route.on) return 0;
+  if (a.route.expert_alignment < 1) throw std::invalid_argument("omniep: expert_alignment must be >= 1");
+  const size_t smem = 2 * sizeof(int) * static_cast<size_t>(a.num_experts);  // two [E] int arrays
+  if (smem > kMaxDynamicSmem) {
+    throw std::invalid_argument("omniep: expert-major dispatch: at most " +
+                                std::to_string(kMaxDynamicSmem / (2 * sizeof(int))) + " experts");
+  }
+  return smem;
 }
 
 inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a.hidden, a.num_bias); }
@@ -78,6 +85,14 @@ auto layout_kernel_for(int index_bytes) {
   if (index_bytes == 4) return layout_kernel<Tr, int32_t>;
   if (index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
   return layout_kernel<Tr, int64_t>;
+}
+
+// The expert-major dispatch kernel for its routing front's index type (int32 without the front).
+template <typename Tr>
+auto em_dispatch_kernel_for(const EMDispatchArgs& a) {
+  if (!a.route.on || a.route.index_bytes == 4) return em_dispatch_kernel<Tr, int32_t>;
+  if (a.route.index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
+  return em_dispatch_kernel<Tr, int64_t>;
 }
 
 // Kernel templates over (Transport, element type, elements per pack) as class templates, so that
@@ -135,7 +150,8 @@ inline bool vec16(const EMCombineBwdArgs& a, int first, int count, int num_ranks
 
 // dispatch / em_dispatch: the widest copy unit suiting the launched ranks' source rows and every
 // rank's receive rows (args.h row_copy_unit), for the rows and for the second payload.
-// Rank-major dispatch also stores the launched ranks' own rows to own_x / own_x2 (when given).
+// Rank-major dispatch also stores the launched ranks' own rows to own_x / own_x2, expert-major dispatch
+// its results to out_x / out_x2 (when given).
 template <typename DispatchLike>
 void set_copy_units(DispatchLike& a, int first, int count, int num_ranks) {
   auto unit = [&](int64_t bytes, const auto& src, const auto& dst, const auto* own) {
@@ -150,8 +166,8 @@ void set_copy_units(DispatchLike& a, int first, int count, int num_ranks) {
     a.unit = unit(a.row_bytes, a.x, a.recv_x, &a.own_x);
     a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2, &a.own_x2);
   } else {
-    a.unit = unit(a.row_bytes, a.x, a.recv_x, static_cast<const PerRank<uint8_t>*>(nullptr));
-    a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2, static_cast<const PerRank<uint8_t>*>(nullptr));
+    a.unit = unit(a.row_bytes, a.x, a.recv_x, &a.out_x);
+    a.unit2 = unit(a.row2_bytes, a.x2, a.recv_x2, &a.out_x2);
   }
 }
 

@@ -100,7 +100,8 @@ class OneRankLauncher {
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
     const size_t smem = checked_smem(a);
     set_copy_units(a, rank_, 1, num_ranks_);
-    launch_wide(em_dispatch_kernel<Tr>, kEMDispatchThreads, smem, stream, a, tr, "expert-major dispatch");
+    launch_wide(em_dispatch_kernel_for<Tr>(a), kEMDispatchThreads, smem, stream, a, tr, "expert-major dispatch",
+                /*whole_gpu=*/true);
   }
 
   template <typename Tr>
@@ -110,7 +111,7 @@ class OneRankLauncher {
     const size_t smem = checked_smem(a);
     const char* what = "expert-major combine";
     launch_wide(typed_kernel<EMCombineK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), what), kEMCombineThreads,
-                smem, stream, a, tr, what);
+                smem, stream, a, tr, what, /*whole_gpu=*/true);
   }
 
   template <typename Tr>
@@ -120,7 +121,7 @@ class OneRankLauncher {
     const size_t smem = checked_smem(a);
     const char* what = "expert-major combine_bwd";
     launch_wide(typed_kernel<EMCombineBwdK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), what), kEMDispatchThreads,
-                smem, stream, a, tr, what);
+                smem, stream, a, tr, what, /*whole_gpu=*/true);
   }
 
  private:
@@ -146,22 +147,24 @@ class OneRankLauncher {
     check_cuda(gpu::launch_cooperative(kernel, dim3(blocks, 1), dim3(threads), smem, stream, args, tr), what);
   }
 
-  // As many blocks as the budget allows (set_blocks, else kMaxBlocks) and the GPU keeps resident.
+  // As many blocks as the budget allows (set_blocks, else kMaxBlocks — or, `whole_gpu`, one per SM:
+  // the expert-major ("low-latency") kernels, which like DeepEP's take the GPU for their few µs and
+  // are latency-bound, not bandwidth-bound) and the GPU keeps resident.
   template <typename Kernel, typename Args, typename Tr>
   void launch_wide(Kernel kernel, int threads, size_t smem, cudaStream_t stream, const Args& args, const Tr& tr,
-                   const char* what) {
-    launch(kernel, blocks_for(reinterpret_cast<const void*>(kernel), threads, smem), threads, smem, stream, args,
-           tr, what);
+                   const char* what, bool whole_gpu = false) {
+    launch(kernel, blocks_for(reinterpret_cast<const void*>(kernel), threads, smem, whole_gpu), threads, smem,
+           stream, args, tr, what);
   }
 
-  int blocks_for(const void* kernel, int threads, size_t smem) {
+  int blocks_for(const void* kernel, int threads, size_t smem, bool whole_gpu) {
     const auto key = std::make_tuple(kernel, smem);
     if (auto it = cache_.find(key); it != cache_.end()) return it->second;
     int per_sm = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem), "occupancy");
     const int resident = per_sm * num_sms_;
     if (resident < 1) throw std::runtime_error("omniep: kernel cannot be resident on this GPU");
-    const int want = blocks_ > 0 ? blocks_ : kMaxBlocks;
+    const int want = blocks_ > 0 ? blocks_ : whole_gpu ? num_sms_ : kMaxBlocks;
     return cache_[key] = want < resident ? want : resident;
   }
 

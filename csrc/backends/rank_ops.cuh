@@ -342,10 +342,28 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, 4, offsets)), d, s)) return;
   EMDispatchArgs a = {};
   a.x = mine<const uint8_t>(g, c.x);
-  a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
   a.topk_weights = mine<const float>(g, c.topk_weights);
-  a.copy_slot = mine<const int32_t>(g, c.copy_slot);
-  a.recv_expert_count = mine<const int32_t>(g, c.recv_expert_count);
+  if (const PrepareCall* p = c.route) {  // the kernel routes first: prepare's expert-major outputs
+    if (p->index_bytes != 4 && p->index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
+    if (p->capacity != c.capacity || !p->expert_major) throw std::invalid_argument("omniep: the route is not this dispatch's");
+    a.route.on = 1;
+    a.route.index_bytes = p->index_bytes;
+    a.route.expert_alignment = p->expert_alignment;
+    a.route.topk_idx = mine<const void>(g, p->topk_idx);
+    a.route.topk_idx32 = mine<int32_t>(g, p->topk_idx32);
+    a.route.copy_slot = mine<int32_t>(g, p->copy_slot);
+    a.route.recv_expert_count = mine<int32_t>(g, p->recv_expert_count);
+    a.route.num_recv_tokens_per_expert = mine<int32_t>(g, p->num_recv_tokens_per_expert);
+    a.route.num_recv = mine<int32_t>(g, p->em_num_recv);
+    a.route.dropped = mine<int32_t>(g, p->em_dropped);
+    a.topk_idx32 = mine<const int32_t>(g, p->topk_idx32);
+    a.copy_slot = mine<const int32_t>(g, p->copy_slot);
+    a.recv_expert_count = mine<const int32_t>(g, p->recv_expert_count);
+  } else {
+    a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
+    a.copy_slot = mine<const int32_t>(g, c.copy_slot);
+    a.recv_expert_count = mine<const int32_t>(g, c.recv_expert_count);
+  }
   a.recv_x = g.template sym<uint8_t>(offsets[0]);
   if (c.row2_bytes > 0) {
     a.x2 = mine<const uint8_t>(g, c.x2);
@@ -353,8 +371,12 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   }
   a.recv_topk_idx = g.template sym<int32_t>(offsets[2]);
   a.recv_topk_weights = g.template sym<float>(offsets[3]);
-  a.out_topk_idx = mine<int32_t>(g, c.recv_topk_idx);  // copied out by the kernel
+  // The kernel fills the results itself: the counted slots only (no copy of the whole buffer).
+  a.out_x = mine<uint8_t>(g, c.recv_x);
+  if (c.row2_bytes > 0) a.out_x2 = mine<uint8_t>(g, c.recv_x2);
+  a.out_topk_idx = mine<int32_t>(g, c.recv_topk_idx);
   a.out_topk_weights = mine<float>(g, c.recv_topk_weights);
+  a.zero_padding = c.zero_padding ? 1 : 0;
   a.num_tokens[g.rank()] = c.num_tokens;
   a.row_bytes = c.row_bytes;
   a.row2_bytes = c.row2_bytes;
@@ -364,12 +386,6 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   a.desc[g.rank()] = d;
   launch_em_dispatch(a, s);
   next_part(d);
-  const uintptr_t base = g.data_ptr();
-  const auto out = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
-  const size_t slots = static_cast<size_t>(L * C);
-  if (slots == 0) return;
-  memcpy(out(c.recv_x), base + offsets[0], slots * static_cast<size_t>(c.row_bytes), s);
-  if (c.row2_bytes > 0) memcpy(out(c.recv_x2), base + offsets[1], slots * static_cast<size_t>(c.row2_bytes), s);
 }
 
 template <typename Rank>
@@ -385,11 +401,13 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   // weight 1 for dispatch_bwd: the kernel's null weights
   if (c.weighted) a.topk_weights = mine<const float>(g, c.topk_weights);
   a.copy_slot = mine<const int32_t>(g, c.copy_slot);
-  const uintptr_t base = g.data_ptr();
-  const size_t slots = static_cast<size_t>(L * C);
-  if (slots > 0) memcpy(base + offsets[0], reinterpret_cast<uintptr_t>(c.y), slots * static_cast<size_t>(sizes[0]), s);
+  // The kernel copies y (the counted slots, when the counts are given) into the buffer itself.
+  a.own_y = mine<const void>(g, c.y);
+  a.recv_expert_count = mine<const int32_t>(g, c.recv_expert_count);
+  const uintptr_t ends[2] = {g.data_ptr() + offsets[0], reinterpret_cast<uintptr_t>(c.y)};
+  a.copy_unit = row_copy_unit(sizes[0], ends, 2);
   if (grad) {
-    if (slots > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.g_recv_topk_weights), slots * 4, s);
+    a.own_g_recv_topk_weights = mine<const float>(g, c.g_recv_topk_weights);
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
   }
   launch_em_combine(a, s);

@@ -17,7 +17,7 @@ void VirtualRankGroup::em_layout(const EMLayoutArgs& args, int first_rank, int c
 
 void VirtualRankGroup::em_dispatch(const EMDispatchArgs& args, int first_rank, int count, cudaStream_t stream) {
   const size_t smem = checked_smem(args);
-  launch(em_dispatch_kernel<P2PTransport>, 0, kEMDispatchThreads, smem, args, first_rank, count, stream,
+  launch(em_dispatch_kernel_for<P2PTransport>(args), 0, kEMDispatchThreads, smem, args, first_rank, count, stream,
          "expert-major dispatch");
 }
 

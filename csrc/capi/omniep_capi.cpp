@@ -164,6 +164,7 @@ omniep::EMDispatchArgs convert(const omniep_em_dispatch_args& c) {
   a.num_topk = c.num_topk;
   a.num_experts = c.num_experts;
   a.capacity = c.capacity;
+  a.zero_padding = 1;  // the results are the caller's own tensors: their padding stays zero, as documented
   set_copy_units(a, c);
   return a;
 }

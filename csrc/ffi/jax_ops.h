@@ -344,6 +344,7 @@ ffi::Error EmDispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     c.recv_x2 = c.row2_bytes > 0 ? data(recv_x2) : nullptr;
     c.recv_topk_idx = as<int32_t>(recv_idx);
     c.recv_topk_weights = as<float>(recv_w);
+    c.zero_padding = false;  // DESIGN §2: slots past the counts are unspecified
     g.em_dispatch(c, g.current(), stream);  // continues prepare's op
     g.take_status(as<Status>(status), stream);
   });

@@ -6,9 +6,11 @@
 // A copy's slot c = (copies of that expert from lower source ranks) + (earlier copies of it from
 // the same source in (t, k) order); copies with c >= C are dropped and counted.
 //
-// The source keeps copy_slot[T, K] (prepare's output): c, or -1 when (t, k) is unrouted or dropped.
-// Every later pass (dispatch, combine, both backward passes) finds a copy through it, so prepare is
-// the only kernel that scans the routing in order.
+// The source keeps copy_slot[T, K]: c, or -1 when (t, k) is unrouted or dropped. It comes from
+// em_layout_kernel (prepare, the JAX and virtual-rank bindings) or from the routing front of the
+// dispatch kernel itself (EMRouteArgs: the torch ops' one-launch dispatch) — the same steps
+// (em_layout.cuh), the same slots. Every later pass (combine, both backward passes) finds a copy
+// through it, so only those scan the routing in order.
 #pragma once
 
 #include <stdint.h>
@@ -38,7 +40,24 @@ struct EMLayoutArgs {
   OpDesc desc[kMaxRanks];  // a later kernel of the layout kernel's op (part 1)
 };
 
+// The routing front of the one-kernel dispatch (EMDispatchArgs::route): prepare's expert-major work
+// done by the dispatch kernel itself (kernels/em_dispatch.cuh), no layout kernel before it.
+struct EMRouteArgs {
+  int on;                                         // 0: prepare ran before (copy_slot etc. are inputs)
+  int index_bytes;                                // 4 or 8
+  int expert_alignment;
+  PerRank<const void> topk_idx;                   // [T, K] int32 or int64, -1 = none
+  PerRank<int32_t> topk_idx32;                    // out [T, K]: the ids narrowed, -1 for none
+  PerRank<int32_t> copy_slot;                     // out [T, K] (em_args.h top)
+  PerRank<int32_t> recv_expert_count;             // out [L]
+  PerRank<int32_t> num_recv_tokens_per_expert;    // out [L]: rounded up to expert_alignment
+  PerRank<int32_t> num_recv;                      // out []
+  PerRank<int32_t> dropped;                       // out []
+};
+
 struct EMDispatchArgs {
+  EMRouteArgs route;                         // route.on: the kernel routes first (the fields below the
+                                             // same arrays: topk_idx32, copy_slot, recv_expert_count)
   PerRank<const uint8_t> x;                  // [T, row_bytes]
   PerRank<const uint8_t> x2;                 // [T, row2_bytes]: optional second payload (fp8 scales)
   PerRank<const int32_t> topk_idx32;         // [T, K]
@@ -47,12 +66,17 @@ struct EMDispatchArgs {
   PerRank<const int32_t> recv_expert_count;  // [L] from em_layout: slots [count, C) are padding
   PerRank<uint8_t> recv_x;                   // sym [L, C, row_bytes]
   PerRank<uint8_t> recv_x2;                  // sym [L, C, row2_bytes]
-  PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots, -1 on padding
-  PerRank<float> recv_topk_weights;          // sym [L, C]: the copy's weight, 0 on padding
-  // Optional [L, C]: the caller's recv_topk_idx / recv_topk_weights, filled by the kernel after its
-  // end barrier (no copies launched after it). Null: left in the buffer.
+  PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots
+  PerRank<float> recv_topk_weights;          // sym [L, C]: the copy's weight
+  // Optional: the caller's results, which the kernel fills from its receive buffers after its end
+  // barrier — only the counted slots' rows (no copy launched after it, nothing that grows with C * H):
+  // out_x [L, C, row_bytes], out_x2 [L, C, row2_bytes], out_topk_idx / out_topk_weights [L, C]
+  // (-1 / 0 on padding slots). Null out_x: the results ARE the symmetric buffers (virtual ranks).
+  PerRank<uint8_t> out_x;
+  PerRank<uint8_t> out_x2;
   PerRank<int32_t> out_topk_idx;
   PerRank<float> out_topk_weights;
+  int zero_padding;    // 1: padding rows of the result are zeroed too (DESIGN §2 zero_padding); 0: left as they are
   int num_tokens[kMaxRanks];
   int64_t row_bytes;
   int64_t row2_bytes;  // 0 = no second payload
@@ -67,6 +91,13 @@ struct EMDispatchArgs {
 // combine (weighted) and dispatch_bwd (topk_weights all null: weight 1, with_topk_grad = 1).
 struct EMCombineArgs {
   PerRank<const void> y;                      // sym [L, C, H] in `dtype`
+  // Optional: the caller's y [L, C, H] (and g_recv_topk_weights [L, C]), copied into the symmetric
+  // buffers by the kernel before its start barrier — the counted slots only when recv_expert_count is
+  // given, else every slot; skipped when it already is the symmetric buffer (zero-copy).
+  PerRank<const void> own_y;
+  PerRank<const float> own_g_recv_topk_weights;
+  PerRank<const int32_t> recv_expert_count;   // [L] (optional)
+  int copy_unit;                              // copy unit of own_y / y rows
   PerRank<void> out;                          // [T, H] in `dtype`
   PerRank<const void> bias[2];                // [T, H] in bias_dtype[i], first num_bias used
   PerRank<const int32_t> topk_idx32;          // [T, K]

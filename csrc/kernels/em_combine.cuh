@@ -10,9 +10,12 @@
 // carried it (0 when unrouted or dropped).
 //
 // Work item = (token, chunk of H): a low-latency batch has only 128 tokens per rank, so one warp
-// per token would leave most of the warps idle; chunks of kWarpSize * kEMPacks packs keep kEMPacks
-// independent loads per lane in flight for each copy.
-// Barriers: start (every rank's y is complete), end (peers finished reading my y).
+// per token would leave most of the warps idle; chunks of kWarpSize * kEMPacks packs, and the packs
+// of kEMGroup copies loaded before any is summed, keep kEMGroup * kEMPacks independent loads per lane
+// in flight.
+// Before the start barrier the kernel copies the caller's y (the counted slots) into the rank's buffer
+// unless y already is that buffer. Barriers: start (every rank's y is complete), end (peers finished
+// reading my y).
 //
 // Remote ranks (a transport with kHasGets: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
 // warp GETS each chunk of a copy's row into its stage in the transport's symmetric scratch and reads
@@ -22,13 +25,15 @@
 
 #include "kernels/combine.cuh"  // the remote path's staging sizes
 #include "kernels/em_args.h"
+#include "kernels/em_slots.cuh"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
 
 namespace omniep {
 
 inline constexpr int kEMCombineThreads = 512;
-inline constexpr int kEMPacks = 4;
+inline constexpr int kEMPacks = 1;  // packs per lane per work item (token, chunk of H)
+inline constexpr int kEMGroup = 8;  // copies of a token whose packs are loaded together
 // The remote path stages one chunk per warp in the scratch the host sized for combine's warps.
 static_assert(kEMCombineThreads <= kCombineThreads && kEMPacks <= kPacks, "em stages come from combine's scratch");
 
@@ -39,6 +44,22 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
+  // The caller's y into my buffer, before the barrier that tells the peers it is complete (they pull).
+  const void* own_y = tr.local(a.own_y);
+  if (own_y != nullptr && own_y != tr.local(a.y)) {
+    const int32_t* count = tr.local(a.recv_expert_count);
+    const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
+    em_copy_slots(static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y))), static_cast<const uint8_t*>(own_y), count,
+                  L, C, row_bytes, a.copy_unit, /*zero=*/0);
+    if (const float* g_in = tr.local(a.own_g_recv_topk_weights)) {  // one warp per expert, lanes over slots
+      float* g = const_cast<float*>(tr.local(a.g_recv_topk_weights));
+      const int warps = gridDim.x * gpu::warps_per_block();
+      for (int l = blockIdx.x * gpu::warps_per_block() + gpu::warp_id(); l < L; l += warps) {
+        const int n = count == nullptr ? C : count[l];
+        for (int c = gpu::lane_id(); c < n; c += gpu::kWarpSize) g[static_cast<int64_t>(l) * C + c] = g_in[static_cast<int64_t>(l) * C + c];
+      }
+    }
+  }
   if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
 
   const int32_t* idx32 = tr.local(a.topk_idx32);
@@ -74,33 +95,48 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
         if (weights != nullptr) my_w = weights[i];
       }
       const int kn = K - k0 < gpu::kWarpSize ? K - k0 : gpu::kWarpSize;
-      for (int j = 0; j < kn; ++j) {  // ascending k: the contract's summation order
-        const int slot = gpu::shfl(my_slot, j);
-        const int e = gpu::shfl(my_e, j);
-        const float w = gpu::shfl(my_w, j);
-        if (slot < 0) continue;
-        const int r = e / L, l = e - r * L;
-        const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
-        bool far = false;
-        if constexpr (Tr::kHasGets) far = tr.is_remote(r);
-        const Pack* y = nullptr;
-        if (!far) {
-          y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row);
-        } else if constexpr (Tr::kHasGets) {
-          const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
-          y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);
+      // kEMGroup copies at a time: their loads are all issued before the first is summed (one memory
+      // latency per group, not per copy); the sum still runs in ascending k, the contract's order.
+      for (int j0 = 0; j0 < kn; j0 += kEMGroup) {
+        Pack v[kEMGroup][kEMPacks];
+        float wj[kEMGroup];
+        bool have[kEMGroup];
+#pragma unroll
+        for (int g = 0; g < kEMGroup; ++g) {
+          const int j = j0 + g < kn ? j0 + g : kn - 1;  // (shfl needs every lane: clamp, then drop)
+          const int slot = gpu::shfl(my_slot, j);
+          const int e = gpu::shfl(my_e, j);
+          wj[g] = gpu::shfl(my_w, j);
+          have[g] = j0 + g < kn && slot >= 0;
+          if (!have[g]) continue;
+          const int r = e / L, l = e - r * L;
+          const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
+          bool far = false;
+          if constexpr (Tr::kHasGets) far = tr.is_remote(r);
+          const Pack* y = nullptr;
+          if (!far) {
+            y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row);
+          } else if constexpr (Tr::kHasGets) {  // (one stage: its packs go to registers before the next get)
+            const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
+            y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);
+          }
+#pragma unroll
+          for (int u = 0; u < kEMPacks; ++u) {
+            const int p = base + lane + u * gpu::kWarpSize;
+            if (p < num_packs) v[g][u] = y[p];
+          }
         }
-        Pack v[kEMPacks];
 #pragma unroll
-        for (int u = 0; u < kEMPacks; ++u) {
-          const int p = base + lane + u * gpu::kWarpSize;
-          if (p < num_packs) v[u] = y[p];
-        }
+        for (int g = 0; g < kEMGroup; ++g) {
+          if (!have[g]) continue;
 #pragma unroll
-        for (int u = 0; u < kEMPacks; ++u) {
-          if (base + lane + u * gpu::kWarpSize < num_packs) {
+          for (int u = 0; u < kEMPacks; ++u) {
+            if (base + lane + u * gpu::kWarpSize < num_packs) {
 #pragma unroll
-            for (int q = 0; q < Vec; ++q) acc[u][q] = gpu::add_rn(acc[u][q], gpu::mul_rn(w, Cvt::to_float(v[u].v[q])));
+              for (int q = 0; q < Vec; ++q) {
+                acc[u][q] = gpu::add_rn(acc[u][q], gpu::mul_rn(wj[g], Cvt::to_float(v[g][u].v[q])));
+              }
+            }
           }
         }
       }

@@ -6,8 +6,10 @@
 // combine_bwd writes g_y[l, c] = round(fp32(w[t, k]) * fp32(g_out[t])) — the product rounded to
 // fp32 (mul_rn), then once to the dtype — and, with_topk_grad, g_topk_weights[t, k] = <g_out[t],
 // y[l, c]> accumulated in fp32 (a reduction over H, in no order DESIGN fixes: tests match it to rounding, omniep/testing/bounds.py).
-// In both, the receiver meanwhile zero-fills its padding slots [recv_expert_count[l], C), which no
-// source writes (recv_topk_idx -1, weights 0).
+// No source writes the padding slots [recv_expert_count[l], C). dispatch fills its results after the
+// end barrier with the counted slots only (their routing -1 / 0 on padding, the rows' padding left as
+// it is unless zero_padding: DESIGN §2), so its cost follows the routed copies, not L * C * H.
+// combine_bwd zero-fills g_y's padding (a gradient: exactly 0 there).
 //
 // One warp per copy (t, k): a low-latency batch (128 tokens, top-8) is 1024 rows per rank, enough
 // to keep every warp of 24 blocks busy, where one warp per token would leave most idle.
@@ -23,6 +25,8 @@
 
 #include "kernels/combine.cuh"  // the remote path's staging sizes
 #include "kernels/em_args.h"
+#include "kernels/em_layout.cuh"
+#include "kernels/em_slots.cuh"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
 
@@ -33,35 +37,128 @@ inline constexpr int kEMDispatchThreads = 512;
 // (kCombineThreads per block) serves these kernels' warps.
 static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combine's per-warp scratch");
 
-// Zero rows [count[l], C) of every local expert of `buf[L, C, row_bytes]` (whole rank, by warps).
-OMNIEP_DEVICE void em_zero_padding(uint8_t* buf, const int32_t* count, int L, int C, int64_t row_bytes,
-                                   int unit) {
-  const int warps = gpu::warps_per_block();
-  const int64_t slots = static_cast<int64_t>(L) * C;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id(); j < slots;
-       j += static_cast<int64_t>(gridDim.x) * warps) {
-    if (j % C >= count[j / C]) warp_zero_row(buf + j * row_bytes, row_bytes, unit);
+// The routing front (a.route.on): prepare's expert-major work inside the dispatch kernel, so a
+// dispatch is ONE launch with two barriers (the count exchange, the end). Every block counts the
+// copies before its share [i0, i1) of the (t, k) pairs; block 0 also counts them all (its row of the
+// count matrix, published before the exchange barrier, which also carries the op descriptor and the
+// verdict on the ids) and, after it, the receiver's side (em_layout.cuh step 2b). Then every block
+// ranks its own share (step 3 over [i0, i1)), starting each expert where the lower source ranks and
+// the earlier shares end: the slots are those of em_layout_kernel, bit for bit. Returns false when
+// the op stopped (the handle then routes nothing). Dynamic shared memory: 2 * E ints.
+template <typename Index, typename Tr>
+OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t i0, int64_t i1) {
+  extern __shared__ int s_mem[];  // [E] first slot of each expert for my share; block 0: [E] all my copies
+  __shared__ OpDesc s_desc;       // mine, with the verdict on my ids (block 0's is the one exchanged)
+  __shared__ int s_bad;
+  __shared__ long long s_bad_id;
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int E = a.num_experts, L = E / R, C = a.capacity;
+  const int64_t n = static_cast<int64_t>(a.num_tokens[me]) * a.num_topk;
+  const bool first = blockIdx.x == 0;
+  int* s_next = s_mem;
+  int* s_count = s_mem + E;
+  const Index* raw = static_cast<const Index*>(tr.local(a.route.topk_idx));
+  const auto id = [raw, E](int64_t i) {
+    const int64_t e = static_cast<int64_t>(raw[i]);
+    return e >= 0 && e < E ? static_cast<int>(e) : -1;
+  };
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    s_next[e] = 0;
+    s_count[e] = 0;
   }
+  if (threadIdx.x == 0) {
+    s_desc = a.desc[me];
+    s_bad = 0;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < i0; i += blockDim.x) {
+    const int e = id(i);
+    if (e >= 0) atomicAdd(&s_next[e], 1);
+  }
+  if (first) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const int64_t e64 = static_cast<int64_t>(raw[i]);
+      if ((e64 < -1 || e64 >= E) && atomicCAS(&s_bad, 0, 1) == 0) s_bad_id = static_cast<long long>(e64);
+      if (e64 >= 0 && e64 < E) atomicAdd(&s_count[e64], 1);
+    }
+  }
+  int32_t* idx32 = tr.local(a.route.topk_idx32);
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) idx32[i] = id(i);
+  __syncthreads();
+  if (first) {
+    em_publish_counts(tr, s_count, E);
+    if (threadIdx.x == 0 && s_bad) {
+      s_desc.w[kDescInputStatus] = kInputBadExpertId;
+      const long long bad = s_bad_id;  // reported as int32 (clamped)
+      s_desc.w[kDescInputDetail] = static_cast<int32_t>(bad > INT32_MAX ? INT32_MAX : bad < INT32_MIN ? INT32_MIN : bad);
+    }
+  }
+  int32_t* copy_slot = tr.local(a.route.copy_slot);
+  int32_t* count_out = first ? tr.local(a.route.recv_expert_count) : nullptr;
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
+    em_route_nothing(copy_slot, i0, i1, count_out, tr.local(a.route.num_recv_tokens_per_expert), L,
+                     tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr);
+    return false;
+  }
+  const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E]: every source's row
+  em_first_slots(s_next, counts, s_next, me, E);
+  if (first) {
+    em_receiver_counts(tr, counts, E, C, a.route.expert_alignment, count_out,
+                       tr.local(a.route.num_recv_tokens_per_expert), tr.local(a.route.num_recv),
+                       tr.local(a.route.dropped), nullptr, nullptr);
+  }
+  __syncthreads();  // s_next complete
+  em_scan_slots([idx32](int64_t i) { return idx32[i]; }, copy_slot, s_next, i0, i1, C);
+  __syncthreads();  // my share's slots, for every warp of the block
+  return true;
 }
 
-template <typename Tr>
+// Index: the routing front's id type (unused without it).
+template <typename Tr, typename Index>
 __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispatchArgs a, Tr tr) {
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity;
-  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
+  const int64_t n = static_cast<int64_t>(T) * K;
+  const int warps = gpu::warps_per_block();
+  // The copies this block's warps push: its own share with the routing front (whose slots it ranked),
+  // else all of them, grid-strided.
+  int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id(), end = n;
+  int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
+  bool go;
+  if (a.route.on) {
+    const int64_t per = (n + gridDim.x - 1) / gridDim.x;
+    const int64_t at = static_cast<int64_t>(blockIdx.x) * per;
+    const int64_t i0 = at < n ? at : n;
+    end = i0 + per < n ? i0 + per : n;
+    first_warp = i0 + gpu::warp_id();
+    all_warps = warps;
+    go = em_route_front<Index>(a, tr, i0, end);
+  } else {
+    go = rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me]);
+  }
+  if (!go) {
+    // The op stopped on every rank: results that hold nothing (every slot padding).
+    const bool sym = tr.local(a.out_x) == nullptr;
+    if (a.zero_padding) {
+      const int64_t slots = static_cast<int64_t>(L) * C;
+      em_zero_rows(sym ? tr.local(a.recv_x) : tr.local(a.out_x), slots, a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) em_zero_rows(sym ? tr.local(a.recv_x2) : tr.local(a.out_x2), slots, a.row2_bytes, a.unit2);
+    }
+    em_routing_padding(sym ? tr.local(a.recv_topk_idx) : tr.local(a.out_topk_idx),
+                       sym ? tr.local(a.recv_topk_weights) : tr.local(a.out_topk_weights), nullptr, nullptr, nullptr,
+                       L, C);
+    return;
+  }
 
   const uint8_t* x = tr.local(a.x);
   const uint8_t* x2 = tr.local(a.x2);
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);
   const int32_t* copy_slot = tr.local(a.copy_slot);
-  const int lane = gpu::lane_id(), warps = gpu::warps_per_block();
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id();
-  const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
+  const int lane = gpu::lane_id();
 
   // ---- push my copies ----
-  const int64_t n = static_cast<int64_t>(T) * K;
-  for (int64_t i = first_warp; i < n; i += all_warps) {
+  for (int64_t i = first_warp; i < end; i += all_warps) {
     const int slot = copy_slot[i];
     if (slot < 0) continue;  // unrouted or dropped
     const int e = idx32[i];
@@ -92,36 +189,25 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispa
     }
   }
 
-  // ---- zero my padding slots ----
+  // ---- results ----
+  // The counted slots [0, recv_expert_count[l]) of every local expert are the result; the rest is
+  // padding, which no source writes and nothing here touches unless zero_padding asks for zeros.
   const int32_t* count = tr.local(a.recv_expert_count);
-  em_zero_padding(tr.local(a.recv_x), count, L, C, a.row_bytes, a.unit);
-  if (a.row2_bytes > 0) em_zero_padding(tr.local(a.recv_x2), count, L, C, a.row2_bytes, a.unit2);
-  {
-    int32_t* recv_idx = tr.local(a.recv_topk_idx);
-    float* recv_w = tr.local(a.recv_topk_weights);
-    const int64_t slots = static_cast<int64_t>(L) * C;
-    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < slots;
-         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      if (j % C >= count[j / C]) {
-        recv_idx[j] = -1;
-        recv_w[j] = 0.0f;
-      }
+  uint8_t* out_x = tr.local(a.out_x);
+  if (out_x == nullptr) {  // the symmetric buffers are the results: define their padding now (mine only)
+    if (a.zero_padding) {
+      em_copy_slots(tr.local(a.recv_x), nullptr, count, L, C, a.row_bytes, a.unit, 1);
+      if (a.row2_bytes > 0) em_copy_slots(tr.local(a.recv_x2), nullptr, count, L, C, a.row2_bytes, a.unit2, 1);
     }
+    em_routing_padding(tr.local(a.recv_topk_idx), tr.local(a.recv_topk_weights), nullptr, nullptr, count, L, C);
   }
-  int32_t* out_idx = tr.local(a.out_topk_idx);
-  float* out_w = tr.local(a.out_topk_weights);
-  // With the routing to copy out, every block waits for the peers (their copies have arrived).
-  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/out_idx != nullptr) || out_idx == nullptr) return;
-  {
-    const int32_t* idx_in = tr.local(a.recv_topk_idx);
-    const float* w_in = tr.local(a.recv_topk_weights);
-    const int64_t slots = static_cast<int64_t>(L) * C;
-    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < slots;
-         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      out_idx[j] = idx_in[j];
-      out_w[j] = w_in[j];
-    }
-  }
+  // With results to fill, every block waits for the peers (their copies have arrived).
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/out_x != nullptr) || out_x == nullptr) return;
+  em_copy_slots(out_x, tr.local(a.recv_x), count, L, C, a.row_bytes, a.unit, a.zero_padding);
+  if (a.row2_bytes > 0) em_copy_slots(tr.local(a.out_x2), tr.local(a.recv_x2), count, L, C, a.row2_bytes, a.unit2,
+                                    a.zero_padding);
+  em_routing_padding(tr.local(a.out_topk_idx), tr.local(a.out_topk_weights), tr.local(a.recv_topk_idx),
+                     tr.local(a.recv_topk_weights), count, L, C);
 }
 
 // Sum of v over the warp, in the same butterfly order on every lane (all lanes get the result).
@@ -212,8 +298,8 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_combine_bwd_kernel(EMCo
       if (lane == 0) tr.local(a.g_topk_weights)[i] = dot;
     }
   }
-  em_zero_padding(static_cast<uint8_t*>(tr.local(a.g_y)), tr.local(a.recv_expert_count), L, C,
-                  static_cast<int64_t>(H) * sizeof(Scalar), sizeof(Scalar) * Vec);
+  em_copy_slots(static_cast<uint8_t*>(tr.local(a.g_y)), nullptr, tr.local(a.recv_expert_count), L, C,
+              static_cast<int64_t>(H) * sizeof(Scalar), sizeof(Scalar) * Vec, 1);
   rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false);
 }
 

@@ -15,6 +15,8 @@
 //      group at a time, lowest lane first) and keeping the running count in shared memory that
 //      only it touches;
 //   4. a last barrier keeps a fast peer's NEXT prepare from overwriting the matrix while it is read.
+// The same steps, as device functions, are the routing front of the one-kernel dispatch
+// (em_dispatch.cuh), which runs step 3 in every block over its own range of copies.
 // The first barrier is a later exchange of the layout kernel's op (descriptor part 1): if that op was
 // stopped (a mismatch, a bad id), this kernel stops on every rank too. A static capacity that some
 // expert of some rank overflows is recorded as a pending CAPACITY status (the same on every rank: the
@@ -30,17 +32,14 @@
 
 namespace omniep {
 
+// The steps below are shared by em_layout_kernel (one block: prepare of the JAX and virtual-rank
+// bindings) and the routing front of em_dispatch_kernel (every block: the one-kernel dispatch of the
+// torch ops, kernels/em_dispatch.cuh). Each is called by every thread of the block(s) named.
+
+// Step 1 (one block): my per-expert counts `per_expert[E]` as my row of EVERY rank's count matrix.
 template <typename Tr>
-__global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs a, Tr tr) {
-  extern __shared__ int s_next[];  // [E]: next slot of each expert at its receiver
-  __shared__ int s_kept, s_total, s_max;
-  __shared__ int s_overflow;  // the lowest expert id (any rank) whose copies exceed the capacity
-
+OMNIEP_DEVICE void em_publish_counts(const Tr& tr, const int* per_expert, int E) {
   const int me = tr.rank(), R = tr.num_ranks();
-  const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
-  const int32_t* per_expert = tr.local(a.num_tokens_per_expert);
-
-  // 1. my row of every rank's count matrix
   for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) {
     const int r = static_cast<int>(j / E), e = static_cast<int>(j % E);
     bool remote = false;
@@ -51,55 +50,69 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
       tr.put_i32(&tr.workspace(me)->expert_counts[me * E + e], per_expert[e], r);
     }
   }
+}
+
+// An op that stopped at its exchange (one block, or every block for its own range of copy_slot):
+// a handle that routes nothing.
+OMNIEP_DEVICE void em_route_nothing(int32_t* copy_slot, int64_t i0, int64_t i1, int32_t* recv_expert_count,
+                                    int32_t* per_expert_aligned, int L, int32_t* num_recv, int32_t* dropped,
+                                    int32_t* max_count) {
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) copy_slot[i] = -1;
+  if (recv_expert_count == nullptr) return;
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    recv_expert_count[l] = 0;
+    per_expert_aligned[l] = 0;
+  }
+  if (threadIdx.x == 0) {
+    *num_recv = 0;
+    *dropped = 0;
+    if (max_count != nullptr) *max_count = 0;
+  }
+}
+
+// Step 2a (any block): s_next[e] = copies of e from LOWER source ranks (where my copies of e start)
+// plus `add[e]` (null: 0); counts = the [R, E] matrix after the exchange.
+OMNIEP_DEVICE void em_first_slots(int* s_next, const int32_t* counts, const int* add, int me, int E) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int base = add != nullptr ? add[e] : 0;
+    for (int s = 0; s < me; ++s) base += counts[s * E + e];
+    s_next[e] = base;
+  }
+}
+
+// Step 2b (one block): the receiver's side — copies per local expert kept under the capacity C,
+// rounded up to the alignment, num_recv, dropped, the optional max / matrix outputs, and a pending
+// CAPACITY status if any expert of any rank overflows (the same verdict on every rank).
+template <typename Tr>
+OMNIEP_DEVICE void em_receiver_counts(const Tr& tr, const int32_t* counts, int E, int C, int align,
+                                      int32_t* recv_expert_count, int32_t* per_expert_aligned, int32_t* num_recv,
+                                      int32_t* dropped, int32_t* max_count, int32_t* matrix) {
+  __shared__ int s_kept, s_total, s_max;
+  __shared__ int s_overflow;  // the lowest expert id (any rank) whose copies exceed the capacity
+  const int me = tr.rank(), R = tr.num_ranks(), L = E / R;
   if (threadIdx.x == 0) {
     s_kept = 0;
     s_total = 0;
     s_max = 0;
     s_overflow = E;
   }
-  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &a.desc[me])) {
-    // The op stopped on every rank: a handle that routes nothing (see layout_kernel).
-    int32_t* copy_slot = tr.local(a.copy_slot);
-    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * K; i += blockDim.x) copy_slot[i] = -1;
-    for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      tr.local(a.recv_expert_count)[l] = 0;
-      tr.local(a.num_recv_tokens_per_expert)[l] = 0;
-    }
-    if (threadIdx.x == 0) {
-      *tr.local(a.num_recv) = 0;
-      *tr.local(a.dropped) = 0;
-      if (int32_t* max_count = tr.local(a.max_expert_count)) *max_count = 0;
-    }
-    return;
-  }
-  const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E], every source's row
-
-  // 2a. source: first slot of my copies of every expert (copies from lower source ranks)
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int base = 0;
-    for (int s = 0; s < me; ++s) base += counts[s * E + e];
-    s_next[e] = base;
-  }
-  // 2b. receiver: copies per local expert, kept under the capacity
-  {
-    const int align = a.expert_alignment;
-    for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      int n = 0;
-      for (int s = 0; s < R; ++s) n += counts[s * E + me * L + l];
-      const int kept = n < C ? n : C;
-      tr.local(a.recv_expert_count)[l] = kept;
-      tr.local(a.num_recv_tokens_per_expert)[l] = (kept + align - 1) / align * align;
-      atomicAdd(&s_kept, kept);
-      atomicAdd(&s_total, n);
-      atomicMax(&s_max, n);
-    }
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int n = 0;
+    for (int s = 0; s < R; ++s) n += counts[s * E + me * L + l];
+    const int kept = n < C ? n : C;
+    recv_expert_count[l] = kept;
+    per_expert_aligned[l] = (kept + align - 1) / align * align;
+    atomicAdd(&s_kept, kept);
+    atomicAdd(&s_total, n);
+    atomicMax(&s_max, n);
   }
   for (int e = threadIdx.x; e < E; e += blockDim.x) {  // every rank's experts: the same verdict everywhere
     int n = 0;
     for (int s = 0; s < R; ++s) n += counts[s * E + e];
     if (n > C) atomicMin(&s_overflow, e);
   }
-  if (int32_t* matrix = tr.local(a.expert_count_matrix)) {
+  if (matrix != nullptr) {
     for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) matrix[j] = counts[j];
   }
   __syncthreads();
@@ -109,20 +122,25 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
       for (int s = 0; s < R; ++s) n += counts[s * E + s_overflow];
       record_overflow(tr.workspace(me), me, s_overflow / L, n, C);
     }
-    *tr.local(a.num_recv) = s_kept;
-    *tr.local(a.dropped) = s_total - s_kept;
-    if (int32_t* max_count = tr.local(a.max_expert_count)) *max_count = s_max;  // optional
+    *num_recv = s_kept;
+    *dropped = s_total - s_kept;
+    if (max_count != nullptr) *max_count = s_max;
   }
+}
 
-  // 3. ordered scan over (t, k): slot of every copy
-  const int32_t* idx = tr.local(a.topk_idx32);
-  int32_t* copy_slot = tr.local(a.copy_slot);
+// Step 3 (one block): the slot of every copy i in [i0, i1), in (t, k) order, from s_next (the first
+// slot of each expert for this range; advanced here). `id(i)` is copy i's expert or -1. The scan
+// follows (t, k) order exactly without atomics racing across warps: expert e belongs to warp
+// e % warps, and every warp walks the range 32 at a time, ranking its own experts' copies inside
+// each batch with ballots (equal experts one group at a time, lowest lane first) and keeping the
+// running count in shared memory only it touches. Slots >= C are dropped (-1).
+template <typename Id>
+OMNIEP_DEVICE void em_scan_slots(Id id, int32_t* copy_slot, int* s_next, int64_t i0, int64_t i1, int C) {
   const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
-  const int64_t n = static_cast<int64_t>(T) * K;
-  for (int64_t base = 0; base < n; base += gpu::kWarpSize) {  // uniform trip count: ballots convergent
+  for (int64_t base = i0; base < i1; base += gpu::kWarpSize) {  // uniform trip count: ballots convergent
     const int64_t i = base + lane;
-    const int e = i < n ? idx[i] : -1;
-    if (i < n && e < 0 && warp == 0) copy_slot[i] = -1;  // unrouted: warp 0 answers for it
+    const int e = i < i1 ? id(i) : -1;
+    if (i < i1 && e < 0 && warp == 0) copy_slot[i] = -1;  // unrouted: warp 0 answers for it
     bool pending = e >= 0 && e % warps == warp;
     while (true) {
       const gpu::lane_mask_t todo = gpu::ballot(pending);
@@ -141,6 +159,30 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
       gpu::syncwarp();
     }
   }
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs a, Tr tr) {
+  extern __shared__ int s_next[];  // [E]: next slot of each expert at its receiver
+  const int me = tr.rank();
+  const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / tr.num_ranks(), C = a.capacity;
+  const int64_t n = static_cast<int64_t>(T) * K;
+  int32_t* copy_slot = tr.local(a.copy_slot);
+
+  em_publish_counts(tr, tr.local(a.num_tokens_per_expert), E);
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &a.desc[me])) {
+    em_route_nothing(copy_slot, 0, n, tr.local(a.recv_expert_count), tr.local(a.num_recv_tokens_per_expert), L,
+                     tr.local(a.num_recv), tr.local(a.dropped), tr.local(a.max_expert_count));
+    return;
+  }
+  const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E], every source's row
+  em_first_slots(s_next, counts, nullptr, me, E);
+  em_receiver_counts(tr, counts, E, C, a.expert_alignment, tr.local(a.recv_expert_count),
+                     tr.local(a.num_recv_tokens_per_expert), tr.local(a.num_recv), tr.local(a.dropped),
+                     tr.local(a.max_expert_count), tr.local(a.expert_count_matrix));
+  __syncthreads();  // s_next complete
+  const int32_t* idx = tr.local(a.topk_idx32);
+  em_scan_slots([idx](int64_t i) { return idx[i]; }, copy_slot, s_next, 0, n, C);
   rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
 }
 

@@ -349,7 +349,9 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
     p.num_recv = num_recv.data_ptr<int32_t>();
     p.dropped = dropped.data_ptr<int32_t>();
   }
-  const omniep::PrepareResult prep = c.rank->prepare(p, d, s);
+  // Expert-major: the dispatch kernel routes itself (one launch, below); rank-major: prepare first.
+  const omniep::PrepareResult prep =
+      em ? omniep::PrepareResult{static_cast<int>(cap), static_cast<int>(cap), false, 0, 0} : c.rank->prepare(p, d, s);
   if (prep.stopped) {  // the op stopped on every rank: its status says why
     check(c, "dispatch");
     throw std::runtime_error("omniep: dispatch stopped on every rank without a status (a bug in omniep)");
@@ -371,6 +373,7 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
   Tensor recv_w = device_empty(em ? lead : with(lead, {K}), at::kFloat, c);
   if (em) {
     omniep::EMDispatchCall e = {};
+    e.route = &p;
     e.x = x.data_ptr();
     e.row_bytes = H * x.element_size();
     e.x2 = fp8 ? x_scales->data_ptr() : nullptr;
@@ -380,9 +383,6 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
     e.num_experts = static_cast<int>(E);
     e.capacity = static_cast<int>(cap);
     e.topk_weights = weights.data_ptr<float>();
-    e.topk_idx32 = p.topk_idx32;
-    e.copy_slot = p.copy_slot;
-    e.recv_expert_count = p.recv_expert_count;
     e.recv_x = recv_x.data_ptr();
     e.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
     e.recv_topk_idx = recv_idx.data_ptr<int32_t>();
@@ -536,6 +536,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
     e.weighted = weights_in != nullptr;
     e.topk_weights = weights_in != nullptr ? w.data_ptr<float>() : nullptr;
     e.copy_slot = h.routing + h.parts.copy_slot;
+    e.recv_expert_count = h.routing + h.parts.recv_expert_count;
     c.rank->em_combine(e, d, s);
   } else {
     omniep::CombineCall q = {};

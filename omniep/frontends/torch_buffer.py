@@ -403,7 +403,8 @@ class Buffer:
         ``T <= num_max_dispatch_tokens_per_rank``; ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
         Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x[L, C, H]`` with
         ``C = R * num_max_dispatch_tokens_per_rank`` (or, with ``use_fp8``, ``(x_fp8 [L, C, H],
-        scales [L, C, H / 128] float32)``), slots past ``recv_count[l]`` zero; ``recv_count [L]`` int32;
+        scales [L, C, H / 128] float32)``), slots past ``recv_count[l]`` unspecified (as in DeepEP);
+        ``recv_count [L]`` int32;
         ``hook`` a no-op callable when ``return_recv_hook`` (the rows have arrived), else None.
         ``cumulative_local_expert_recv_stats [L]`` int32, if given, gets ``recv_count`` added.
         """

@@ -1,0 +1,71 @@
+// Slot-wise passes over an expert-major buffer [L, C, ...] of one rank (whole grid of the rank):
+// slot (l, c) holds a copy when c < count[l] (em_layout's recv_expert_count; null: every slot),
+// the rest is padding. The expert-major kernels move the counted slots only, so their cost follows
+// the routed copies, not L * C (DESIGN §2 leaves the padding unspecified unless zero_padding).
+#pragma once
+
+#include "kernels/rows.cuh"
+
+namespace omniep {
+
+// Counted slots: dst[j] = src[j] (null src: left as they are); padding: zeroed when `zero`, else
+// untouched. One warp per row, the rows dealt round-robin over every warp of the rank in (l, c)
+// order — counted rows first, then (zero) the padding rows — so the cost follows the rows moved
+// (balanced however skewed the experts), and the loop over the L experts is all the rest: no pass
+// over L * C slots.
+OMNIEP_DEVICE void em_copy_slots(uint8_t* dst, const uint8_t* src, const int32_t* count, int L, int C,
+                                 int64_t row_bytes, int unit, int zero) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
+  const int64_t me = static_cast<int64_t>(blockIdx.x) * gpu::warps_per_block() + gpu::warp_id();
+  for (int pass = src != nullptr ? 0 : 1; pass < (zero ? 2 : 1); ++pass) {  // 0: counted rows, 1: padding
+    int64_t base = 0;   // rows of this pass before expert l (the same in every warp)
+    int64_t next = me;  // my next row of this pass (rows me, me + warps, ...)
+    for (int l = 0; l < L; ++l) {
+      const int n = count == nullptr ? C : count[l];
+      const int first = pass == 0 ? 0 : n, rows = pass == 0 ? n : C - n;
+      for (; next < base + rows; next += warps) {
+        const int64_t j = static_cast<int64_t>(l) * C + first + (next - base);
+        if (pass == 0) {
+          warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, unit);
+        } else {
+          warp_zero_row(dst + j * row_bytes, row_bytes, unit);
+        }
+      }
+      base += rows;
+    }
+  }
+}
+
+// Zero rows [0, rows) of dst. One warp per row.
+OMNIEP_DEVICE void em_zero_rows(uint8_t* dst, int64_t rows, int64_t row_bytes, int unit) {
+  const int warps = gpu::warps_per_block();
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id(); j < rows;
+       j += static_cast<int64_t>(gridDim.x) * warps) {
+    warp_zero_row(dst + j * row_bytes, row_bytes, unit);
+  }
+}
+
+// The routing of every slot (one warp per expert, its lanes over the slots): counted slots from
+// idx_in / w_in (null: left as they are), padding -1 / 0. Here a null `count` means NO slot holds a
+// copy (an op that stopped).
+OMNIEP_DEVICE void em_routing_padding(int32_t* idx, float* w, const int32_t* idx_in, const float* w_in,
+                                      const int32_t* count, int L, int C) {
+  const int warps = gridDim.x * gpu::warps_per_block();
+  for (int l = blockIdx.x * gpu::warps_per_block() + gpu::warp_id(); l < L; l += warps) {
+    const int n = count == nullptr ? 0 : count[l];
+    for (int c = gpu::lane_id(); c < C; c += gpu::kWarpSize) {
+      const int64_t j = static_cast<int64_t>(l) * C + c;
+      if (c < n) {
+        if (idx_in != nullptr) {
+          idx[j] = idx_in[j];
+          w[j] = w_in[j];
+        }
+      } else {
+        idx[j] = -1;
+        w[j] = 0.0f;
+      }
+    }
+  }
+}
+
+}  // namespace omniep
