@@ -109,11 +109,13 @@ def assert_bits(got, want, what: str) -> None:
 
 def assert_results(res: dict, exp: dict, job: dict, r: int, what: str, autograd: bool) -> None:
     d = exp["disp"][r]
-    for field in ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
+    assert_bits(golden.counted_rows(res["recv_x"], d.recv_topk_idx), d.recv_x, f"{what} recv_x")
+    for field in ("recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert"):
         assert_bits(res[field], getattr(d, field), f"{what} {field}")
     assert (res["num_recv"], res["dropped"]) == (d.num_recv, d.dropped), what
     if "scales" in exp:
-        assert_bits(res["recv_x_scales"], exp["scales"][r].recv_x, f"{what} recv_x_scales")
+        assert_bits(golden.counted_rows(res["recv_x_scales"], d.recv_topk_idx), exp["scales"][r].recv_x,
+                    f"{what} recv_x_scales")
     if "out" not in exp:
         return
     for key in ("out", "g_x", "g_w", "g_y"):
@@ -208,6 +210,8 @@ def check_golden_vectors(session) -> None:
             for how, res in paths:
                 for key in golden.EXPECTED:
                     got = res[key] if key not in ("num_recv", "dropped") else np.array(res[key], np.int32)
+                    if key == "recv_x":  # expert-major padding: unspecified (DESIGN §2)
+                        got = golden.counted_rows(got, want["recv_topk_idx"][r])
                     assert_bits(got, want[key][r], f"golden {job['name']} rank {r} {how} {key}")
 
 

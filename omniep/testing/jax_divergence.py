@@ -25,6 +25,7 @@ import numpy as np
 
 from ..ep_core import descriptor as dsc
 from ..ep_core.errors import OmniEPError
+from . import golden
 from .cases import make_case, np_dtype
 
 AXIS = "ep"
@@ -186,7 +187,7 @@ def _error(status) -> Optional[dict]:
 def summarize(got: dict, inputs: dict) -> dict:
     """``{rank: facts}`` for the ranks this process holds: both statuses (lists of ints), what
     ``check`` raises for each, and whether each op's outputs are those of an op that moved nothing
-    (dispatch: ``recv_x`` 0, ``recv_topk_idx`` -1, weights and every count 0, ``g_x`` and ``g_w`` 0;
+    (dispatch: ``recv_x`` 0 (expert-major: every slot padding), ``recv_topk_idx`` -1, weights and every count 0, ``g_x`` and ``g_w`` 0;
     combine: ``out`` equal to the bias)."""
     from .jax_workers import local_results
 
@@ -199,7 +200,8 @@ def summarize(got: dict, inputs: dict) -> dict:
             "error": _error(res["status"]),
             "combine_error": _error(res["combine_status"]),
             "dispatch_moved_nothing": bool(
-                not np.any(res["recv_x"].astype(np.float32)) and np.all(res["recv_topk_idx"] == -1)
+                not np.any(golden.counted_rows(res["recv_x"], res["recv_topk_idx"]).astype(np.float32))
+                and np.all(res["recv_topk_idx"] == -1)
                 and not np.any(res["recv_topk_weights"]) and int(res["num_recv"]) == 0
                 and not np.any(res["num_recv_tokens_per_expert"]) and int(res["dropped"]) == 0
                 and not np.any(res["g_x"].astype(np.float32)) and not np.any(res["g_w"])),

@@ -199,9 +199,12 @@ def _low_latency(rank: int, world: int, E: int, group, device: str) -> dict:
 
     d = ep.dispatch(quantize_fp8(x), topk_idx, topk_weights, num_experts=E, capacity=world * max_tokens,
                     layout="expert_major")
-    direct = dict(x8=d.recv_x[0], scales=d.recv_x[1], count=d.num_recv_tokens_per_expert,
+    held = (d.recv_topk_idx >= 0).unsqueeze(-1)  # slots past the counts are unspecified (as in DeepEP)
+    counted = lambda t: torch.where(held, t, torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
+    direct = dict(x8=counted(d.recv_x[0]), scales=counted(d.recv_x[1]), count=d.num_recv_tokens_per_expert,
                   combined=ep.combine(y, d.handle), combined_zero_copy=ep.combine(y, d.handle))
-    recipe = dict(x8=x8, scales=scales, count=count, combined=combined, combined_zero_copy=combined_zero_copy)
+    recipe = dict(x8=counted(x8), scales=counted(scales), count=count, combined=combined,
+                  combined_zero_copy=combined_zero_copy)
     _ll_buffer.destroy()
     return dict(recipe=_plain(recipe), direct=_plain(direct), x8_dtype=str(x8.dtype))
 

@@ -97,7 +97,10 @@ def check_cuda_graphs(rank: int, world: int) -> dict:
 
     def eager_em(x):
         d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
-        return d.recv_x, ep.combine(d.recv_x, d.handle)
+        # Slots past the counts are unspecified (DESIGN §2): compare the counted ones.
+        counted = torch.where((d.recv_topk_idx >= 0).unsqueeze(-1), d.recv_x, torch.zeros((), dtype=x.dtype,
+                                                                                           device=x.device))
+        return counted, ep.combine(d.recv_x, d.handle)
 
     for name, fn in (("rank_major", lambda x: eager_rm(x)[:2]), ("expert_major", eager_em)):
         static_x = x.clone()
