@@ -1,0 +1,145 @@
+"""Low-latency (expert-major) dispatch and combine on a GPU, op by op (issue 14's LL benchmarks).
+
+DeepEP's decode shape — 128 tokens per rank, H=7168, top-8 of 288 experts, bf16 in, bf16 back — through
+``omniep.torch`` (``layout="expert_major"``, capacity ``R * 128`` slots per local expert, as DeepEP's
+``num_max_dispatch_tokens_per_rank``) and through the DeepEP-compatible ``Buffer``
+(``low_latency_dispatch`` with fp8 casting / ``low_latency_combine``). For each op:
+
+* ``device``: the op's GPU kernels and copies summed, from the CUDA profiler (run last: CUPTI slows the
+  host, host_timing.py);
+* ``host``: the host µs to issue the op while the GPU is busy (median);
+* ``launches``: GPU kernels and copies per op, from the same profile.
+
+Variants with the routed copies fixed (so the time should not move): ``base``, ``2x experts`` (576
+experts), ``2x slots`` (capacity ``2 * R * 128``). ``--world 1``: one rank; ``--world 2``: two
+processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``).
+
+    python benchmarks/ll_gpu.py [--world 1] [--iters 50] [--out ll.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from host_timing import host_times, pin_cpu, quantile
+
+BASE = dict(tokens=128, hidden=7168, topk=8, experts=288, slots=1)
+VARIANTS = {"base": {}, "2x experts": dict(experts=576), "2x slots": dict(slots=2)}
+
+
+def _profile(torch, step, iters: int) -> tuple:
+    """(device µs per call, GPU activities per call) of `step`, from the CUDA profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total, count = 0.0, 0
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0 and ev.cpu_parent is None:
+            total += ev.device_time_total
+            count += 1
+    return total / iters, count / iters
+
+
+def rank_main(rank: int, world: int, port: int, args: dict) -> list:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+
+    pin_cpu(rank)
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    rows, steps = [], []
+    buffers = []
+    try:
+        for name in args["variants"]:
+            s = dict(BASE, **VARIANTS[name])
+            T, H, K, E = s["tokens"], s["hidden"], s["topk"], s["experts"]
+            gen = torch.Generator(device="cuda").manual_seed(rank)
+            idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
+            w = torch.rand(T, K, device="cuda", generator=gen)
+            x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+            cap = world * T * s["slots"]
+            d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
+            y = torch.randn(d.recv_x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+            buf = ep.Buffer(None, 0, ep.Buffer.get_low_latency_rdma_size_hint(T * s["slots"], H, world, E),
+                            low_latency_mode=True, num_qps_per_rank=max(1, E // world))
+            buffers.append(buf)
+            _, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, T * s["slots"], E, use_fp8=True)
+
+            def dispatch(x=x, idx=idx, w=w, E=E, cap=cap):
+                return ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
+
+            def combine(y=y, handle=d.handle):
+                return ep.combine(y, handle)
+
+            def ll_dispatch(buf=buf, x=x, idx=idx, n=T * s["slots"], E=E):
+                return buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
+
+            def ll_combine(buf=buf, y=y, idx=idx, w=w, h=ll_handle):
+                return buf.low_latency_combine(y, idx, w, h)
+
+            for op, fn in (("dispatch", dispatch), ("combine", combine), ("Buffer.low_latency_dispatch fp8",
+                                                                             ll_dispatch),
+                           ("Buffer.low_latency_combine", ll_combine)):
+                steps.append((name, op, fn))
+        for name, op, step in steps:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            dist.barrier()
+            host = host_times(torch, step, args["iters"], spin_cycles=2e6)
+            dist.barrier()
+            rows.append(dict(rank=rank, world=world, variant=name, op=op, host_us=quantile(host, 0.5)))
+        for row, (name, op, step) in zip(rows, steps):
+            row["device_us"], row["launches"] = _profile(torch, step, min(args["iters"], 20))
+            dist.barrier()
+            print(f"rank {rank} {name} {op}: host {row['host_us']:.1f} device {row['device_us']:.1f} "
+                  f"launches {row['launches']:.1f}", flush=True)
+        for buf in buffers:
+            buf.destroy()
+        ep.destroy()
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    args = dict(iters=a.iters, variants=a.variants.split(","))
+    sys.path.insert(0, ".")
+    from omniep.testing.procs import run_ranks
+
+    results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
+                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
+    rows = [row for rank_rows in results for row in rank_rows]
+    print("\n| world | variant | op | device µs | host µs (median) | GPU launches |")
+    print("|---|---|---|---|---|---|")
+    for name in args["variants"]:
+        for op in dict.fromkeys(r["op"] for r in rows):
+            mine = [r for r in rows if r["variant"] == name and r["op"] == op]
+            if mine:
+                print(f"| {a.world} | {name} | {op} | {max(r['device_us'] for r in mine):.1f} | "
+                      f"{max(r['host_us'] for r in mine):.1f} | {max(r['launches'] for r in mine):.1f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
