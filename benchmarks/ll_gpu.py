@@ -12,9 +12,10 @@ DeepEP's decode shape — 128 tokens per rank, H=7168, top-8 of 288 experts, bf1
 
 Variants with the routed copies fixed (so the time should not move): ``base``, ``2x experts`` (576
 experts), ``2x slots`` (capacity ``2 * R * 128``). ``--world 1``: one rank; ``--world 2``: two
-processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``).
+processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``--per-gpu`` one GPU each
+(NVLink).
 
-    python benchmarks/ll_gpu.py [--world 1] [--iters 50] [--out ll.json]
+    python benchmarks/ll_gpu.py [--world 1] [--per-gpu] [--iters 50] [--out ll.json]
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     from omniep import torch as ep
 
     pin_cpu(rank)
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank if args["per_gpu"] else 0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     rows, steps = [], []
@@ -118,16 +119,18 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    args = dict(iters=a.iters, variants=a.variants.split(","))
+    args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
     results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
-    print("\n| world | variant | op | device µs | host µs (median) | GPU launches |")
+    print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}")
+    print("| world | variant | op | device µs | host µs (median) | GPU launches |")
     print("|---|---|---|---|---|---|")
     for name in args["variants"]:
         for op in dict.fromkeys(r["op"] for r in rows):

@@ -337,3 +337,46 @@ def test_failing_rank_fails_the_run_promptly_and_reaps_children(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not multiprocessing.active_children()
+
+
+# ---- use_fp8: DeepEP's low-latency cast inside the expert-major dispatch ---------------------------
+
+def _fp8_routing():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    x[1, :128] = 0.0  # amax 0: the 1e-4 floor
+    x[2, 128:] *= 1e-30  # tiny: subnormal fp8 after the division
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0]])
+    return x, idx, torch.rand(4, 2, generator=gen)
+
+
+def test_use_fp8_dispatches_the_cast(world_of_one):
+    """use_fp8=True gives what dispatching quantize_fp8(x) gives, as the (rows, scales) pair."""
+    from omniep.backends.torch_group import quantize_fp8
+
+    x, idx, w = _fp8_routing()
+    got = ep.dispatch(x, idx, w, num_experts=4, layout="expert_major", use_fp8=True)
+    want = ep.dispatch(quantize_fp8(x), idx, w, num_experts=4, layout="expert_major")
+    assert got.recv_x[0].dtype == torch.float8_e4m3fn and got.recv_x[1].dtype == torch.float32
+    held = want.recv_topk_idx >= 0
+    for a, b in zip(got.recv_x, want.recv_x):
+        assert torch.equal(a[held].view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a[held],
+                           b[held].view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b[held])
+    assert torch.equal(got.num_recv_tokens_per_expert, want.num_recv_tokens_per_expert)
+    out = ep.combine(got.recv_x[0].float().mul(got.recv_x[1].repeat_interleave(128, -1)).to(torch.bfloat16),
+                     got.handle)
+    assert out.shape == (4, 256) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(layout="rank_major"), "needs layout='expert_major'"),
+    (dict(x=torch.zeros(4, 256)), "casts a bfloat16 x, got float32"),
+    (dict(x=(torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2))), "pass x alone"),
+    (dict(x=torch.zeros(4, 256, dtype=torch.bfloat16, requires_grad=True)), "requires grad"),
+    (dict(x=torch.zeros(4, 100, dtype=torch.bfloat16)), "hidden % 128 == 0"),
+])
+def test_use_fp8_rejects(world_of_one, change, match):
+    x, idx, w = _fp8_routing()
+    kw = dict(x=x, layout="expert_major") | change
+    with pytest.raises(InputError, match=match):
+        ep.dispatch(kw.pop("x"), idx, w, num_experts=4, use_fp8=True, **kw)

@@ -102,6 +102,8 @@ struct CombineCall : CombineBase {
 // topk_idx32 / copy_slot / recv_expert_count here are ignored (route's outputs serve).
 struct EMDispatchCall {
   const PrepareCall* route;
+  const void* cast_src;  // bf16 [T, H] the kernel casts into x / x2 first (writable staging: e4m3 rows, fp32
+                         // scales per 128 channels: DeepEP's low-latency cast), or null
   const void* x;
   int64_t row_bytes;
   const void* x2;

@@ -342,6 +342,10 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, 4, offsets)), d, s)) return;
   EMDispatchArgs a = {};
   a.x = mine<const uint8_t>(g, c.x);
+  a.cast_src = mine<const uint8_t>(g, c.cast_src);
+  if (c.cast_src != nullptr && (c.row2_bytes * kFp8Block != c.row_bytes * 4 || c.row_bytes % kFp8Block != 0)) {
+    throw std::invalid_argument("omniep: the fp8 cast needs fp8 rows of H % 128 == 0 bytes and H / 128 scales");
+  }
   a.topk_weights = mine<const float>(g, c.topk_weights);
   if (const PrepareCall* p = c.route) {  // the kernel routes first: prepare's expert-major outputs
     if (p->index_bytes != 4 && p->index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");

@@ -60,6 +60,10 @@ struct EMDispatchArgs {
                                              // same arrays: topk_idx32, copy_slot, recv_expert_count)
   PerRank<const uint8_t> x;                  // [T, row_bytes]
   PerRank<const uint8_t> x2;                 // [T, row2_bytes]: optional second payload (fp8 scales)
+  // Optional bf16 [T, H]: the kernel first casts it into x (e4m3 [T, H], row_bytes = H) and x2
+  // (fp32 scales [T, H / 128]) as DeepEP's low-latency dispatch does (rows.cuh grid_cast_fp8), before
+  // its first barrier, and sends those.
+  PerRank<const uint8_t> cast_src;
   PerRank<const int32_t> topk_idx32;         // [T, K]
   PerRank<const float> topk_weights;         // [T, K]
   PerRank<const int32_t> copy_slot;          // [T, K] from em_layout

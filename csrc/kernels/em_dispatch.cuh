@@ -120,6 +120,10 @@ __global__ void __launch_bounds__(kEMDispatchThreads) em_dispatch_kernel(EMDispa
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity;
   const int64_t n = static_cast<int64_t>(T) * K;
   const int warps = gpu::warps_per_block();
+  if (const uint8_t* src = tr.local(a.cast_src)) {  // x, x2: this kernel's own staging (the barrier publishes them)
+    grid_cast_fp8(reinterpret_cast<const gpu::bfloat16*>(src), const_cast<uint8_t*>(tr.local(a.x)),
+                  reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))), T, static_cast<int>(a.row_bytes));
+  }
   // The copies this block's warps push: its own share with the routing front (whose slots it ranked),
   // else all of them, grid-strided.
   int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id(), end = n;

@@ -155,6 +155,60 @@ OMNIEP_DEVICE const Pack* get_packs(const Tr& tr, const Pack* mine, int r, int b
   return stage - base;
 }
 
+// ---- DeepEP's low-latency fp8 cast, as torch computes it (omniep.backends.torch_group.quantize_fp8) ----
+inline constexpr int kFp8Block = 128;  // channels per scale
+
+// fp32 -> float8_e4m3fn bits exactly as torch converts (c10's fp8e4m3fn_from_fp32_value, written out):
+// round to nearest even, subnormals included; |f| >= 480 and NaN become 0x7F with f's sign.
+OMNIEP_DEVICE uint8_t fp8_e4m3_bits(float f) {
+  constexpr uint32_t kFirstOut = 1087u << 20;  // 480.0f, the first magnitude e4m3fn cannot hold
+  constexpr uint32_t kDenormMagic = 141u << 23;
+  uint32_t bits = gpu::float_as_uint(f);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint32_t out;
+  if (bits >= kFirstOut) {
+    out = 0x7fu;
+  } else if (bits < (121u << 23)) {  // below 2^-6: the adder rounds to a multiple of 2^-9
+    out = gpu::float_as_uint(gpu::add_rn(gpu::uint_as_float(bits), gpu::uint_as_float(kDenormMagic))) - kDenormMagic;
+  } else {
+    const uint32_t odd = (bits >> 20) & 1u;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd;
+    out = bits >> 20;
+  }
+  return static_cast<uint8_t>(out | (sign >> 24));
+}
+
+// max(a, b) as torch's amax takes it: a NaN on either side wins.
+OMNIEP_DEVICE float max_nan(float a, float b) {
+  if (b != b) return b;
+  return a != a || a > b ? a : b;
+}
+
+// Cast row t of x [T, H] bf16 to x8 [T, H] e4m3 and scales [T, H / 128] fp32, one warp per (token,
+// block of 128 channels), every warp of the grid: amax over the block (NaN propagates), scale =
+// max(amax, 1e-4) / 448, x8 = e4m3(x / scale) — each step one IEEE rounding, as torch does it.
+OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* scales, int T, int H) {
+  constexpr int kPer = kFp8Block / gpu::kWarpSize;  // channels per lane
+  const int nb = H / kFp8Block, lane = gpu::lane_id();
+  const int warps = gridDim.x * gpu::warps_per_block();
+  for (int item = blockIdx.x * gpu::warps_per_block() + gpu::warp_id(); item < T * nb; item += warps) {
+    const int64_t at = static_cast<int64_t>(item) * kFp8Block;  // (t, b) -> t * H + b * 128
+    float v[kPer];
+    float m = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      v[u] = gpu::bf16_to_float(x[at + u * gpu::kWarpSize + lane]);
+      m = max_nan(m, fabsf(v[u]));
+    }
+    for (int d = gpu::kWarpSize / 2; d > 0; d /= 2) m = max_nan(m, gpu::shfl(m, lane ^ d));
+    const float scale = gpu::div_rn(m < 1e-4f ? 1e-4f : m, 448.0f);  // (NaN < 1e-4 is false: NaN stays)
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) x8[at + u * gpu::kWarpSize + lane] = fp8_e4m3_bits(gpu::div_rn(v[u], scale));
+    if (lane == 0) scales[item] = scale;
+  }
+}
+
 // ---- element conversion (exact widening to fp32; one round-to-nearest-even narrowing) ----
 template <typename T> struct Elem;
 template <> struct Elem<float> {

@@ -287,9 +287,13 @@ HandleView handle_view(const std::vector<Tensor>& h, const Context& c, int64_t n
 
 // ---- dispatch ----------------------------------------------------------------------------------------
 
-DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor& topk_idx_in,
-                          const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts, int64_t layout,
-                          int64_t capacity, int64_t expert_alignment) {
+namespace {
+
+// dispatch, and dispatch_fp8 (cast_from: the bf16 rows the expert-major kernel casts into x_in /
+// x_scales_in, fresh staging tensors, before sending them).
+DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor* cast_from,
+                          const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts,
+                          int64_t layout, int64_t capacity, int64_t expert_alignment) {
   Context& c = context_of(ctx);
   const bool em = layout == 1;
   const int64_t T = topk_idx_in.dim() == 2 ? topk_idx_in.size(0) : 0;
@@ -297,6 +301,14 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
   const int64_t R = c.world;
   Checker chk{c, {}};
   chk.routing(topk_idx_in, &topk_weights_in);
+  if (cast_from != nullptr) {  // x_in / x_scales_in are the staging made for it: check what the caller gave
+    chk.on_device(*cast_from, "x");
+    if (cast_from->scalar_type() != at::kBFloat16 || cast_from->dim() != 2 || cast_from->size(1) % 128 != 0) {
+      chk.fail("use_fp8 casts x[num_tokens, hidden] bfloat16 with hidden % 128 == 0, got " + dtype_str(*cast_from) +
+               " " + shape_str(*cast_from));
+    }
+    if (!em) chk.fail("use_fp8 (the fp8 cast inside the dispatch) needs layout=\"expert_major\"");
+  }
   const int64_t H = chk.tokens(x_in, x_scales_in, T);
   chk.group_shape(num_experts);
   if (expert_alignment < 1) chk.fail("expert_alignment must be an int >= 1, got " + std::to_string(expert_alignment));
@@ -374,6 +386,7 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
   if (em) {
     omniep::EMDispatchCall e = {};
     e.route = &p;
+    e.cast_src = cast_from != nullptr ? cast_from->data_ptr() : nullptr;
     e.x = x.data_ptr();
     e.row_bytes = H * x.element_size();
     e.x2 = fp8 ? x_scales->data_ptr() : nullptr;
@@ -418,6 +431,28 @@ DispatchOut dispatch_cuda(const Tensor& x_in, const std::optional<Tensor>& x_sca
   after_op(c, "dispatch");
   return DispatchOut(recv_x, recv_s, recv_idx, recv_w, num_recv, per_expert, dropped,
                      std::vector<Tensor>{idx32, routing, info});
+}
+
+}  // namespace
+
+DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
+                          const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
+                          int64_t capacity, int64_t expert_alignment) {
+  return dispatch_impl(x, x_scales, nullptr, topk_idx, topk_weights, ctx, num_experts, layout, capacity,
+                       expert_alignment);
+}
+
+DispatchOut dispatch_fp8_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights, int64_t ctx,
+                              int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment) {
+  Context& c = context_of(ctx);
+  // Staging for the cast (shaped from x as far as x has a shape: dispatch_impl checks x itself).
+  const bool two_d = x_in.dim() == 2;
+  const int64_t T = two_d ? x_in.size(0) : 0, H = two_d ? x_in.size(1) : 0;
+  const Tensor x = x_in.contiguous();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  const Tensor x8 = device_empty({T, H}, at::kFloat8_e4m3fn, c);
+  const Tensor scales = device_empty({T, H / 128}, at::kFloat, c);
+  return dispatch_impl(x8, scales, &x, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
 }
 
 // Rank-major rows only with a handle: a cached dispatch (op kCachedDispatch) or combine_bwd.
@@ -627,6 +662,7 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
 // The schemas are defined in Python (omniep/frontends/torch_ops.py), once for both op families.
 TORCH_LIBRARY_IMPL(omniep_native, CUDA, m) {
   m.impl("dispatch", &omniep_torch::dispatch_cuda);
+  m.impl("dispatch_fp8", &omniep_torch::dispatch_fp8_cuda);
   m.impl("cached_dispatch", &omniep_torch::cached_dispatch_cuda);
   m.impl("combine", &omniep_torch::combine_cuda);
   m.impl("dispatch_bwd", &omniep_torch::dispatch_bwd_cuda);

@@ -35,6 +35,9 @@ using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, T
 DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
                           int64_t capacity, int64_t expert_alignment);
+// dispatch of DeepEP's fp8 cast of x (bf16), done by the expert-major dispatch kernel itself.
+DispatchOut dispatch_fp8_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t ctx,
+                              int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment);
 std::tuple<Tensor, Tensor> cached_dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales,
                                                 at::TensorList handle, int64_t ctx, int64_t num_experts,
                                                 int64_t layout, int64_t capacity, int64_t expert_alignment);

@@ -125,6 +125,12 @@ class PythonOps:
                     expert_alignment: int) -> tuple:
         raise NotImplementedError
 
+    def op_dispatch_fp8(self, x, topk_idx, topk_weights, num_experts: int, layout: int, capacity: int,
+                        expert_alignment: int) -> tuple:
+        """op_dispatch of :func:`quantize_fp8` of ``x`` (the native kernels cast while they send)."""
+        x8, scales = quantize_fp8(x)
+        return self.op_dispatch(x8, scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment)
+
     def op_cached_dispatch(self, x, x_scales, handle: list, num_experts: int, layout: int, capacity: int,
                            expert_alignment: int) -> tuple:
         raise NotImplementedError
@@ -156,3 +162,20 @@ def default_group(group: Optional[object]):
         raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group(...) "
                          "before omniep.torch.dispatch/combine")
     return group if group is not None else dist.group.WORLD
+
+
+def quantize_fp8(x, block: int = 128) -> tuple:
+    """DeepEP's low-latency fp8 cast: per token and ``block`` channels, ``scale = max(amax, 1e-4) / 448``,
+    ``x_fp8 = float8_e4m3fn(x / scale)``. Returns ``(x_fp8 [T, H], scales [T, H / block] float32)``. The
+    native expert-major dispatch casts in its kernel to the same bits (``dispatch(..., use_fp8=True)``)."""
+    import torch
+
+    T, H = x.shape
+    if H % block:
+        raise InputError(f"use_fp8 needs hidden % {block} == 0, got {H}")
+    xf = x.to(torch.float32).reshape(T, H // block, block)
+    # Divide by a tensor: on CUDA torch turns division by a Python scalar into multiplication by its
+    # reciprocal, which rounds differently from the division the contract (and NumPy) does.
+    scales = xf.abs().amax(dim=-1).clamp(min=1e-4) / torch.full((), 448.0, device=x.device)
+    x8 = (xf / scales.unsqueeze(-1)).reshape(T, H).to(torch.float8_e4m3fn)
+    return x8, scales.contiguous()

@@ -160,7 +160,7 @@ def _config_ints(num_experts, capacity, expert_alignment) -> tuple:
 
 def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int, group=None,
              capacity: Optional[int] = None, expert_alignment: int = 1, layout="rank_major",
-             backend: Optional[str] = None) -> Dispatched:
+             backend: Optional[str] = None, use_fp8: bool = False) -> Dispatched:
     """Send every token to the ranks holding the experts it chose (DESIGN §2).
 
     ``x[T, H]`` bf16/fp16/fp32, or ``(x[T, H] float8_e4m3fn, x_scales[T, H/128] float32)`` (bytes moved
@@ -181,6 +181,12 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     ``[L, C]``), ``recv_topk_weights`` float32 (same shape, 0 elsewhere), ``num_recv`` and ``dropped``
     (0-d int32), ``num_recv_tokens_per_expert[L]`` int32 (rounded up to ``expert_alignment``) and the
     ``handle`` for :func:`combine`. Differentiable in ``x`` (float) and ``topk_weights``.
+
+    ``use_fp8=True`` (expert-major, ``x`` bf16 with ``H % 128 == 0``; DeepEP's low-latency cast): the rows
+    travel as ``(float8_e4m3fn, scales[H / 128] float32)``, cast per token and 128 channels with
+    ``scale = max(amax, 1e-4) / 448`` — on the native backends inside the dispatch kernel — and the result
+    is bit for bit that of dispatching the pair :func:`omniep.backends.torch_group.quantize_fp8` gives.
+    Not differentiable.
     """
     if type(x) is tuple:
         if len(x) != 2:
@@ -204,8 +210,20 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     code = _LAYOUT_CODE[lay]
+    if use_fp8:
+        if x_scales is not None:
+            raise InputError("use_fp8 casts a bf16 x itself: pass x alone, not a pair (x, x_scales)")
+        if lay != Layout.EXPERT_MAJOR:
+            raise InputError(f"use_fp8 (the cast inside the dispatch) needs layout='expert_major', got {lay.value!r}")
+        if x.dtype != torch.bfloat16:
+            raise InputError(f"use_fp8 casts a bfloat16 x, got {str(x.dtype).replace('torch.', '')}")
+        if x.requires_grad:
+            raise InputError("use_fp8: fp8 rows carry no gradient, but x requires grad (pass x.detach())")
     try:
-        out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+        if use_fp8:
+            out = ctx.ops.dispatch_fp8(x, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+        else:
+            out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
         raise ctx.translate(exc) from None
     key = (experts, ctx.world, lay, cap, align)
@@ -216,7 +234,7 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     recv_w = out[3].detach() if out[3].requires_grad else out[3]
     handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
                            "topk_weights": topk_weights})
-    recv_x = (out[0], out[1]) if x_scales is not None else out[0]
+    recv_x = (out[0], out[1]) if x_scales is not None or use_fp8 else out[0]
     return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
                              "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
                              "handle": handle, "status": None})

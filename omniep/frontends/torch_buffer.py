@@ -417,11 +417,10 @@ class Buffer:
         T = int(topk_idx.shape[0]) if topk_idx.dim() else 0
         if T > num_max_dispatch_tokens_per_rank:
             raise InputError(f"{T} tokens but num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
-        moved = quantize_fp8(x) if use_fp8 else x
         ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        d = dispatch(moved, topk_idx, ones, num_experts=num_experts, group=self.group,
+        d = dispatch(x.detach() if use_fp8 else x, topk_idx, ones, num_experts=num_experts, group=self.group,
                      capacity=self.group_size * num_max_dispatch_tokens_per_rank, layout=Layout.EXPERT_MAJOR,
-                     backend=self.backend)
+                     backend=self.backend, use_fp8=use_fp8)
         count = d.num_recv_tokens_per_expert
         self._ll_hidden = int(x.shape[1])
         if cumulative_local_expert_recv_stats is not None:
@@ -465,17 +464,3 @@ def _check_config(config) -> None:
 
 def _no_hook() -> None:
     """DeepEP's receive hook: here the rows have arrived when the call returns, so there is nothing to do."""
-
-
-def quantize_fp8(x: torch.Tensor, block: int = 128) -> tuple:
-    """DeepEP's low-latency fp8 cast: per token and ``block`` channels, ``scale = max(amax, 1e-4) / 448``,
-    ``x_fp8 = float8_e4m3fn(x / scale)``. Returns ``(x_fp8 [T, H], scales [T, H / block] float32)``."""
-    T, H = x.shape
-    if H % block:
-        raise InputError(f"use_fp8 needs hidden % {block} == 0, got {H}")
-    xf = x.to(torch.float32).reshape(T, H // block, block)
-    # Divide by a tensor: on CUDA torch turns division by a Python scalar into multiplication by its
-    # reciprocal, which rounds differently from the division the contract (and NumPy) does.
-    scales = xf.abs().amax(dim=-1).clamp(min=1e-4) / torch.full((), 448.0, device=x.device)
-    x8 = (xf / scales.unsqueeze(-1)).reshape(T, H).to(torch.float8_e4m3fn)
-    return x8, scales.contiguous()

@@ -25,6 +25,9 @@ SCHEMAS = {
     #    num_recv_tokens_per_expert [L], dropped [], handle tensors (the backend's)
     "dispatch": f"(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor topk_weights, {CONFIG}) -> "
                 f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
+    # dispatch of DeepEP's fp8 cast of x (bf16 [T, H]): the outputs of dispatch((x_fp8, scales), ...)
+    "dispatch_fp8": f"(Tensor x, Tensor topk_idx, Tensor topk_weights, {CONFIG}) -> "
+                    f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
     "cached_dispatch": f"(Tensor x, Tensor? x_scales, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
     "combine": f"(Tensor y, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor[] handle, {CONFIG}) -> Tensor",
     "dispatch_bwd": f"(Tensor g_recv_x, Tensor g_recv_topk_weights, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
@@ -61,6 +64,12 @@ def _fake_dispatch(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout
             be.fake_handle(topk_idx, num_experts, layout, rows))
 
 
+def _fake_dispatch_fp8(x, topk_idx, topk_weights, *config):
+    T, H = x.shape
+    return _fake_dispatch(x.new_empty((T, H), dtype=torch.float8_e4m3fn), x.new_empty((T, H // 128), dtype=torch.float32),
+                          topk_idx, topk_weights, *config)
+
+
 def _fake_cached_dispatch(x, x_scales, handle, *config):
     rows = handle[RECV_IDX].shape[0]
     scales = x.new_empty((rows, x_scales.shape[1]), dtype=torch.float32) if x_scales is not None \
@@ -86,8 +95,8 @@ def _fake_combine_bwd(g_out, topk_weights, y, handle, ctx, num_experts, layout, 
     return g_out.new_empty(tuple(handle[RECV_IDX].shape) + (H,), dtype=y.dtype if y is not None else g_out.dtype), g_w
 
 
-FAKES = {"dispatch": _fake_dispatch, "cached_dispatch": _fake_cached_dispatch, "combine": _fake_combine,
-         "dispatch_bwd": _fake_dispatch_bwd, "combine_bwd": _fake_combine_bwd}
+FAKES = {"dispatch": _fake_dispatch, "dispatch_fp8": _fake_dispatch_fp8, "cached_dispatch": _fake_cached_dispatch,
+         "combine": _fake_combine, "dispatch_bwd": _fake_dispatch_bwd, "combine_bwd": _fake_combine_bwd}
 for _name, _fake in FAKES.items():
     torch.library.register_fake(f"omniep_native::{_name}", _fake, lib=_native_lib)
 
@@ -108,6 +117,7 @@ def _python_op(name: str):
 
 
 dispatch_op = _python_op("dispatch")
+dispatch_fp8_op = _python_op("dispatch_fp8")  # no autograd: fp8 rows carry no gradient (DeepEP's decode path)
 cached_dispatch_op = _python_op("cached_dispatch")
 combine_op = _python_op("combine")
 dispatch_bwd_op = _python_op("dispatch_bwd")

@@ -178,7 +178,7 @@ def _low_latency(rank: int, world: int, E: int, group, device: str) -> dict:
     """DeepEP's low-latency decode recipe (hooks, fp8 dispatch, weighted combine, zero-copy combine) and the
     same through omniep.torch's expert-major calls."""
     from omniep import torch as ep
-    from omniep.frontends.torch_buffer import quantize_fp8
+    from omniep.backends.torch_group import quantize_fp8
 
     T, H, K, max_tokens = 5 + rank, 256, 2, 8
     gen = torch.Generator().manual_seed(200 + rank)

@@ -12,7 +12,7 @@
 //   atomics, fences  system-scope acquire/release (PTX .sys; HIP __HIP_MEMORY_SCOPE_SYSTEM).
 //   timer            global_timer_ns: %globaltimer on NVIDIA, s_memrealtime (wall_clock64, 100 MHz on
 //                    gfx9) on AMD.
-//   fp32 rounding    add_rn / mul_rn: __fadd_rn / __fmul_rn on NVIDIA; on AMD plain fp32 ops inside
+//   fp32 rounding    add_rn / mul_rn / div_rn: __fadd_rn / __fmul_rn / __fdiv_rn on NVIDIA; on AMD plain fp32 ops inside
 //                    `#pragma clang fp contract(off)` (HIP's own __fadd_rn is a plain `x + y` that
 //                    hipcc's default -ffp-contract=fast-honor-pragmas may fuse into an FMA).
 //   bf16 / fp16      bf16_to_float / float_to_bf16_rn / half_to_float / float_to_half_rn.
@@ -176,11 +176,16 @@ OMNIEP_DEVICE uint64_t global_timer_ns() {
 OMNIEP_DEVICE void pause() { __builtin_amdgcn_s_sleep(1); }
 #endif
 
+// fp32 bits (both toolchains name these alike).
+OMNIEP_DEVICE uint32_t float_as_uint(float v) { return __float_as_uint(v); }
+OMNIEP_DEVICE float uint_as_float(uint32_t v) { return __uint_as_float(v); }
+
 // ---- exact fp32 arithmetic: round-to-nearest, never contracted into FMA or reassociated ----
 #if defined(OMNIEP_CUDA)
 OMNIEP_DEVICE float add_rn(float a, float b) { return __fadd_rn(a, b); }
 // The product rounded to fp32 on its own, so `add_rn(acc, mul_rn(w, y))` never becomes an FMA.
 OMNIEP_DEVICE float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+OMNIEP_DEVICE float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 #else
 // IEEE fp32 add / mul round to nearest even on AMD; contract(off) leaves the operations without
 // LLVM's `contract` flag, so they are never fused into an FMA, also after inlining.
@@ -192,6 +197,7 @@ OMNIEP_DEVICE float mul_rn(float a, float b) {
 #pragma clang fp contract(off)
   return a * b;
 }
+OMNIEP_DEVICE float div_rn(float a, float b) { return a / b; }  // IEEE: correctly rounded without fast-math
 #endif
 
 // ---- bf16 / fp16 <-> fp32 (exact widening; one round-to-nearest-even narrowing) ----

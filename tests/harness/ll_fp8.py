@@ -1,0 +1,59 @@
+"""Worker side of tests/gpu/test_ll_fp8.py: the expert-major dispatch with ``use_fp8=True`` (the cast done
+by the dispatch kernel) against dispatching torch's own cast (``quantize_fp8``), on rows chosen to reach
+every branch of the conversion."""
+
+from __future__ import annotations
+
+import datetime
+
+
+def edge_rows(T: int, H: int, seed: int):
+    """bf16 ``x[T, H]``: random rows, then blocks that are all zero (the 1e-4 floor), tiny (subnormal
+    fp8), huge, signed zeros, and one block each with an inf and a NaN."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen) * 3)
+    x[0, :128] = 0.0
+    x[1, :128] *= 1e-30
+    x[2, :128] *= 1e30
+    x[3, :128] = -0.0
+    x[4, 5] = float("inf")
+    x[5, 7] = float("nan")
+    x[6, :128] = torch.linspace(-448.0, 448.0, 128)
+    return x.to(torch.bfloat16)
+
+
+def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+    from omniep.backends.torch_group import quantize_fp8
+    from omniep.testing.torch_bits import to_numpy
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        x = edge_rows(T, H, seed=rank).cuda()
+        gen = torch.Generator().manual_seed(10 + rank)
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
+        w = torch.rand(T, K, generator=gen).cuda()
+        kw = dict(num_experts=E, capacity=world * T, layout="expert_major")
+        got = ep.dispatch(x, idx, w, use_fp8=True, **kw)
+        want = ep.dispatch(quantize_fp8(x), idx, w, **kw)
+        held = (want.recv_topk_idx >= 0).unsqueeze(-1)
+        zero = torch.zeros((), device=x.device)
+        counted = [torch.where(held, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                               zero.to(torch.uint8 if t.dtype == torch.float8_e4m3fn else t.dtype))
+                   for t in (*got.recv_x, *want.recv_x)]
+        local8, local_s = quantize_fp8(x)
+        out = dict(got_x8=counted[0], got_scales=counted[1], want_x8=counted[2], want_scales=counted[3],
+                   got_count=got.num_recv_tokens_per_expert, want_count=want.num_recv_tokens_per_expert,
+                   local_x8=local8.view(torch.uint8), local_scales=local_s, x=x)
+        out = {k: to_numpy(v) for k, v in out.items()}
+        ep.destroy()
+        return out
+    finally:
+        dist.destroy_process_group()
