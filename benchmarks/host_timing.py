@@ -1,9 +1,10 @@
-"""Host timing shared by the GPU host-path benchmarks (hot_path_gpu.py, host_split_gpu.py).
+"""Host and device timing shared by the GPU benchmarks (hot_path_gpu.py, host_split_gpu.py, ll_gpu.py).
 
 * :func:`pin_cpu`: a rank process on one CPU core of its own (no migrations between the calls timed:
   on the lent machines an unpinned process read the same call 30-50 % slower in some runs);
 * :func:`host_times`: the host times to issue ``fn`` while a spin kernel queued ahead keeps the GPU busy,
-  so that nothing waits and the launch queue never drains.
+  so that nothing waits and the launch queue never drains;
+* :func:`device_us`: the GPU time of a call (its kernels and copies summed) from the CUDA profiler.
 
 Measure host time before any ``torch.profiler`` session with CUDA activity in the process: once CUPTI
 is loaded, every later launch costs more host time (seen on an H100: a cached LL pair read 105 µs
@@ -42,3 +43,23 @@ def quantile(sorted_times: list, q: float) -> float:
     """The ``q`` quantile (nearest rank) of sorted values: p10 is what a call costs when the machine
     does not interfere (the lent machines' medians moved by 30 % between runs)."""
     return sorted_times[min(len(sorted_times) - 1, int(q * len(sorted_times)))]
+
+
+def device_us(torch, step, iters: int) -> tuple:
+    """(GPU µs per call of ``step``, GPU activities per call): its kernels and copies summed, from the
+    CUDA profiler. Loads CUPTI: run it after every host measurement of the process."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total, count = 0.0, 0
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time_total > 0 and ev.cpu_parent is None:
+            total += ev.device_time_total
+            count += 1
+    if total == 0.0:  # older event trees: the kernel events of the key averages
+        total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count)
+    return total / iters, count / iters

@@ -25,29 +25,11 @@ import json
 import sys
 import time
 
-from host_timing import host_times, pin_cpu, quantile
+from host_timing import device_us, host_times, pin_cpu, quantile
 
 SHAPES = {"ht": dict(tokens=4096, hidden=7168, topk=8, experts=256), "ll": dict(tokens=128, hidden=7168, topk=8,
                                                                                  experts=256)}
 MODES = ("exact", "static", "cached", "expert_major")
-
-
-def _device_us(torch, step, iters: int) -> float:
-    """GPU time of `step` per call: kernels and copies summed from the CUDA profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    total = 0.0
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA" and ev.device_time_total > 0 and ev.cpu_parent is None:
-            total += ev.device_time_total
-    if total == 0.0:  # older event trees: the kernel events of the key averages
-        total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count)
-    return total / iters
 
 
 def _profile_host(torch, step, label: str) -> None:
@@ -148,7 +130,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                              host_us=None if host is None else quantile(host, 0.5),
                              host_p10_us=None if host is None else quantile(host, 0.1)))
         for row, (shape, mode, step) in zip(rows, steps):
-            row["device_us"] = _device_us(torch, step, min(args["iters"], 20))
+            row["device_us"] = device_us(torch, step, min(args["iters"], 20))[0]
             dist.barrier()
             if args["profile"] and rank == 0:
                 _profile_host(torch, step, f"{shape} {mode}")

@@ -24,27 +24,10 @@ import argparse
 import json
 import sys
 
-from host_timing import host_times, pin_cpu, quantile
+from host_timing import device_us, host_times, pin_cpu, quantile
 
 BASE = dict(tokens=128, hidden=7168, topk=8, experts=288, slots=1)
 VARIANTS = {"base": {}, "2x experts": dict(experts=576), "2x slots": dict(slots=2)}
-
-
-def _profile(torch, step, iters: int) -> tuple:
-    """(device µs per call, GPU activities per call) of `step`, from the CUDA profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    total, count = 0.0, 0
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA" and ev.device_time_total > 0 and ev.cpu_parent is None:
-            total += ev.device_time_total
-            count += 1
-    return total / iters, count / iters
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> list:
@@ -102,7 +85,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             dist.barrier()
             rows.append(dict(rank=rank, world=world, variant=name, op=op, host_us=quantile(host, 0.5)))
         for row, (name, op, step) in zip(rows, steps):
-            row["device_us"], row["launches"] = _profile(torch, step, min(args["iters"], 20))
+            row["device_us"], row["launches"] = device_us(torch, step, min(args["iters"], 20))
             dist.barrier()
             print(f"rank {rank} {name} {op}: host {row['host_us']:.1f} device {row['device_us']:.1f} "
                   f"launches {row['launches']:.1f}", flush=True)
