@@ -6,11 +6,15 @@ import argparse
 import logging
 import sys
 
+from . import __version__
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="omniep", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"omniep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="vendor, devices and every backend's availability")
+    info = sub.add_parser("info", help="version, vendor, devices, OMNIEP_* settings and every backend's availability")
+    info.add_argument("--json", action="store_true", help="the same report as JSON")
     demo = sub.add_parser("demo", help="a toy MoE layer on 8 JAX CPU devices and 4 gloo ranks, checked")
     demo.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
     bench = sub.add_parser("bench", help="time dispatch/combine of the selected backend")
@@ -24,7 +28,7 @@ def main(argv=None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # keep "no TPU here" probes out of the output
     if args.command == "info":
         from .tools.info import main as run
-        return run()
+        return run(as_json=args.json)
     if args.command == "demo":
         from .tools.demo import main as run
         return run(frameworks=args.frameworks.split(","))

@@ -1,13 +1,51 @@
 """The ``omniep`` command as a user runs it: real subprocesses, real output."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
+import omniep
+from omniep.ep_core import env
 
-def _omniep(*args, timeout=600):
+
+def _omniep(*args, timeout=600, **environ):
     return subprocess.run([sys.executable, "-m", "omniep.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **environ})
+
+
+def test_version():
+    res = _omniep("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"omniep {omniep.__version__}", res
+
+
+def test_info_json_reports_settings_backends_and_version():
+    res = _omniep("info", "--json", OMNIEP_BACKEND=" Collective ", OMNIEP_TIMEOUT_S="7")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["version"] == omniep.__version__
+    settings = {v["name"]: v for v in data["environment"]}
+    assert set(settings) == set(env.VARIABLES)
+    assert settings["OMNIEP_BACKEND"]["value"] == " Collective " and settings["OMNIEP_BACKEND"]["error"] is None
+    assert settings["OMNIEP_TIMEOUT_S"]["value"] == "7"
+    assert settings["OMNIEP_CHECKS"]["value"] == os.environ.get("OMNIEP_CHECKS")  # as inherited
+    assert data["backends"]["collective"]["jax"]["available"] is True
+    assert all(fw["reason"] for per_fw in data["backends"].values() for fw in per_fw.values())
+
+
+def test_info_flags_an_invalid_setting_by_name_and_fails():
+    res = _omniep("info", OMNIEP_CHECKS="loud", OMNIEP_BACKEND="CUDA_NVSHMEM")
+    assert res.returncode == 1, res.stdout + res.stderr
+    flagged = [line for line in res.stdout.splitlines() if "INVALID" in line]
+    assert len(flagged) == 1 and flagged[0].split()[0] == "OMNIEP_CHECKS", res.stdout
+    assert "'loud'" in flagged[0] and "default, sync" in flagged[0]
+
+
+def test_readme_documents_every_variable():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in env.VARIABLES if f"`{name}`" not in readme]
+    assert not missing, f"README lacks {missing}"
 
 
 def test_info_lists_vendor_and_every_backend_with_reason():

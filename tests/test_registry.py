@@ -11,10 +11,40 @@ FRAMEWORKS = ("jax", "torch")
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_unknown_backend_names_the_known_ones(framework, monkeypatch):
+def test_unknown_backend_names_the_variable_and_the_known_ones(framework, monkeypatch):
     monkeypatch.setenv("OMNIEP_BACKEND", "nvshmem_typo")
-    with pytest.raises(InputError, match="unknown backend 'nvshmem_typo'.*collective"):
+    with pytest.raises(InputError, match="OMNIEP_BACKEND='nvshmem_typo' is not valid: expected one of auto, "
+                                         "cuda_nvshmem, .*collective"):
         registry.select_backend(framework)
+    with pytest.raises(InputError, match="unknown backend 'nvshmem_typo'.*collective"):  # a per-call name
+        registry.select_backend(framework, "nvshmem_typo")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_backend_names_ignore_case_and_whitespace(framework, monkeypatch):
+    monkeypatch.setenv("OMNIEP_BACKEND", "  COLLECTIVE \n")
+    assert registry.select_backend(framework).name == "collective"
+    monkeypatch.setenv("OMNIEP_BACKEND", "   ")  # blank: the default, auto
+    assert registry.select_backend(framework).name == "collective"
+    assert registry.select_backend(framework, " Collective").name == "collective"
+
+
+@pytest.mark.parametrize("name, raw, match", [
+    ("OMNIEP_CHECKS", "loud", "OMNIEP_CHECKS='loud' is not valid: expected one of default, sync"),
+    ("OMNIEP_TIMEOUT_S", "-3", "OMNIEP_TIMEOUT_S='-3' is not valid: expected a number of seconds > 0"),
+    ("OMNIEP_TIMEOUT_S", "soon", "expected a number of seconds"),
+    ("OMNIEP_TRANSPORT", "rdma", "expected one of ipc, nvshmem"),
+    ("OMNIEP_FORCE_REMOTE", "yes", "OMNIEP_FORCE_REMOTE='yes' is not valid: expected 0 or 1"),
+    ("OMNIEP_FUSED_COPY_BYTES", "4MB", "expected a whole number of bytes"),
+])
+def test_every_variable_rejects_what_it_does_not_accept(name, raw, match, monkeypatch):
+    from omniep.ep_core import env
+
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(InputError, match=match):
+        env.get(name)
+    monkeypatch.setenv(name, f"  {env.VARIABLES[name].default.upper()}  ")
+    env.get(name)  # the default, spelled loosely, is accepted
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -16,9 +16,9 @@ number here) and by the collective backends, so one decoder serves every backend
 from __future__ import annotations
 
 import enum
-import os
 from typing import Optional, Sequence
 
+from . import env
 from .errors import CapacityError, InputError, OmniEPError, PeerTimeoutError, RankMismatchError
 
 
@@ -179,19 +179,9 @@ def raise_for_status(status: Sequence[int], timeout_s: Optional[float] = None) -
 def checks_mode() -> str:
     """``OMNIEP_CHECKS``: ``sync`` (every op waits for its status and raises at once: the test suites'
     mode) or ``default`` (raised at the next host wait). Read when a group's backend is resolved."""
-    mode = os.environ.get("OMNIEP_CHECKS", "default").strip().lower() or "default"
-    if mode not in ("default", "sync"):
-        raise InputError(f"OMNIEP_CHECKS={os.environ.get('OMNIEP_CHECKS')!r}: expected 'default' or 'sync'")
-    return mode
+    return env.get("OMNIEP_CHECKS")
 
 
 def timeout_from_env() -> float:
     """``OMNIEP_TIMEOUT_S`` (default 100 s): how long any wait on a peer may take."""
-    raw = os.environ.get("OMNIEP_TIMEOUT_S", "100")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InputError(f"OMNIEP_TIMEOUT_S={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise InputError(f"OMNIEP_TIMEOUT_S={raw!r} must be > 0")
-    return value
+    return env.get("OMNIEP_TIMEOUT_S")

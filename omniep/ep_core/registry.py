@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from typing import Optional
 
+from . import env
 from .errors import BackendUnavailableError, InputError, UnsupportedError
 from .types import Availability
 
@@ -102,7 +102,7 @@ def select_backend(framework: str, name: Optional[str] = None, *, layout=None, d
     the others were passed over.
     """
     request = dict(layout=layout, dtype=dtype, fp8=fp8, num_ranks=num_ranks, device=device)
-    requested = name or os.environ.get("OMNIEP_BACKEND", "auto") or "auto"
+    requested = name.strip().lower() if isinstance(name, str) and name.strip() else env.get("OMNIEP_BACKEND")
     if requested != "auto":
         cls = get_backend_class(requested, framework)
         avail = class_availability(cls, framework)

@@ -21,9 +21,9 @@ def force_remote() -> bool:
     """``OMNIEP_FORCE_REMOTE=1``: every peer takes the native kernels' remote path (puts + signals), even
     where loads and stores would reach it; the native rank classes read the same variable. Every rank
     of a group must agree (the remote path allocates symmetric areas and runs extra barriers)."""
-    import os
+    from ..ep_core import env
 
-    return os.environ.get("OMNIEP_FORCE_REMOTE", "") == "1"
+    return env.get("OMNIEP_FORCE_REMOTE")
 
 
 # Device status codes (csrc/include/omniep/status.h, omniep.ep_core.descriptor.StatusCode).

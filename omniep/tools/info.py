@@ -3,33 +3,53 @@
 from __future__ import annotations
 
 import importlib
-import os
+import json
 
-from ..ep_core import registry
+from .. import __version__
+from ..ep_core import env, registry
 from .platform import detect_vendor, framework_devices, gpu_names
 
 
-def info_lines() -> list[str]:
-    lines = [f"vendor: {detect_vendor()}"]
-    gpus = gpu_names()
-    lines.append(f"gpus: {len(gpus)}" + (f" ({', '.join(gpus)})" if gpus else ""))
-    for fw, desc in framework_devices().items():
-        lines.append(f"{fw}: {desc}")
-    lines.append(f"OMNIEP_BACKEND={os.environ.get('OMNIEP_BACKEND', 'auto')}")
-    lines.append("backends:")
+def info_data() -> dict:
+    """What ``omniep info`` reports, as plain data (``--json``)."""
     report = registry.report()
-    for name, per_fw in report.items():
+    return {
+        "version": __version__,
+        "vendor": detect_vendor(),
+        "gpus": gpu_names(),
+        "frameworks": framework_devices(),
+        "environment": env.report(),
+        "backends": {name: {fw: {"available": bool(a), "reason": a.reason} for fw, a in per_fw.items()}
+                     for name, per_fw in report.items()},
+        "not_run_on_hardware": {name: note for name in report
+                                if (note := getattr(importlib.import_module(f"omniep.backends.{name}"), "NOT_RUN", ""))},
+    }
+
+
+def info_lines(data: dict) -> list[str]:
+    lines = [f"omniep {data['version']}", f"vendor: {data['vendor']}"]
+    gpus = data["gpus"]
+    lines.append(f"gpus: {len(gpus)}" + (f" ({', '.join(gpus)})" if gpus else ""))
+    for fw, desc in data["frameworks"].items():
+        lines.append(f"{fw}: {desc}")
+    lines.append("environment:")
+    for var in data["environment"]:
+        shown = "(unset)" if var["value"] is None else repr(var["value"])
+        verdict = f"INVALID: {var['error']}" if var["error"] else f"default={var['default']}; accepts {var['accepts']}"
+        lines.append(f"  {var['name']:<24} {shown:<14} {verdict}")
+    lines.append("backends:")
+    for name, per_fw in data["backends"].items():
         for fw, avail in per_fw.items():
-            state = "available" if avail else "unavailable"
-            lines.append(f"  {name:<14} {fw:<6} {state:<12} {avail.reason}")
+            state = "available" if avail["available"] else "unavailable"
+            lines.append(f"  {name:<14} {fw:<6} {state:<12} {avail['reason']}")
     lines.append("not run on the hardware it is for:")
-    for name in report:
-        note = getattr(importlib.import_module(f"omniep.backends.{name}"), "NOT_RUN", "")
-        if note:
-            lines.append(f"  {name:<14} {note}")
+    for name, note in data["not_run_on_hardware"].items():
+        lines.append(f"  {name:<14} {note}")
     return lines
 
 
-def main(argv=None) -> int:
-    print("\n".join(info_lines()))
-    return 0
+def main(as_json: bool = False) -> int:
+    """Print the report; exit status 1 when an OMNIEP_* variable is set to something invalid."""
+    data = info_data()
+    print(json.dumps(data, indent=1) if as_json else "\n".join(info_lines(data)))
+    return 1 if any(var["error"] for var in data["environment"]) else 0

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 from typing import Any, Optional
 
 import jax
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...ep_core import descriptor as dsc
+from ...ep_core import env
 from ...ep_core.backend import EPBackend
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout, ProcessModel
@@ -198,7 +198,7 @@ class CudaNvshmemJax(EPBackend):
         if key not in _STATES:
             register_targets(self._module)
             _STATES[key] = self._make_state(R, f"{self.group}-{R}-{len(_STATES)}",
-                                            float(os.environ.get("OMNIEP_TIMEOUT_S", "30")))
+                                            env.get("OMNIEP_TIMEOUT_S"))
         return _STATES[key]
 
     def _make_state(self, num_ranks: int, group_key: str, timeout_s: float):

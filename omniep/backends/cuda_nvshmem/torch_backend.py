@@ -18,11 +18,11 @@ tested on one node; ``internode`` stays False in the capabilities (never run acr
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
 from ..torch_group import TorchGroupBackend, destroy_contexts
+from ...ep_core import env
 from ...ep_core.descriptor import raise_for_status
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
@@ -40,7 +40,7 @@ def transport() -> tuple[str, str]:
         importlib.import_module("omniep._native_nvshmem")
     except ImportError as exc:
         return "ipc", f"NVSHMEM not found ({exc})"
-    if os.environ.get("OMNIEP_TRANSPORT", "") != "nvshmem":
+    if env.get("OMNIEP_TRANSPORT") != "nvshmem":
         return "ipc", "omniep._native_nvshmem is built; OMNIEP_TRANSPORT=nvshmem selects it"
     return "nvshmem", "OMNIEP_TRANSPORT=nvshmem"
 
@@ -164,14 +164,18 @@ class CudaNvshmemTorch(NativeTorchBackend):
         ops = torch_ops_reason()
         if ops:
             return Availability(False, ops)
-        name, why = transport()
+        try:
+            name, why = transport()
+            remote = force_remote()
+        except InputError as exc:  # an OMNIEP_* value it does not accept: say so (omniep info flags it too)
+            return Availability(False, str(exc))
         if name == "nvshmem":
-            if force_remote():
+            if remote:
                 return Availability(True, f"native kernels over NVSHMEM ({why}); OMNIEP_FORCE_REMOTE=1: every peer, "
                                           f"even on NVLink or the same GPU, through puts + signals (the internode path)")
             return Availability(True, f"native kernels over NVSHMEM ({why}): nvshmem_ptr loads/stores for NVLink "
                                       f"peers, puts + signals for peers without a pointer")
-        if force_remote():
+        if remote:
             return Availability(False, f"OMNIEP_FORCE_REMOTE=1 needs the NVSHMEM transport (the CUDA IPC p2p transport "
                                        f"has no put path): build it (-DOMNIEP_NVSHMEM=ON) and set "
                                        f"OMNIEP_TRANSPORT=nvshmem; {why}")

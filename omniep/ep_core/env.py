@@ -1,0 +1,107 @@
+"""Every ``OMNIEP_*`` environment variable the library reads, in one table (DESIGN §9: bad input is a
+clear error naming it).
+
+:func:`get` reads a variable: surrounding whitespace is dropped and names are case-folded
+(``OMNIEP_BACKEND=" CUDA_NVSHMEM "`` is ``cuda_nvshmem``); a value the variable does not accept raises
+:class:`InputError` naming the variable, the value and what it accepts. :func:`report` is what
+``omniep info`` prints: every variable with the value in force and a verdict. The build scripts' own
+variables (``OMNIEP_BUILD_DIR``, ``OMNIEP_NVSHMEM_ROOT``, ``OMNIEP_NCCL_ROOT``, ``OMNIEP_HIP_ARCHS``) are
+the scripts' business and not listed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+from .errors import InputError
+
+
+def _backend_names() -> tuple:
+    from . import registry  # (registry reads OMNIEP_BACKEND through this module)
+
+    return ("auto",) + registry.backend_names()
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str
+    doc: str
+    choices: Optional[Callable[[], tuple]] = None  # names (case-folded); None: `number` says what
+    number: Optional[str] = None  # "seconds": a float > 0; "bytes": an int >= 0; "flag": 0 or 1
+
+    def parse(self, raw: str):
+        """The value of ``raw`` (already stripped), or ValueError saying what the variable accepts."""
+        if self.choices is not None:
+            value = raw.lower()
+            if value not in self.choices():
+                raise ValueError(f"expected one of {', '.join(self.choices())}")
+            return value
+        if self.number == "seconds":
+            value = float(raw) if _is_float(raw) else None
+            if value is None or not value > 0:
+                raise ValueError("expected a number of seconds > 0")
+            return value
+        if self.number == "bytes":
+            if not raw.isdigit():
+                raise ValueError("expected a whole number of bytes >= 0")
+            return int(raw)
+        if raw not in ("0", "1"):
+            raise ValueError("expected 0 or 1")
+        return raw == "1"
+
+    def accepts(self) -> str:
+        if self.choices is not None:
+            return " | ".join(self.choices())
+        return {"seconds": "seconds > 0", "bytes": "bytes >= 0", "flag": "0 | 1"}[self.number]
+
+
+def _is_float(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
+
+
+VARIABLES = {v.name: v for v in (
+    Variable("OMNIEP_BACKEND", "auto", "the backend every op uses unless the call names one; auto: the fastest "
+             "available one that serves the call (DESIGN §6)", choices=_backend_names),
+    Variable("OMNIEP_CHECKS", "default", "sync: every op waits for its status and raises at once (the test "
+             "suites' mode); default: raised at the next host wait", choices=lambda: ("default", "sync")),
+    Variable("OMNIEP_TIMEOUT_S", "100", "how long any wait on a peer may take before it fails naming the rank",
+             number="seconds"),
+    Variable("OMNIEP_TRANSPORT", "ipc", "cuda_nvshmem's transport: ipc (CUDA IPC peer pointers) or nvshmem "
+             "(needs omniep._native_nvshmem)", choices=lambda: ("ipc", "nvshmem")),
+    Variable("OMNIEP_FORCE_REMOTE", "0", "1: the native kernels reach every peer by their remote (put + signal) "
+             "path, as across nodes; every rank must agree", number="flag"),
+    Variable("OMNIEP_FUSED_COPY_BYTES", "4194304", "rank-major ops whose local copy is at most this many bytes "
+             "do it inside the communication kernel (one launch fewer)", number="bytes"),
+)}
+
+
+def get(name: str):
+    """The value of ``name`` in force (its default when unset or blank), parsed; InputError if invalid."""
+    var = VARIABLES[name]
+    raw = os.environ.get(name, "").strip()
+    try:
+        return var.parse(raw or var.default)
+    except ValueError as exc:
+        raise InputError(f"{name}={os.environ.get(name)!r} is not valid: {exc}") from None
+
+
+def report() -> list[dict]:
+    """Every variable: ``name``, ``value`` (as set, or None), ``default``, ``accepts``, ``doc`` and
+    ``error`` (None, or why the value set is invalid)."""
+    rows = []
+    for name, var in VARIABLES.items():
+        error = None
+        try:
+            get(name)
+        except InputError as exc:
+            error = str(exc)
+        rows.append(dict(name=name, value=os.environ.get(name), default=var.default, accepts=var.accepts(),
+                         doc=var.doc, error=error))
+    return rows
