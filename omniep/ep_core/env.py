@@ -18,10 +18,19 @@ from typing import Callable, Optional
 from .errors import InputError
 
 
-def _backend_names() -> tuple:
-    from . import registry  # (registry reads OMNIEP_BACKEND through this module)
+# Valid names that another module owns, by variable: the registry gives OMNIEP_BACKEND's (it imports this
+# module, so the names are handed down rather than looked up).
+_OWNED_CHOICES: dict = {}
 
-    return ("auto",) + registry.backend_names()
+
+def own_choices(name: str, choices) -> None:
+    """Make ``choices()`` (a callable returning the valid names) the choices of variable ``name``."""
+    _OWNED_CHOICES[name] = choices
+
+
+def _backend_names() -> Optional[tuple]:
+    owner = _OWNED_CHOICES.get("OMNIEP_BACKEND")
+    return owner() if owner is not None else None  # None: the registry is not imported, nothing to check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +38,15 @@ class Variable:
     name: str
     default: str
     doc: str
-    choices: Optional[Callable[[], tuple]] = None  # names (case-folded); None: `number` says what
+    choices: Optional[Callable[[], Optional[tuple]]] = None  # names (case-folded); None: `number` says what
     number: Optional[str] = None  # "seconds": a float > 0; "bytes": an int >= 0; "flag": 0 or 1
 
     def parse(self, raw: str):
         """The value of ``raw`` (already stripped), or ValueError saying what the variable accepts."""
         if self.choices is not None:
-            value = raw.lower()
-            if value not in self.choices():
-                raise ValueError(f"expected one of {', '.join(self.choices())}")
+            value, valid = raw.lower(), self.choices()
+            if valid is not None and value not in valid:
+                raise ValueError(f"expected one of {', '.join(valid)}")
             return value
         if self.number == "seconds":
             value = float(raw) if _is_float(raw) else None
@@ -54,7 +63,7 @@ class Variable:
 
     def accepts(self) -> str:
         if self.choices is not None:
-            return " | ".join(self.choices())
+            return " | ".join(self.choices() or ("a registered backend's name",))
         return {"seconds": "seconds > 0", "bytes": "bytes >= 0", "flag": "0 | 1"}[self.number]
 
 

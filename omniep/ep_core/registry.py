@@ -40,6 +40,9 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+env.own_choices("OMNIEP_BACKEND", lambda: ("auto",) + backend_names())
+
+
 def register(name: str, framework: str, target: str) -> None:
     """Register ``module:Class`` as backend ``name`` for ``framework`` (used by native backends)."""
     if framework not in FRAMEWORKS:

@@ -20,10 +20,7 @@ from typing import Optional, Sequence
 
 from ..ep_core.errors import CapacityError, InputError
 from ..ep_core.validation import check_routing, check_tokens
-
-
-def _ptrs(tensors) -> list:
-    return [int(t.data_ptr()) if t is not None else 0 for t in tensors]
+from .virtual_results import VirtualDispatched, dtype_code as _dtype_code, ptrs as _ptrs
 
 
 def prepare(vr, h, check: bool) -> None:
@@ -85,7 +82,6 @@ def _weights(vr, h, topk_weights):
 
 def dispatch(vr, x: Sequence, topk_weights: Sequence, h, *, x_scales: Optional[Sequence], check: bool,
              raise_on_overflow: bool):
-    from .virtual_ranks import VirtualDispatched
 
     torch = vr._torch
     R, L, C = vr.num_ranks, h.config.num_local_experts, h.capacity
@@ -126,7 +122,6 @@ def dispatch(vr, x: Sequence, topk_weights: Sequence, h, *, x_scales: Optional[S
 
 
 def _combine_args(vr, h, ys, outs) -> dict:
-    from .virtual_ranks import _dtype_code
 
     return dict(
         y=_ptrs(ys), out=_ptrs(outs), topk_idx32=_ptrs(h.topk_idx), copy_slot=_ptrs(h.copy_slot),
@@ -171,7 +166,6 @@ def dispatch_bwd(vr, g_recv_x: Sequence, g_recv_topk_weights: Sequence, h, *, ch
 
 
 def combine_bwd(vr, g_out: Sequence, h, *, y: Optional[Sequence], topk_weights, check: bool):
-    from .virtual_ranks import _dtype_code
 
     torch = vr._torch
     R, L, C, K = vr.num_ranks, h.config.num_local_experts, h.capacity, h.topk_idx[0].shape[1]

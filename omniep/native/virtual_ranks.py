@@ -31,6 +31,7 @@ from ..ep_core.types import DispatchConfig, Layout
 from ..ep_core.validation import check_bias, check_config, check_expert_ids, check_routing, check_tokens
 from . import expert_major as em
 from . import load
+from .virtual_results import VirtualDispatched, dtype_code as _dtype_code, ptrs as _ptrs
 
 INT32_MAX = 2**31 - 1
 
@@ -74,30 +75,6 @@ class VirtualHandle:
     @property
     def expert_major(self) -> bool:
         return self.config.layout == Layout.EXPERT_MAJOR
-
-
-@dataclasses.dataclass
-class VirtualDispatched:
-    recv_x: object               # [C, H] (exact: [num_recv, H])
-    recv_topk_idx: object        # [C, K] int32 local expert ids, -1 elsewhere
-    recv_topk_weights: object    # [C, K] float32
-    num_recv: object             # [] int32
-    num_recv_tokens_per_expert: object  # [L] int32, aligned
-    dropped: object              # [] int32
-    recv_x_scales: object = None  # fp8 only: [C, H/128] float32
-
-
-def _dtype_code(dtype) -> int:
-    import torch
-
-    codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-    if dtype not in codes:
-        raise InputError(f"dtype {dtype} is not supported here; expected bfloat16, float16 or float32")
-    return codes[dtype]
-
-
-def _ptrs(tensors) -> list:
-    return [int(t.data_ptr()) if t is not None else 0 for t in tensors]
 
 
 class VirtualRanks:
