@@ -11,7 +11,7 @@ STAMP       := $(VENV)/.omniep-deps
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[jax,torch,test]"
+	$(PY) -m pip install -q -e ".[jax,torch,test,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,6 +4,14 @@
 ``Buffer`` (with its ``Config`` and ``EventOverlap``).
 """
 
+try:
+    import torch as _torch  # noqa: F401
+except ModuleNotFoundError as _exc:
+    if _exc.name != "torch":
+        raise
+    raise ModuleNotFoundError("omniep.torch needs PyTorch: pip install 'omniep[torch]' (or the torch build for your "
+                              "CUDA / ROCm version)", name="torch") from None
+
 from .frontends.torch import (Dispatched, Handle, cached_dispatch, check, combine, context, destroy, dispatch,
                               synchronize)
 from .frontends.torch_buffer import Buffer, Config, EventOverlap

@@ -81,3 +81,15 @@ def test_demo_runs_and_checks_itself():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "demo: all checks passed" in res.stdout
     assert res.stdout.count("bitwise") == 4  # jax and torch, two layouts each
+
+
+def test_a_frontend_without_its_framework_says_what_to_install():
+    for frontend, framework in (("omniep.torch", "torch"), ("omniep.jax", "jax")):
+        code = f"import sys; sys.modules[{framework!r}] = None; import {frontend}"
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1, res
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith("ModuleNotFoundError") and f"pip install 'omniep[{framework}]'" in last, last
+    res = subprocess.run([sys.executable, "-c", "import omniep, omniep.ep_core.reference"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr  # the core needs neither

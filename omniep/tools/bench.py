@@ -9,10 +9,12 @@ Writes ``results.json``, ``table.txt`` and ``bench.png`` under ``--out``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
 import statistics
+import sys
 import time
 
 DEEPEP_SHAPES = [  # (name, tokens per rank, hidden, top-k, experts)
@@ -158,6 +160,11 @@ def plot(rows, path: pathlib.Path) -> None:
 def main(ranks=None, tokens=None, hidden=None, iters=None, out="bench_out") -> int:
     from ..testing.procs import run_ranks
     from .platform import detect_vendor, gpu_names
+
+    missing = [m for m in ("tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"omniep bench needs {' and '.join(missing)}: pip install 'omniep[bench]'", file=sys.stderr)
+        return 2
 
     on_gpu = detect_vendor() == "nvidia" and bool(gpu_names())
     world = ranks or (max(len(gpu_names()), 1) if on_gpu else 2)
