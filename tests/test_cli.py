@@ -76,11 +76,15 @@ def test_bench_smoke_run_writes_table_json_and_plot(tmp_path):
     assert "dispatch" in (tmp_path / "table.txt").read_text()
 
 
-def test_demo_runs_and_checks_itself():
-    res = _omniep("demo")
+def test_demo_runs_and_checks_itself_quietly():
+    # A shell's own XLA_FLAGS (even a device count) must not change what the demo runs on.
+    res = _omniep("demo", XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=1")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "demo: all checks passed" in res.stdout
     assert res.stdout.count("bitwise") == 4  # jax and torch, two layouts each
+    assert "Warning" not in res.stdout + res.stderr, res.stderr
+    chosen = [line for line in res.stderr.splitlines() if "backend chosen" in line]
+    assert chosen and all(len(line) < 160 for line in chosen), chosen
 
 
 def test_a_frontend_without_its_framework_says_what_to_install():

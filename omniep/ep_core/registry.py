@@ -128,8 +128,11 @@ def select_backend(framework: str, name: Optional[str] = None, *, layout=None, d
         key = (framework, candidate)
         if key not in _auto_logged:
             _auto_logged.add(key)
-            why = "; ".join(f"{n}: {r}" for n, r in skipped) or "first in preference order"
-            log.info("omniep: OMNIEP_BACKEND=auto chose %r for %s (%s)", candidate, framework, why)
+            # One short line; the reasons are omniep info's (and the debug log's) business.
+            why = (f"passed over: {', '.join(n for n, _ in skipped)}; `omniep info` says why" if skipped
+                   else "first in preference order")
+            log.info("omniep: backend chosen for %s: %s (%s)", framework, candidate, why)
+            log.debug("omniep: passed over for %s: %s", framework, "; ".join(f"{n}: {r}" for n, r in skipped))
         return cls
     raise BackendUnavailableError("auto", "; ".join(f"{n}: {r}" for n, r in skipped))
 

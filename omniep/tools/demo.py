@@ -43,8 +43,15 @@ def _check(case, recv_x, out) -> str:
     return "bitwise"
 
 
-def jax_rows(num_devices: int = 8) -> list[dict]:
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={num_devices}")
+def host_devices_flag(num_devices: int) -> str:
+    """``XLA_FLAGS`` as set, with its host-device count (if any) replaced by ``num_devices``: the demo's
+    8 CPU devices whatever else the shell passes to XLA."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept + [f"--xla_force_host_platform_device_count={num_devices}"])
+
+
+def jax_rows(num_devices: int = 8, report=None) -> list[dict]:
+    os.environ["XLA_FLAGS"] = host_devices_flag(num_devices)
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -71,6 +78,8 @@ def jax_rows(num_devices: int = 8) -> list[dict]:
         rows.append({"framework": "jax", "backend": "collective", "ranks": num_devices, "layout": layout,
                      "dispatch+combine": status, "fwd_err": layer["fwd_err"], "grad_err": layer["grad_err"],
                      "seconds": time.perf_counter() - start})
+        if report:
+            report(rows[-1])
     return rows
 
 
@@ -95,7 +104,7 @@ def _torch_rank(rank: int, world: int, port: int, layout: str):
         dist.destroy_process_group()
 
 
-def torch_rows(world: int = 4) -> list[dict]:
+def torch_rows(world: int = 4, report=None) -> list[dict]:
     import ml_dtypes
 
     from ..testing.procs import run_ranks
@@ -112,26 +121,32 @@ def torch_rows(world: int = 4) -> list[dict]:
                      "fwd_err": max(r[1]["fwd_err"] for r in results),
                      "grad_err": max(r[1]["grad_err"] for r in results),
                      "seconds": time.perf_counter() - start})
+        if report:
+            report(rows[-1])
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    head = f"{'framework':<9} {'backend':<10} {'ranks':>5} {'layout':<12} {'dispatch+combine':<17} " \
-           f"{'fwd max|err|':>12} {'grad max|err|':>13} {'s':>6}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['framework']:<9} {r['backend']:<10} {r['ranks']:>5} {r['layout']:<12} "
-                     f"{r['dispatch+combine']:<17} {r['fwd_err']:>12.2e} {r['grad_err']:>13.2e} {r['seconds']:>6.1f}")
-    return "\n".join(lines)
+_HEAD = f"{'framework':<9} {'backend':<10} {'ranks':>5} {'layout':<12} {'dispatch+combine':<17} " \
+        f"{'fwd max|err|':>12} {'grad max|err|':>13} {'s':>6}"
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['framework']:<9} {r['backend']:<10} {r['ranks']:>5} {r['layout']:<12} "
+            f"{r['dispatch+combine']:<17} {r['fwd_err']:>12.2e} {r['grad_err']:>13.2e} {r['seconds']:>6.1f}")
 
 
 def main(frameworks=("jax", "torch")) -> int:
+    """The table, one row per check as it finishes (each takes several seconds), then the verdict."""
+    print(_HEAD + "\n" + "-" * len(_HEAD), flush=True)
+
+    def report(row):
+        print(format_row(row), flush=True)
+
     rows = []
     if "jax" in frameworks:
-        rows += jax_rows()
+        rows += jax_rows(report=report)
     if "torch" in frameworks:
-        rows += torch_rows()
-    print(format_table(rows))
+        rows += torch_rows(report=report)
     ok = all(r["dispatch+combine"] == "bitwise" and r["fwd_err"] < TOLERANCE and r["grad_err"] < TOLERANCE
              for r in rows)
     print("demo: all checks passed" if ok else "demo: CHECKS FAILED")
