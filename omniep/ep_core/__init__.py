@@ -8,6 +8,7 @@ from .errors import (
     DestroyedError,
     InputError,
     OmniEPError,
+    PeerFailedError,
     PeerTimeoutError,
     RankMismatchError,
     UnsupportedError,
@@ -17,7 +18,7 @@ from .types import Availability, Capabilities, DispatchConfig, Dispatched, Handl
 
 __all__ = [
     "EPBackend", "align_up", "default_capacity", "BackendUnavailableError", "CapacityError",
-    "DestroyedError", "InputError", "OmniEPError", "PeerTimeoutError", "RankMismatchError", "UnsupportedError",
+    "DestroyedError", "InputError", "OmniEPError", "PeerFailedError", "PeerTimeoutError", "RankMismatchError", "UnsupportedError",
     "backend_names", "get_backend_class", "report", "select_backend", "Availability", "Capabilities",
     "DispatchConfig", "Dispatched", "Handle", "Layout", "ProcessModel",
 ]

@@ -47,14 +47,37 @@ class BackendUnavailableError(OmniEPError, RuntimeError):
         self.reason = reason
 
 
-class PeerTimeoutError(OmniEPError, TimeoutError):
-    """A wait on a peer rank did not finish in time; names the rank that did not answer."""
+def _who(peers) -> str:
+    peers = list(peers)
+    if not peers:
+        return "a peer rank"
+    return f"peer rank {peers[0]}" if len(peers) == 1 else f"peer ranks {', '.join(map(str, peers))}"
 
-    def __init__(self, rank: int, peer: int | None, seconds: float, what: str = "communication"):
-        who = f"peer rank {peer}" if peer is not None else "a peer rank"
-        super().__init__(f"rank {rank}: {what} timed out after {seconds:g} s waiting for {who}")
+
+class PeerTimeoutError(OmniEPError, TimeoutError):
+    """A wait on a peer rank did not finish in time; names the rank(s) that did not answer (``peer``: the
+    first, ``peers``: all of them; empty where nothing could tell)."""
+
+    def __init__(self, rank: int, peer: int | None, seconds: float, what: str = "communication", *,
+                 peers=None):
+        peers = list(peers) if peers is not None else ([peer] if peer is not None else [])
+        super().__init__(f"rank {rank}: {what} timed out after {seconds:g} s waiting for {_who(peers)}")
         self.rank = rank
-        self.peer = peer
+        self.peer = peers[0] if peers else None
+        self.peers = peers
+
+
+class PeerFailedError(OmniEPError, RuntimeError):
+    """A peer rank went away in the middle of an op (its process died, its connection closed): names it.
+    The group cannot be used afterwards; every later op on it raises this again."""
+
+    def __init__(self, rank: int, peers, what: str, detail: str = ""):
+        peers = list(peers)
+        gone = f"{_who(peers)} stopped answering" if peers else "a peer rank stopped answering (which one could not be told)"
+        super().__init__(f"rank {rank}: {what} failed: {gone}" + (f" ({detail})" if detail else ""))
+        self.rank = rank
+        self.peer = peers[0] if peers else None
+        self.peers = peers
 
 
 class RankMismatchError(OmniEPError, RuntimeError):

@@ -26,6 +26,7 @@ before the add, bias last, one rounding to the output dtype; bit for bit the ref
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Optional
 
 import torch
@@ -37,7 +38,7 @@ from ...ep_core.descriptor import (
     DESC_WORDS, INPUT_BAD_EXPERT_ID, INPUT_OK, INPUT_REJECTED, STATUS_WORDS, STICKY, OpKind, StatusCode,
     compare, descriptor, error_from_status,
 )
-from ...ep_core.errors import InputError, PeerTimeoutError
+from ...ep_core.errors import InputError, PeerFailedError, PeerTimeoutError
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
 from .torch_layout import (
     acc_dtype, expert_counts, expert_major_plan, expert_major_recv_slots, expert_major_send_slots, local_table,
@@ -121,6 +122,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         self.slot = MIN_SLOT
         self._op = OpKind.BARRIER
         self._fatal = None         # sticky status (a mismatch, a timeout): every later op raises it
+        self._failure = None       # the error of a failed collective (names the peers): raised again
         self._fatal_raised = False
         self._pending = None       # first non-sticky status not raised yet (bad input, capacity)
         self._send = self._recv = self._rows = None
@@ -134,7 +136,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         or else the pending one (once)."""
         if self._fatal is not None and (again or not self._fatal_raised):
             self._fatal_raised = True
-            raise error_from_status(self._fatal, self.timeout_s)
+            raise self._failure or error_from_status(self._fatal, self.timeout_s)
         if self._pending is not None:
             status, self._pending = self._pending, None
             raise error_from_status(status, self.timeout_s)
@@ -148,7 +150,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         self._op = op
         if self._fatal is not None:
             self._fatal_raised = True
-            raise error_from_status(self._fatal, self.timeout_s)
+            raise self._failure or error_from_status(self._fatal, self.timeout_s)
         self.seq += 1
 
     def _settle(self, status: list, wait: bool) -> bool:
@@ -187,12 +189,35 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         try:
             work.wait(timeout=self._timeout)
         except RuntimeError as exc:  # the group cannot be trusted after a failed collective
-            self._fatal = self._status(StatusCode.PEER_TIMEOUT, -1, 0, 0)
+            missing = self._unheard()
+            self._fatal = self._status(StatusCode.PEER_TIMEOUT, missing[0] if missing else -1, 0, 0)
             self._fatal_raised = True
+            what = f"{self._op.name.lower()} #{self.seq} (all_to_all_single)"
             if "timed out" in str(exc).lower():
-                raise PeerTimeoutError(self.rank, None, self.timeout_s,
-                                       what=f"{self._op.name.lower()} #{self.seq} (all_to_all_single)") from exc
-            raise
+                self._failure = PeerTimeoutError(self.rank, None, self.timeout_s, what=what, peers=missing)
+            else:
+                self._failure = PeerFailedError(self.rank, missing, what, detail=str(exc).splitlines()[0][:200])
+            raise self._failure from exc
+
+    def _unheard(self) -> list:
+        """After a collective failed (the failure path only; nothing on the hot path): the group ranks that
+        did not report the same failure through the process group's store within a short window — a
+        rank that died or is stuck elsewhere. Each rank that gets here writes its key, then reads the
+        others'. Empty when the store cannot tell (it lives in rank 0's process: rank 0 died)."""
+        window = min(2.0, self.timeout_s / 4)
+        try:
+            store = self._dist.distributed_c10d._get_default_store()
+            ranks = self._dist.get_process_group_ranks(self.group)
+            prefix = f"omniep/failed/{'-'.join(map(str, ranks))}/{self.id}/{self.seq}/"
+            store.set(prefix + str(self.rank), "1")
+            deadline = time.monotonic() + window
+            while True:
+                missing = [r for r in self.peers if not store.check([prefix + str(r)])]
+                if not missing or time.monotonic() > deadline:
+                    return missing
+                time.sleep(0.02)
+        except Exception:  # noqa: BLE001 — a store that is gone (its host rank died) tells nothing
+            return []
 
     def _workspace(self, which: str, nbytes: int, device) -> torch.Tensor:
         """A persistent uint8 buffer of at least ``nbytes`` (grown by a quarter): large per-op buffers
