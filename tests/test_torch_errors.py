@@ -110,6 +110,15 @@ def test_capacity_overflow_names_both_numbers(world_of_one, layout):
     ep.dispatch(x, idx, w, num_experts=1, capacity=6, layout=layout)  # exactly full is fine
 
 
+def test_a_repeated_expert_at_the_default_expert_major_capacity_is_an_error(world_of_one):
+    """The default expert-major capacity (R * T) holds one copy per token and expert: a top-k row that
+    repeats an expert overflows it, and that is an error saying so, never copies lost in silence."""
+    x, _, w = _routing(T=4, K=2, E=4)
+    with pytest.raises(CapacityError, match=r"8 (rows|copies for one local expert) must be received but capacity "
+                                            r"is 4.*a token whose top-k repeats an expert needs more"):
+        ep.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), w, num_experts=4, layout="expert_major")
+
+
 @pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
 def test_combine_rejects_bad_y_and_bias(world_of_one, layout):
     x, idx, w = _routing()

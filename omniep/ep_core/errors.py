@@ -20,7 +20,8 @@ class CapacityError(OmniEPError, RuntimeError):
         super().__init__(
             f"capacity overflow{where}: {needed} {what} must be received but capacity is {capacity}; "
             f"{needed - capacity} would be dropped. Raise `capacity` to at least {needed} "
-            f"(or leave it None for the exact worst case)."
+            f"(rank-major: capacity=None is the exact worst case; expert-major: the default R * T holds "
+            f"one copy per token and expert, so a token whose top-k repeats an expert needs more)."
         )
         self.needed = needed
         self.capacity = capacity
