@@ -5,12 +5,14 @@
 """
 
 try:
-    import torch as _torch  # noqa: F401
+    import torch
 except ModuleNotFoundError as _exc:
     if _exc.name != "torch":
         raise
     raise ModuleNotFoundError("omniep.torch needs PyTorch: pip install 'omniep[torch]' (or the torch build for your "
                               "CUDA / ROCm version)", name="torch") from None
+
+del torch  # (imported only to say what to install when it is missing)
 
 from .frontends.torch import (Dispatched, Handle, cached_dispatch, check, combine, context, destroy, dispatch,
                               synchronize)

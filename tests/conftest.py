@@ -11,8 +11,8 @@ os.environ.setdefault("OMNIEP_CHECKS", "sync")
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# The shared native multi-process checks live in the package; keep pytest's assertion messages there.
-pytest.register_assert_rewrite("omniep.native.mp_suite")
+# The shared native multi-process checks (tests/harness/mp_suite.py): keep pytest's assertion messages there.
+pytest.register_assert_rewrite("harness.mp_suite")
 
 # "ci" keeps the suite inside CI's budget on 2 cores; OMNIEP_HYPOTHESIS=thorough for long runs.
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,

@@ -1,6 +1,6 @@
 """The JAX GPU sessions' own checks, run on CPU over the collective backend (real XLA CPU devices).
 
-:func:`omniep.native.jax_mp_workers.jax_single_controller_session` is what the GPU tests run for the
+:func:`harness.jax_mp_workers.jax_single_controller_session` is what the GPU tests run for the
 native JAX backends; here it runs with ``OMNIEP_BACKEND=collective`` on two XLA CPU devices in a child
 process, so its cases (both layouts, drops, odd rows, int64 ids), golden files and fp8 check are known
 to hold against the reference before a GPU sees them: a failure on a GPU then points at the native code.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from omniep.native.jax_mp_workers import check_session_results, golden_names, jax_single_controller_session, session_cases
+from harness.jax_mp_workers import check_session_results, golden_names, jax_single_controller_session, session_cases
 from omniep.testing.procs import run_ranks
 
 pytest.importorskip("jax")

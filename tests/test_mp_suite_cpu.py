@@ -1,4 +1,4 @@
-"""The shared multi-process GPU suite (:mod:`omniep.native.mp_suite`) on the CPU: its workers, cases
+"""The shared multi-process GPU suite (:mod:`harness.mp_suite`) on the CPU: its workers, cases
 (both layouts: hypothesis-drawn, edge, static capacity with drops, fp8, golden vectors), expectations
 and checks run end to end over the ``collective`` backend on gloo, which matches the reference bit for
 bit. So the suite is known to be right before it runs on a GPU, where a failure then points at the
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from omniep.native import mp_suite  # noqa: E402
+from harness import mp_suite  # noqa: E402
 
 
 @pytest.fixture(scope="module")

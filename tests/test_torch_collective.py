@@ -17,7 +17,7 @@ from omniep.testing import golden
 from omniep.testing.cases import case_strategy, draw, make_case, np_dtype
 from omniep.testing.jobs import make_job
 from omniep.testing.procs import run_ranks
-from omniep.native.mp_suite import assert_bits, expected
+from harness.mp_suite import assert_bits, expected
 from omniep.testing.torch_workers import collective_session
 
 pytest.importorskip("torch")

@@ -42,7 +42,7 @@ def _ok(results, name):
 
 
 def test_results_bitwise_against_the_reference(two_ranks):
-    from omniep.native.mp_suite import assert_results, expected
+    from harness.mp_suite import assert_results, expected
 
     per_rank = _ok(two_ranks, "bitwise")
     for i, job in enumerate(harness.bitwise_jobs(len(two_ranks))):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from omniep.native.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
+from harness.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
 from omniep.testing.procs import gpu_count, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +37,7 @@ if gpu_count() < 1:
 
 @pytest.mark.parametrize("per_gpu", [False, True], ids=["same_gpu", "per_gpu"])
 def test_two_jax_processes_match_reference_bitwise(per_gpu):
-    from omniep.native.jax_mp_workers import jax_native_session
+    from harness.jax_mp_workers import jax_native_session
 
     if per_gpu and gpu_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, {gpu_count()} visible")
@@ -51,7 +51,7 @@ def test_two_jax_processes_match_reference_bitwise(per_gpu):
 
 def test_single_controller_two_gpus_bitwise():
     """ONE process, jit(shard_map) over both GPUs: the p2p transport over peer access (no IPC)."""
-    from omniep.native.jax_mp_workers import jax_single_controller_session
+    from harness.jax_mp_workers import jax_single_controller_session
 
     if gpu_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, {gpu_count()} visible")

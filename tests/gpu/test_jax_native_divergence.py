@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from omniep.native.jax_mp_workers import gpu_session_env
+from harness.jax_mp_workers import gpu_session_env
 from omniep.testing.procs import gpu_count, run_ranks
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ _AVAIL = CudaNvshmemTorch.availability()
 if not _AVAIL:
     pytest.skip(f"cuda_nvshmem unavailable: {_AVAIL.reason}", allow_module_level=True)
 
-from omniep.native import mp_suite  # noqa: E402
+from harness import mp_suite  # noqa: E402
 
 SESSIONS = [("same_gpu", 2), ("same_gpu", 4), ("per_gpu", 2)]
 

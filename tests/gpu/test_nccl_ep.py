@@ -6,7 +6,7 @@ R = 2 processes, one per GPU, runs the cases of ``test_native_multiprocess`` (hy
 rank-major cases and edge cases through the frontend, static-capacity cases with drops through the
 backend, the rank-major golden vectors, a peer that never arrives) with ``OMNIEP_BACKEND=nccl_ep``:
 the kernels of csrc/kernels over the nccl_dev transport (NCCL windows, LSA pointers).
-The cases and checks are :mod:`omniep.native.mp_suite`'s, shared with that module.
+The cases and checks are :mod:`harness.mp_suite`'s, shared with that module.
 A second session runs the same jobs in a torch NCCL process group, whose communicator nccl_ep then
 reuses (its windows and devComm registered on torch's ncclComm). A third test drives both GPUs from
 ONE process (NcclLocalGroup, grouped NCCL init): a bare barrier on both ranks, then no recorded error.
@@ -30,7 +30,7 @@ if not _AVAIL:
 if torch.cuda.device_count() < 2:
     pytest.skip("nccl_ep needs 2 GPUs (NCCL refuses two ranks on one GPU)", allow_module_level=True)
 
-from omniep.native import mp_suite  # noqa: E402
+from harness import mp_suite  # noqa: E402
 
 WORLD = 2
 

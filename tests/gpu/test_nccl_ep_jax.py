@@ -3,7 +3,7 @@
 Marked ``gpu``; needs two GPUs (NCCL refuses two ranks on one GPU) and ``omniep._native_nccl`` built
 with its JAX handlers (``OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON``
 with jax importable). The cases are those of the ``cuda_nvshmem`` JAX test
-(:func:`omniep.native.jax_mp_workers.session_cases`: dispatch, combine with 0-2 biases and both
+(:func:`harness.jax_mp_workers.session_cases`: dispatch, combine with 0-2 biases and both
 backward passes under ``jit`` inside ``shard_map``, every dtype, drops, odd rows, int64 ids, and the
 rank-major golden vectors):
 
@@ -19,7 +19,7 @@ import importlib.util
 
 import pytest
 
-from omniep.native.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
+from harness.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
 from omniep.testing.procs import gpu_count, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ if gpu_count() < WORLD:
 
 
 def test_single_controller_two_gpus_bitwise():
-    from omniep.native.jax_mp_workers import jax_single_controller_session
+    from harness.jax_mp_workers import jax_single_controller_session
 
     cases, names = session_cases(WORLD), golden_names(WORLD)
     results = run_ranks(jax_single_controller_session, 1, args=(cases, names, WORLD), timeout=300, env=ENV)
@@ -44,7 +44,7 @@ def test_single_controller_two_gpus_bitwise():
 
 
 def test_one_process_per_gpu_bitwise():
-    from omniep.native.jax_mp_workers import jax_native_session
+    from harness.jax_mp_workers import jax_native_session
 
     cases, names = session_cases(WORLD), golden_names(WORLD)
     results = run_ranks(jax_native_session, WORLD, args=(cases, names, True), timeout=300, env=ENV)

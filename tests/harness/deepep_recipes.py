@@ -12,7 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from omniep.native.mp_suite import assert_bits
+from harness.mp_suite import assert_bits
 from omniep.testing.torch_bits import to_numpy
 from omniep.torch import Buffer, EventOverlap
 

@@ -18,7 +18,7 @@ STALL_S = 45
 
 def session(rank: int, world: int, port: int, runs: tuple, per_gpu: bool) -> dict:
     """``runs``: ``(case name, mode)`` pairs, run in order in this process of ``world``."""
-    from omniep.native.jax_mp_workers import _init
+    from harness.jax_mp_workers import _init
     from omniep.testing import jax_divergence as jd
 
     jax = _init(rank, world, port, per_gpu)

@@ -45,7 +45,7 @@ def _outcome(fn):
 
 def bitwise_jobs(world: int) -> list:
     """Jobs (omniep.testing.jobs) of both layouts, exact and static, fp8, biases: the parent checks
-    each rank's results bit for bit against the reference (omniep.native.mp_suite.assert_results)."""
+    each rank's results bit for bit against the reference (harness.mp_suite.assert_results)."""
     from omniep.ep_core.types import Layout
     from omniep.testing.jobs import make_job
 
@@ -71,7 +71,7 @@ def bitwise_jobs(world: int) -> list:
 
 
 def check_bitwise(rank: int, world: int) -> dict:
-    from omniep.native import mp_workers
+    from harness import mp_workers
 
     return {"results": [mp_workers.frontend_job(rank, job) for job in bitwise_jobs(world)]}
 

@@ -4,11 +4,11 @@ the reference (``omniep.ep_core.reference``) and the rank-major golden vectors.
 Marked ``rocm`` (deselected by default; ``pytest -m rocm tests/rocm``). Needs an AMD GPU, torch's ROCm
 build, hip-python and ``omniep._native_hip`` (``make native OMNIEP_HIP=1``); skipped with the backend's
 own reason otherwise. The same cases and checks as tests/gpu/test_native_multiprocess.py
-(:mod:`omniep.native.mp_suite`), with OMNIEP_BACKEND=rocm_rocshmem: R = 2 and R = 4 processes sharing GPU 0
+(:mod:`harness.mp_suite`), with OMNIEP_BACKEND=rocm_rocshmem: R = 2 and R = 4 processes sharing GPU 0
 (HIP IPC to the same device), R = 2 with one process per GPU when two are visible (HIP IPC over xGMI);
 hypothesis-drawn and edge cases through the frontend (autograd included), static-capacity cases
 through the backend, golden vectors, and a peer that never arrives. The workers are
-omniep/native/mp_workers.py's (they pick the backend from OMNIEP_BACKEND).
+tests/harness/mp_workers.py's (they pick the backend from OMNIEP_BACKEND).
 
 NEVER RUN: no AMD GPU has been available to this project.
 """
@@ -26,7 +26,7 @@ _AVAIL = RocmRocshmemTorch.availability()
 if not _AVAIL:
     pytest.skip(f"rocm_rocshmem unavailable: {_AVAIL.reason}", allow_module_level=True)
 
-from omniep.native import mp_suite  # noqa: E402
+from harness import mp_suite  # noqa: E402
 
 SESSIONS = [("same_gpu", 2), ("same_gpu", 4), ("per_gpu", 2)]
 
@@ -37,11 +37,11 @@ TRANSPORTS = ["ipc"]  # p2p over HIP IPC; no rocSHMEM launcher yet
 @pytest.fixture(scope="module", params=[(m, w, t) for m, w in SESSIONS for t in TRANSPORTS],
                 ids=lambda p: f"{p[0]}_R{p[1]}_{p[2]}")
 def session(request):
-    from omniep.native import mp_workers
+    from harness import mp_workers
 
     # The workers must take the backend from OMNIEP_BACKEND (mp_workers._backend_class), not
     # cuda_nvshmem's class: otherwise the backend jobs would not run rocm_rocshmem at all.
-    assert hasattr(mp_workers, "_backend_class"), "omniep.native.mp_workers does not pick the backend by name"
+    assert hasattr(mp_workers, "_backend_class"), "harness.mp_workers does not pick the backend by name"
 
     mode, world, transport = request.param
     if mode == "per_gpu" and torch.cuda.device_count() < world:

@@ -20,9 +20,9 @@ import os
 
 import numpy as np
 
-from ..ep_core.types import Layout
-from ..testing import golden
-from ..testing.cases import case_strategy, draw, make_case
+from omniep.ep_core.types import Layout
+from omniep.testing import golden
+from omniep.testing.cases import case_strategy, draw, make_case
 
 
 def _draw_cases(R: int, n: int) -> list:
@@ -106,7 +106,7 @@ def _init(rank: int, world: int, port: int, per_gpu: bool):
 
 def run_golden(mesh, g) -> list:
     """One golden file through omniep.jax; asserts this process's ranks equal its vectors."""
-    from ..testing import jax_workers as jw
+    from omniep.testing import jax_workers as jw
 
     case = g.case
     cap = golden.static_capacity(case)
@@ -138,9 +138,9 @@ def check_fp8(mesh, world: int) -> list:
     import jax
     import jax.numpy as jnp
 
-    from .. import jax as ep
-    from ..ep_core import reference as ref
-    from ..testing import jax_workers as jw
+    from omniep import jax as ep
+    from omniep.ep_core import reference as ref
+    from omniep.testing import jax_workers as jw
 
     T, H = 5, 256
     case = make_case(7, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=H, num_tokens=T)
@@ -169,9 +169,9 @@ def check_fp8(mesh, world: int) -> list:
 def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     """Every case (``(case, capacity, num_bias, seed)``) and golden file on ``mesh``; then every native
     state is checked for recorded timeouts and destroyed."""
-    from ..backends.cuda_nvshmem import jax_backend
-    from ..ep_core import registry
-    from ..testing import jax_workers as jw
+    from omniep.backends.cuda_nvshmem import jax_backend
+    from omniep.ep_core import registry
+    from omniep.testing import jax_workers as jw
 
     chosen = registry.select_backend("jax")  # OMNIEP_BACKEND from the parent
     assert chosen.name == os.environ["OMNIEP_BACKEND"], f"OMNIEP_BACKEND selected {chosen.name}"
@@ -196,7 +196,7 @@ def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
 
 def jax_native_session(rank: int, world: int, port: int, cases: list, golden_names: list, per_gpu: bool) -> dict:
     """One process of a ``jax.distributed`` group; returns what was checked."""
-    from ..testing import jax_workers as jw
+    from omniep.testing import jax_workers as jw
 
     jax = _init(rank, world, port, per_gpu)
     out = {"process": jax.process_index(), "device": str(jax.local_devices()[0])}
@@ -212,7 +212,7 @@ def jax_single_controller_session(rank: int, world: int, port: int, cases: list,
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
-    from ..testing import jax_workers as jw
+    from omniep.testing import jax_workers as jw
 
     assert world == 1, "a single-controller session is one process"
     devices = jax.local_devices()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import traceback
 
-from ..ep_core.errors import CapacityError, PeerTimeoutError
+from omniep.ep_core.errors import CapacityError, PeerTimeoutError
 
 
 _ON_GPU = True  # native_session(on_cpu=True) clears it: inputs stay on the CPU
@@ -25,7 +25,7 @@ _ON_GPU = True  # native_session(on_cpu=True) clears it: inputs stay on the CPU
 def _cuda_inputs():
     """``torch_workers``, its ``to_torch`` putting every input on the current CUDA device (unless the
     session runs on the CPU)."""
-    from ..testing import torch_workers as tw
+    from omniep.testing import torch_workers as tw
 
     if _ON_GPU and not getattr(tw.to_torch, "_omniep_cuda", False):
         cpu = tw.to_torch
@@ -43,7 +43,7 @@ def _backend_class():
     or ``collective`` for the suite's own CPU run)."""
     import os
 
-    from ..ep_core.registry import get_backend_class
+    from omniep.ep_core.registry import get_backend_class
 
     return get_backend_class(os.environ.get("OMNIEP_BACKEND", "cuda_nvshmem"), "torch")
 
@@ -69,7 +69,7 @@ def timeout_job(rank: int, job: dict) -> dict:
     ``check()`` (the dispatch itself, with a static capacity, waits for nothing on the host)."""
     import torch.distributed as dist
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     tw = _cuda_inputs()
     case = job["case"]
@@ -96,9 +96,9 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
     global _ON_GPU
     import torch
 
-    from ..testing.torch_workers import init_gloo, shutdown
+    from omniep.testing.torch_workers import init_gloo, shutdown
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     _ON_GPU = not on_cpu
     if _ON_GPU:

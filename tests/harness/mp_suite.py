@@ -3,7 +3,7 @@
 ``cuda_nvshmem`` (tests/gpu/test_native_multiprocess.py), ``nccl_ep`` (tests/gpu/test_nccl_ep.py) and
 ``rocm_rocshmem`` (tests/rocm/test_rocm_backend.py) differ only in the backend and transport they name
 in the environment; the cases, the expectations and the checks are these. :func:`run_session` runs
-one session of ``world`` processes (the workers are :mod:`omniep.native.mp_workers`', which take the
+one session of ``world`` processes (the workers are :mod:`harness.mp_workers`', which take the
 backend from ``OMNIEP_BACKEND``), for both layouts (rank-major and expert-major): hypothesis-drawn
 cases and edge cases through ``omniep.torch`` (autograd included), static-capacity cases through the
 backend (rows / copies dropped and counted, fp8 rows and scales moved unchanged), the golden vectors,
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ep_core import reference as ref
-from ..ep_core.types import Layout
-from ..testing import golden
-from ..testing.bounds import assert_dots_close
-from ..testing.cases import case_strategy, draw, make_case
-from ..testing.jobs import make_job
-from ..testing.procs import run_ranks
+from omniep.ep_core import reference as ref
+from omniep.ep_core.types import Layout
+from omniep.testing import golden
+from omniep.testing.bounds import assert_dots_close
+from omniep.testing.cases import case_strategy, draw, make_case
+from omniep.testing.jobs import make_job
+from omniep.testing.procs import run_ranks
 
 RM, EM = Layout.RANK_MAJOR, Layout.EXPERT_MAJOR
 LAYOUTS = (RM, EM)
@@ -136,7 +136,7 @@ def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False, p
     missing-peer job (the suite itself checked against a backend that serves CPU tensors:
     ``collective``); ``timeout_job=False``: no missing-peer job either. ``layouts``: the layouts whose
     cases run (a transport may serve only some: GIN has no expert-major path)."""
-    from .mp_workers import native_session
+    from harness.mp_workers import native_session
 
     n = 12 if world == 2 else 4
     cases = [c for c in draw_cases(world, n) + edge_cases(world) if c.layout in layouts]
