@@ -56,8 +56,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     from omniep.ep_core.errors import OmniEPError
     from omniep.ep_core.types import Layout
     from omniep.testing.cases import make_case
-    from omniep.testing.torch_bits import to_numpy
-    from omniep.testing.torch_workers import to_torch
+    from omniep.testing.torch_bits import to_numpy, to_torch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))

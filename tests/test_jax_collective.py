@@ -1,6 +1,6 @@
 """The JAX ``collective`` backend against the NumPy reference, bit for bit, on 1, 2, 4 and 8 CPU devices.
 
-Every check goes through :func:`omniep.testing.jax_workers.check_case`: dispatch (every Dispatched
+Every check goes through :func:`harness.jax_workers.check_case`: dispatch (every Dispatched
 field), combine with 0-2 biases, and both backward passes via ``jax.vjp``, compared as raw bits.
 """
 
@@ -16,7 +16,7 @@ from omniep.backends.collective.jax_backend import CollectiveJax
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import DispatchConfig, Layout
 from omniep.testing import golden
-from omniep.testing import jax_workers as jw
+from harness import jax_workers as jw
 from omniep.testing.cases import case_strategy, make_case
 
 RANKS = (1, 2, 4, 8)

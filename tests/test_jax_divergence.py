@@ -14,7 +14,7 @@ import re
 import pytest
 
 from omniep.ep_core import descriptor as dsc
-from omniep.testing import jax_divergence as jd
+from harness import jax_divergence as jd
 from omniep.testing.procs import run_ranks
 
 WORLD, DEVICES = 2, 2

@@ -10,7 +10,7 @@ from omniep import jax as ep
 from omniep.backends.collective.jax_backend import CollectiveJax
 from omniep.ep_core import Capabilities, Layout, ProcessModel, registry
 from omniep.ep_core.errors import BackendUnavailableError, InputError, UnsupportedError
-from omniep.testing import jax_workers as jw
+from harness import jax_workers as jw
 
 R, T, K, H, E = 2, 4, 2, 8, 4
 SPEC = jax.P(jw.AXIS)

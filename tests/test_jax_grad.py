@@ -10,7 +10,7 @@ import pytest
 
 from omniep import jax as ep
 from omniep.ep_core.types import Layout
-from omniep.testing import jax_workers as jw
+from harness import jax_workers as jw
 from omniep.testing.cases import make_case
 
 R = 4

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from omniep.testing import jax_workers
+from harness import jax_workers
 from omniep.testing.procs import RankFailedError, run_ranks
 
 WORLD = 2

@@ -17,8 +17,8 @@ from omniep.ep_core import descriptor as dsc
 from omniep.ep_core import registry
 from omniep.ep_core.errors import CapacityError, InputError, PeerTimeoutError, RankMismatchError
 from omniep.testing import golden
-from omniep.testing import jax_divergence as jd
-from omniep.testing import jax_workers as jw
+from harness import jax_divergence as jd
+from harness import jax_workers as jw
 from omniep.testing.cases import make_case
 
 S = dsc.STATUS_WORDS

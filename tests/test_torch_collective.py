@@ -15,10 +15,10 @@ from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
 from omniep.testing.cases import case_strategy, draw, make_case, np_dtype
-from omniep.testing.jobs import make_job
+from harness.jobs import make_job
 from omniep.testing.procs import run_ranks
 from harness.mp_suite import assert_bits, expected
-from omniep.testing.torch_workers import collective_session
+from harness.torch_workers import collective_session
 
 pytest.importorskip("torch")
 

@@ -15,7 +15,7 @@ from omniep.ep_core import registry
 from omniep.ep_core.errors import CapacityError, DestroyedError, InputError, UnsupportedError
 from omniep.ep_core.types import Layout
 from omniep.testing.procs import RankFailedError, run_ranks
-from omniep.testing.torch_workers import error_session, fail_one_rank
+from harness.torch_workers import error_session, fail_one_rank
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")

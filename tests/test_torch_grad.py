@@ -8,7 +8,7 @@ import pytest
 from omniep.ep_core.types import Layout
 from omniep.testing.cases import make_case
 from omniep.testing.procs import run_ranks
-from omniep.testing.torch_grad_workers import grad_session
+from harness.torch_grad_workers import grad_session
 
 pytest.importorskip("torch")
 

@@ -7,7 +7,7 @@ it, ordered by (source rank, source token, k); ``C`` = capacity, slots per local
 ``combine`` applies the routing weights: ``out[t] = sum_k w[t, k] * y[e_k][slot(t, k)]`` in fp32, in
 k order, each product rounded to fp32 before the add, bias terms last, rounded once.
 Everything equals :mod:`omniep.ep_core.reference` bit for bit, except ``g_topk_weights`` of
-``combine_bwd`` (a dot product over H, matched to rounding: DESIGN fixes no order for that sum over H, see omniep.testing.bounds).
+``combine_bwd`` (a dot product over H, matched to rounding: DESIGN fixes no order for that sum over H, see tests/harness/bounds.py).
 
 With ``capacity=None`` ("exact") each rank's receive is sliced to its own largest expert count
 ``cap_r``, as the reference sizes it; buffers are allocated at the largest ``cap_r`` of all ranks (they

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 # Shared checks that live in the package: keep pytest's assertion messages there (before any import of it).
-pytest.register_assert_rewrite("omniep.testing.virtual_rank_checks")
+pytest.register_assert_rewrite("harness.virtual_rank_checks")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from omniep.ep_core.types import Layout
 from omniep.testing import golden
 from omniep.testing.torch_bits import assert_bits_equal
 from omniep.testing.cases import case_strategy, make_case
-from omniep.testing.virtual_rank_checks import check_golden_vector, run_and_compare, to_torch
+from harness.virtual_rank_checks import check_golden_vector, run_and_compare, to_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ if not _AVAIL:
 from omniep.native.virtual_ranks import VirtualRanks  # noqa: E402
 
 # ``group`` (tests/gpu/conftest.py) gives one VirtualRanks per size; run_and_compare and check_golden_vector
-# (omniep.testing.virtual_rank_checks) serve test_native_expert_major.py (expert-major) too.
+# (harness.virtual_rank_checks) serve test_native_expert_major.py (expert-major) too.
 CASES = [
     # (num_ranks, num_experts, num_topk, hidden, num_tokens, dtype, index_dtype, skew, capacity, align)
     (2, 4, 2, 8, 5, "bfloat16", "int32", "uniform", None, 1),

@@ -9,7 +9,7 @@ Targets of :func:`omniep.testing.procs.run_ranks`, with ``OMNIEP_BACKEND`` set b
   local GPUs, the EP mesh over them.
 
 Each runs every job through ``omniep.jax`` under ``jit`` (dispatch, combine with biases, both backward
-passes, :mod:`omniep.testing.jax_workers`; an fp8 dispatch with scales, :func:`check_fp8`) and checks
+passes, :mod:`harness.jax_workers`; an fp8 dispatch with scales, :func:`check_fp8`) and checks
 the ranks it can address against the reference bit for bit in the child; an assertion fails the run
 with its traceback.
 """
@@ -106,7 +106,7 @@ def _init(rank: int, world: int, port: int, per_gpu: bool):
 
 def run_golden(mesh, g) -> list:
     """One golden file through omniep.jax; asserts this process's ranks equal its vectors."""
-    from omniep.testing import jax_workers as jw
+    from harness import jax_workers as jw
 
     case = g.case
     cap = golden.static_capacity(case)
@@ -140,7 +140,7 @@ def check_fp8(mesh, world: int) -> list:
 
     from omniep import jax as ep
     from omniep.ep_core import reference as ref
-    from omniep.testing import jax_workers as jw
+    from harness import jax_workers as jw
 
     T, H = 5, 256
     case = make_case(7, num_ranks=world, num_experts=2 * world, num_topk=2, hidden=H, num_tokens=T)
@@ -171,7 +171,7 @@ def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     state is checked for recorded timeouts and destroyed."""
     from omniep.backends.cuda_nvshmem import jax_backend
     from omniep.ep_core import registry
-    from omniep.testing import jax_workers as jw
+    from harness import jax_workers as jw
 
     chosen = registry.select_backend("jax")  # OMNIEP_BACKEND from the parent
     assert chosen.name == os.environ["OMNIEP_BACKEND"], f"OMNIEP_BACKEND selected {chosen.name}"
@@ -196,7 +196,7 @@ def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
 
 def jax_native_session(rank: int, world: int, port: int, cases: list, golden_names: list, per_gpu: bool) -> dict:
     """One process of a ``jax.distributed`` group; returns what was checked."""
-    from omniep.testing import jax_workers as jw
+    from harness import jax_workers as jw
 
     jax = _init(rank, world, port, per_gpu)
     out = {"process": jax.process_index(), "device": str(jax.local_devices()[0])}
@@ -212,7 +212,7 @@ def jax_single_controller_session(rank: int, world: int, port: int, cases: list,
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
-    from omniep.testing import jax_workers as jw
+    from harness import jax_workers as jw
 
     assert world == 1, "a single-controller session is one process"
     devices = jax.local_devices()

@@ -1,7 +1,7 @@
 """Worker side of tests/gpu/test_jax_native_divergence.py: ranks that disagree, and a bad expert id,
 through ``omniep.jax`` on a native backend (two JAX processes, one GPU each or both on GPU 0).
 
-A session runs cases of :data:`omniep.testing.jax_divergence.CASES` in order (the last process applies
+A session runs cases of :data:`harness.jax_divergence.CASES` in order (the last process applies
 each case's change) with the chain a model makes (dispatch, expert, combine, both backward passes) and
 returns, per case, what each rank's statuses were and what ``omniep.jax.check`` raises for them, or
 what the jitted call raised (``OMNIEP_CHECKS=sync``). A rank mismatch fails a native group for good
@@ -19,7 +19,7 @@ STALL_S = 45
 def session(rank: int, world: int, port: int, runs: tuple, per_gpu: bool) -> dict:
     """``runs``: ``(case name, mode)`` pairs, run in order in this process of ``world``."""
     from harness.jax_mp_workers import _init
-    from omniep.testing import jax_divergence as jd
+    from harness import jax_divergence as jd
 
     jax = _init(rank, world, port, per_gpu)
     mesh = jd.mesh_of(jax.devices())

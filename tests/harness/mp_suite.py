@@ -9,7 +9,7 @@ cases and edge cases through ``omniep.torch`` (autograd included), static-capaci
 backend (rows / copies dropped and counted, fp8 rows and scales moved unchanged), the golden vectors,
 and a peer that never arrives. The ``check_*`` functions assert on its result, bit for bit against
 :mod:`omniep.ep_core.reference` (the expert-major combine's weight gradient, a dot product over H, to
-a rounding bound: :mod:`omniep.testing.bounds`). :class:`SessionChecks` and
+a rounding bound: :mod:`harness.bounds`). :class:`SessionChecks` and
 :class:`SessionChecksWithMissingPeer` are those checks as test methods, written once for every test module.
 """
 
@@ -20,9 +20,9 @@ import numpy as np
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
 from omniep.testing import golden
-from omniep.testing.bounds import assert_dots_close
+from harness.bounds import assert_dots_close
 from omniep.testing.cases import case_strategy, draw, make_case
-from omniep.testing.jobs import make_job
+from harness.jobs import make_job
 from omniep.testing.procs import run_ranks
 
 RM, EM = Layout.RANK_MAJOR, Layout.EXPERT_MAJOR

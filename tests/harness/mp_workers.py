@@ -5,7 +5,7 @@
 (``per_gpu``: device = rank; else every rank on device 0, several processes sharing one GPU over CUDA
 IPC), joins a gloo group (the control plane; data moves through the native kernels) and runs every
 job once, returning numpy arrays with their bits intact for the parent to compare with the
-reference. Frontend jobs reuse :func:`omniep.testing.torch_workers.frontend_job` with inputs placed on
+reference. Frontend jobs reuse :func:`harness.torch_workers.frontend_job` with inputs placed on
 the GPU; backend jobs call the backend class directly (static capacity that drops rows): the one that
 ``OMNIEP_BACKEND`` names, ``cuda_nvshmem`` or ``nccl_ep`` (same torch backend interface).
 ``on_cpu``: the same jobs with CPU tensors (no device pinned), for a backend that serves them
@@ -25,7 +25,7 @@ _ON_GPU = True  # native_session(on_cpu=True) clears it: inputs stay on the CPU
 def _cuda_inputs():
     """``torch_workers``, its ``to_torch`` putting every input on the current CUDA device (unless the
     session runs on the CPU)."""
-    from omniep.testing import torch_workers as tw
+    from harness import torch_workers as tw
 
     if _ON_GPU and not getattr(tw.to_torch, "_omniep_cuda", False):
         cpu = tw.to_torch
@@ -96,7 +96,7 @@ def native_session(rank: int, world: int, port: int, jobs: dict, per_gpu: bool, 
     global _ON_GPU
     import torch
 
-    from omniep.testing.torch_workers import init_gloo, shutdown
+    from harness.torch_workers import init_gloo, shutdown
 
     from omniep import torch as ep
 

@@ -44,10 +44,10 @@ def _outcome(fn):
 # ---- results against the reference ---------------------------------------------------------------
 
 def bitwise_jobs(world: int) -> list:
-    """Jobs (omniep.testing.jobs) of both layouts, exact and static, fp8, biases: the parent checks
+    """Jobs (harness.jobs) of both layouts, exact and static, fp8, biases: the parent checks
     each rank's results bit for bit against the reference (harness.mp_suite.assert_results)."""
     from omniep.ep_core.types import Layout
-    from omniep.testing.jobs import make_job
+    from harness.jobs import make_job
 
     R = world
     uneven = [3 + r for r in range(R)]

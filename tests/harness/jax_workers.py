@@ -17,10 +17,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..ep_core import descriptor as dsc
-from ..ep_core.types import Layout
-from . import golden
-from .cases import Case, make_case, np_dtype
+from omniep.ep_core import descriptor as dsc
+from omniep.ep_core.types import Layout
+from omniep.testing import golden
+from omniep.testing.cases import Case, make_case, np_dtype
 
 AXIS = "ep"
 OUTPUTS = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv", "num_recv_tokens_per_expert",
@@ -95,7 +95,7 @@ def case_runner(mesh, num_experts: int, layout: str, capacity: int, expert_align
     ``OMNIEP_CHECKS`` mode (``checks``: jit's trace cache does not see the environment)."""
     import jax
 
-    from .. import jax as ep
+    from omniep import jax as ep
 
     kw = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity, expert_alignment=expert_alignment,
               layout=layout, backend=backend)

@@ -23,10 +23,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..ep_core import descriptor as dsc
-from ..ep_core.errors import OmniEPError
-from . import golden
-from .cases import make_case, np_dtype
+from omniep.ep_core import descriptor as dsc
+from omniep.ep_core.errors import OmniEPError
+from omniep.testing import golden
+from omniep.testing.cases import make_case, np_dtype
 
 AXIS = "ep"
 
@@ -87,7 +87,7 @@ def chain_runner(mesh, num_experts: int, layout: str, capacity: int, y_hidden: i
     import jax
     import jax.numpy as jnp
 
-    from .. import jax as ep
+    from omniep import jax as ep
 
     kw = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity, layout=layout)
 
@@ -131,7 +131,7 @@ def run_chain(mesh, inputs: dict):
     """:func:`chain_runner` on ``inputs`` (:func:`case_inputs`); returns the global results, computed."""
     import jax
 
-    from .jax_workers import _global
+    from harness.jax_workers import _global
 
     p, case = inputs["params"], inputs["case"]
     R = case.num_ranks
@@ -146,8 +146,8 @@ def reference_statuses(params_per_rank: list) -> tuple[list, list]:
     """The dispatch and combine statuses every rank must report when rank r runs
     ``params_per_rank[r]`` (keys of :data:`BASE`), from :func:`omniep.ep_core.descriptor.compare`:
     the reference the in-graph comparison must match word for word."""
-    from ..backends.collective import jax_status as js
-    from ..ep_core.types import DispatchConfig, Layout
+    from omniep.backends.collective import jax_status as js
+    from omniep.ep_core.types import DispatchConfig, Layout
 
     R = len(params_per_rank)
     dispatch_table, combine_table = [], []
@@ -174,7 +174,7 @@ def reference_statuses(params_per_rank: list) -> tuple[list, list]:
 
 def _error(status) -> Optional[dict]:
     """What :func:`omniep.jax.check` raises for one rank's status, as plain data (None: nothing)."""
-    from .. import jax as ep
+    from omniep import jax as ep
 
     try:
         ep.check(status)
@@ -189,7 +189,7 @@ def summarize(got: dict, inputs: dict) -> dict:
     ``check`` raises for each, and whether each op's outputs are those of an op that moved nothing
     (dispatch: ``recv_x`` 0 (expert-major: every slot padding), ``recv_topk_idx`` -1, weights and every count 0, ``g_x`` and ``g_w`` 0;
     combine: ``out`` equal to the bias)."""
-    from .jax_workers import local_results
+    from harness.jax_workers import local_results
 
     out = {}
     for r, res in local_results(got).items():
@@ -248,7 +248,7 @@ def run_divergence(mesh, case: Divergence, mode: str, last: bool) -> dict:
 def mp_divergence(rank: int, world: int, port: int, cases=CASES) -> dict:
     """Every case of ``cases`` in each of its modes, in order, in this process of ``world``; the last
     process applies each case's change. Returns the records (:func:`run_divergence`)."""
-    from .jax_workers import _init_distributed
+    from harness.jax_workers import _init_distributed
 
     jax = _init_distributed(rank, world, port)
     mesh = mesh_of(jax.devices())

@@ -17,7 +17,7 @@ def assert_dots_close(got, want, g_out, ys, plan, r_src: int, what: str) -> None
     (doubled), with ``g_out`` / ``ys`` every rank's combine_bwd inputs and ``plan`` the reference's.
     Unrouted and dropped copies must give exactly 0."""
     if not isinstance(got, np.ndarray):
-        from .torch_bits import to_numpy
+        from omniep.testing.torch_bits import to_numpy
 
         got = to_numpy(got)
     L = plan.config.num_local_experts

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ep_core import reference as ref
-from .cases import Case, np_dtype
+from omniep.ep_core import reference as ref
+from omniep.testing.cases import Case, np_dtype
 
 
 def make_job(case: Case, seed: int, n_bias: int) -> dict:

@@ -3,7 +3,7 @@
 One round of every op and the golden vectors, for either layout (the case's): rank-major in
 tests/gpu/test_native_virtual_ranks.py, expert-major in tests/gpu/test_native_expert_major.py. Bit for
 bit against :mod:`omniep.ep_core.reference`, except expert-major combine_bwd's g_topk_weights (a dot
-product over H), which is held to a rounding bound (:mod:`omniep.testing.bounds`).
+product over H), which is held to a rounding bound (:mod:`harness.bounds`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from functools import partial
 
 import numpy as np
 
-from ..ep_core import reference as ref
-from ..ep_core.types import DispatchConfig, Layout
-from . import golden
-from .bounds import assert_dots_close
-from .torch_bits import assert_bits_equal, randn
-from .torch_bits import to_torch as _to_torch
+from omniep.ep_core import reference as ref
+from omniep.ep_core.types import DispatchConfig, Layout
+from omniep.testing import golden
+from harness.bounds import assert_dots_close
+from omniep.testing.torch_bits import assert_bits_equal, randn
+from omniep.testing.torch_bits import to_torch as _to_torch
 
 to_torch = partial(_to_torch, device="cuda")
 

@@ -1,10 +1,10 @@
 """Worker functions for the torch gradient tests (adjointness, a toy MoE layer), importable by
-spawned children; see :mod:`omniep.testing.torch_workers` for the conventions."""
+spawned children; see :mod:`harness.torch_workers` for the conventions."""
 
 from __future__ import annotations
 
-from ..ep_core.types import Layout
-from .torch_workers import init_gloo, shutdown, to_numpy, to_torch
+from omniep.ep_core.types import Layout
+from harness.torch_workers import init_gloo, shutdown, to_numpy, to_torch
 
 
 def grad_session(rank: int, world: int, port: int, jobs: dict) -> dict:
@@ -29,7 +29,7 @@ def adjoint_job(rank: int, case) -> dict:
     the parts over ranks."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     gen = torch.Generator().manual_seed(1000 + rank)
     idx, w = to_torch(case.topk_idx[rank]), to_torch(case.topk_weights[rank])
@@ -77,7 +77,7 @@ def moe_job(rank: int, world: int, layout: str, seed: int) -> dict:
     same layer computed densely on the global arrays; outputs and gradients of both."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     gen = torch.Generator().manual_seed(seed)
     H, K, L = 8, 2, 2

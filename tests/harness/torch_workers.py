@@ -14,10 +14,10 @@ import datetime
 import os
 import traceback
 
-from ..ep_core.errors import CapacityError, DestroyedError
-from ..ep_core.types import Layout
-from . import torch_bits
-from .torch_bits import to_numpy
+from omniep.ep_core.errors import CapacityError, DestroyedError
+from omniep.ep_core.types import Layout
+from omniep.testing import torch_bits
+from omniep.testing.torch_bits import to_numpy
 
 
 # ---- process group and array conversion ----------------------------------------------------------
@@ -70,7 +70,7 @@ def frontend_job(rank: int, job: dict) -> dict:
     """dispatch -> combine through ``omniep.torch`` with autograd; every result as numpy."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     case = job["case"]
     fp8 = case.dtype == "float8_e4m3fn"
@@ -108,7 +108,7 @@ def backend_job(rank: int, job: dict, backend_cls=None) -> dict:
     default ``collective``) in the default checks mode, so that a static capacity that overflows drops
     rows (copies) and counts them instead of raising; the CapacityError it leaves pending is read back
     with ``check()`` (``pending``). fp8 rank-major: a cached dispatch moves the same bytes again."""
-    from .. import torch as ep
+    from omniep import torch as ep
 
     case = job["case"]
     ctx = ep.context(backend=backend_cls.name if backend_cls is not None else "collective")
@@ -150,7 +150,7 @@ def backend_job(rank: int, job: dict, backend_cls=None) -> dict:
 # ---- golden vectors, opcheck, Buffer -------------------------------------------------------------
 
 def golden_job(rank: int, path: str, via_frontend: bool) -> dict:
-    from .golden import load, static_capacity
+    from omniep.testing.golden import load, static_capacity
 
     g = load(path)
     case = g.case
@@ -165,7 +165,7 @@ def opcheck_job(rank: int, job: dict) -> dict:
     opcheck runs each op several times, the same number of times on every rank)."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     case = job["case"]
     x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
@@ -203,7 +203,7 @@ def compile_job(rank: int, job: dict) -> dict:
     (out, recv_x, grad x, grad topk_weights) are bitwise equal, or the error."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     case = job["case"]
     x0, idx, w0 = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
@@ -237,7 +237,7 @@ def buffer_job(rank: int, job: dict) -> dict:
     """DeepEP-style use of :class:`omniep.torch.Buffer`; results for the parent to compare."""
     import torch.distributed as dist
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     case = job["case"]
     x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
@@ -272,7 +272,7 @@ def buffer_ll_job(rank: int, job: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     case = job["case"]
     x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
@@ -308,8 +308,8 @@ def variant_job(rank: int, item: tuple) -> dict:
     first and its rows then), ``slot`` (a 256-byte slot that never grows: every first exchange whose
     blocks carry more than the header sends them again in the second, whole) or ``exact`` (the path of
     transports that need equal sizes on both ends, NCCL's: receives posted at the sizes expected)."""
-    from .. import torch as ep
-    from ..backends.collective import torch_backend as tb
+    from omniep import torch as ep
+    from omniep.backends.collective import torch_backend as tb
 
     variant, job = item
     ctx = ep.context(backend="collective")
@@ -373,8 +373,8 @@ def error_session(rank: int, world: int, port: int, checks: list) -> list:
     ``message`` of the error it ended in (None / "no error"), ``fields`` / ``ranks`` of a
     RankMismatchError, ``trace`` (the steps that returned before it). A check that failed the group's
     context (a mismatch) leaves a fresh one to the next: every rank destroys it alike."""
-    from .. import torch as ep
-    from ..ep_core.errors import OmniEPError
+    from omniep import torch as ep
+    from omniep.ep_core.errors import OmniEPError
 
     init_gloo(rank, world, port)
     results = []
@@ -414,7 +414,7 @@ def _routing(rank: int, tokens: int, experts: int, seed: int = 0, topk: int = 2)
 
 def _checks(mode: str):
     """Set the default group's collective context to checks ``mode``; returns a function restoring it."""
-    from .. import torch as ep
+    from omniep import torch as ep
 
     ctx = ep.context(backend="collective")
     saved = ctx.checks
@@ -429,7 +429,7 @@ def error_dispatch(rank: int, *, tokens=3, hidden=4, experts=4, bad_id=None, cap
     afterwards) or ``"dispatch"`` (an exact rank-major dispatch afterwards: the next host wait)."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     T, E = _mine(tokens, rank), _mine(experts, rank)
     idx, w, gen = _routing(rank, T, E)
@@ -448,7 +448,7 @@ def error_dispatch(rank: int, *, tokens=3, hidden=4, experts=4, bad_id=None, cap
 def _then(then, rank: int) -> None:
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     if then == "check":
         ep.check()
@@ -463,7 +463,7 @@ def error_combine(rank: int, *, bad_rank: int, layout="rank_major") -> None:
     """dispatch, then combine where ``bad_rank`` passes a y with one row too many."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     idx = torch.tensor([[0, 1], [1, -1], [0, -1]])
     cap = None if layout == "rank_major" else 6
@@ -483,7 +483,7 @@ def error_ops(rank: int, *, case: str, checks: str = "sync", then=None) -> None:
     :func:`error_dispatch`."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     restore = _checks(checks)
     try:
@@ -522,7 +522,7 @@ def error_silent(rank: int, *, silent: int, sleep_s: float) -> None:
 
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     idx, w, gen = _routing(rank, 3, 4, seed=9)
     d = ep.dispatch(torch.randn(3, 4, generator=gen), idx, w, num_experts=4)
@@ -536,7 +536,7 @@ def fail_one_rank(rank: int, world: int, port: int, fail_rank: int, pid_dir: str
     """Rank ``fail_rank`` raises; the others block in a dispatch that can never complete."""
     import torch
 
-    from .. import torch as ep
+    from omniep import torch as ep
 
     with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
