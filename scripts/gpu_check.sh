@@ -28,6 +28,7 @@ fi
 if [[ "$PART" != tests ]]; then
   step bench_hot_path 200 "$PY" benchmarks/hot_path_gpu.py --world 1 --out "$OUT/hot_path_world1.json"
   step bench_host_split 100 "$PY" benchmarks/host_split_gpu.py
+  step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 1 --out "$OUT/ll_ops.json"
   step bench_native 90 "$PY" benchmarks/bench_native.py
 fi
 echo "gpu_check: exit $status; logs in $OUT"

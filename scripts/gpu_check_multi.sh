@@ -31,6 +31,8 @@ if [[ "$PART" != tests ]]; then
   step bench_normal 150 "$PY" benchmarks/bench_multigpu.py --nccl --sweep-blocks "" --json "$OUT/bench_normal.json"
   step bench_ll 120 "$PY" benchmarks/bench_multigpu.py --nccl --layout expert_major --tokens 128 --experts 288 \
     --sweep-blocks "" --json "$OUT/bench_ll.json"
+  # DeepEP's low-latency decode op by op through omniep.torch and Buffer (fp8), one process per GPU
+  step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --out "$OUT/ll_ops.json"
 fi
 echo "gpu_check_multi: exit $status; logs in $OUT"
 exit $status
