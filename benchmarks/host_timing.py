@@ -45,9 +45,10 @@ def quantile(sorted_times: list, q: float) -> float:
     return sorted_times[min(len(sorted_times) - 1, int(q * len(sorted_times)))]
 
 
-def device_us(torch, step, iters: int) -> tuple:
+def device_us(torch, step, iters: int, skip: tuple = ()) -> tuple:
     """(GPU µs per call of ``step``, GPU activities per call): its kernels and copies summed, from the
-    CUDA profiler. Loads CUPTI: run it after every host measurement of the process."""
+    CUDA profiler, leaving out activities whose name contains a string of ``skip`` (e.g. the barrier a
+    multi-rank step starts with). Loads CUPTI: run it after every host measurement of the process."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -58,6 +59,8 @@ def device_us(torch, step, iters: int) -> tuple:
     total, count = 0.0, 0
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and ev.device_time_total > 0 and ev.cpu_parent is None:
+            if any(s in ev.name for s in skip):
+                continue
             total += ev.device_time_total
             count += 1
     if total == 0.0:  # older event trees: the kernel events of the key averages

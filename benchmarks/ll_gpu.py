@@ -84,8 +84,16 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             host = host_times(torch, step, args["iters"], spin_cycles=2e6)
             dist.barrier()
             rows.append(dict(rank=rank, world=world, variant=name, op=op, host_us=quantile(host, 0.5)))
+        # Each profiled op starts right after a device barrier over the group, so that with several ranks
+        # its kernel does not also time the wait for a peer that launched later (the barrier is left out).
+        ctx = ep.context(None, None, "cuda")
         for row, (name, op, step) in zip(rows, steps):
-            row["device_us"], row["launches"] = device_us(torch, step, min(args["iters"], 20))
+            def aligned(step=step):
+                ctx.barrier()
+                return step()
+
+            row["device_us"], row["launches"] = device_us(torch, aligned, min(args["iters"], 20),
+                                                          skip=("barrier_kernel",))
             dist.barrier()
             print(f"rank {rank} {name} {op}: host {row['host_us']:.1f} device {row['device_us']:.1f} "
                   f"launches {row['launches']:.1f}", flush=True)
