@@ -79,3 +79,16 @@ def test_a_stalled_rank_is_a_timeout_naming_it(tmp_path, when):
     late = res[2]
     assert late["error"] in (None, "PeerFailedError", "PeerTimeoutError"), late
     assert late["fds"][1] <= late["fds"][0], late
+
+
+def test_the_store_host_dying_still_fails_promptly(tmp_path):
+    """Rank 0 hosts the group's store (init_method tcp://): when it dies the roll call has nowhere to
+    meet, so the survivors cannot tell who died — but they still fail promptly with PeerFailedError,
+    and the group stays failed."""
+    res = _run(0, "kill", "dispatch", tmp_path)
+    assert sorted(res) == [1, 2]
+    for r, out in res.items():
+        assert out["error"] == "PeerFailedError", out
+        assert out["peers"] == [] and "store is unreachable too" in out["message"], out
+        assert out["seconds"] < TIMEOUT_S, out
+        assert out["again"] == "PeerFailedError" and out["again_seconds"] < 0.5, out

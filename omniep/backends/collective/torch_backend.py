@@ -194,16 +194,20 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             self._fatal_raised = True
             what = f"{self._op.name.lower()} #{self.seq} (all_to_all_single)"
             if "timed out" in str(exc).lower():
-                self._failure = PeerTimeoutError(self.rank, None, self.timeout_s, what=what, peers=missing)
+                self._failure = PeerTimeoutError(self.rank, None, self.timeout_s, what=what, peers=missing or [])
             else:
-                self._failure = PeerFailedError(self.rank, missing, what, detail=str(exc).splitlines()[0][:200])
+                detail = str(exc).splitlines()[0][:200]
+                if missing is None:
+                    detail += ("; the process group's store is unreachable too: its host (rank 0, when "
+                               "torch.distributed was started with a tcp:// address) is likely the one that died")
+                self._failure = PeerFailedError(self.rank, missing or [], what, detail=detail)
             raise self._failure from exc
 
-    def _unheard(self) -> list:
+    def _unheard(self) -> Optional[list]:
         """After a collective failed (the failure path only; nothing on the hot path): the group ranks that
         did not report the same failure through the process group's store within a short window — a
         rank that died or is stuck elsewhere. Each rank that gets here writes its key, then reads the
-        others'. Empty when the store cannot tell (it lives in rank 0's process: rank 0 died)."""
+        others'. None when the store cannot be reached (it lives in rank 0's process: rank 0 died)."""
         window = min(2.0, self.timeout_s / 4)
         try:
             store = self._dist.distributed_c10d._get_default_store()
@@ -217,7 +221,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                     return missing
                 time.sleep(0.02)
         except Exception:  # noqa: BLE001 — a store that is gone (its host rank died) tells nothing
-            return []
+            return None
 
     def _workspace(self, which: str, nbytes: int, device) -> torch.Tensor:
         """A persistent uint8 buffer of at least ``nbytes`` (grown by a quarter): large per-op buffers
