@@ -262,3 +262,30 @@ def test_availability_and_capabilities():
     caps = CollectiveJax.capabilities()
     assert caps.fp8 and set(caps.layouts) == set(Layout) and caps.frameworks == ("jax",)
     assert {"bfloat16", "float16", "float32"} <= set(caps.dtypes) and len(caps.process_models) == 2
+
+
+def test_zero_padding_zeroes_the_slots_past_the_counts():
+    """zero_padding=True (expert-major, DESIGN §2): counted slots as without it, the rest zero; the
+    rank-major layout (whose padding is zero anyway) is unchanged by it."""
+    R = 2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:R]), ("ep",))
+    P = jax.sharding.PartitionSpec
+    case = make_case(3, num_ranks=R, num_experts=4, num_topk=2, hidden=8, num_tokens=3, layout=Layout.EXPERT_MAJOR)
+
+    def body(x, idx, w):
+        kw = dict(num_experts=4, axis_name="ep", capacity=5)
+        a = ep.dispatch(x, idx, w, layout="expert_major", zero_padding=True, **kw)
+        b = ep.dispatch(x, idx, w, layout="expert_major", **kw)
+        c = ep.dispatch(x, idx, w, zero_padding=True, **kw)
+        return a.recv_x[None], b.recv_x[None], a.recv_topk_idx[None], c.recv_x[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=(P("ep"),) * 4))
+    a, b, idx, c = (np.asarray(t) for t in f(*(jnp.concatenate([jnp.asarray(v) for v in arrays])
+                                                   for arrays in (case.x, case.topk_idx, case.topk_weights))))
+    held = idx >= 0
+    assert held.any() and (~held).any()
+    assert np.array_equal(a[held], b[held]) and not a[~held].any()
+    plan = ref.make_plan(case.topk_idx, DispatchConfig(4, R, Layout.RANK_MAJOR, 5))
+    want = ref.dispatch(case.x, case.topk_weights, plan)
+    for r in range(R):
+        golden.assert_bitwise_equal(c[r], want[r].recv_x, f"rank-major rank {r}")

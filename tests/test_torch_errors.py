@@ -389,3 +389,23 @@ def test_use_fp8_rejects(world_of_one, change, match):
     kw = dict(x=x, layout="expert_major") | change
     with pytest.raises(InputError, match=match):
         ep.dispatch(kw.pop("x"), idx, w, num_experts=4, use_fp8=True, **kw)
+
+
+def test_zero_padding_zeroes_the_slots_past_the_counts(world_of_one):
+    """zero_padding=True (expert-major, DESIGN §2): counted slots as without it, the rest zero, and the
+    gradient of x that of the counted slots only; fp8 pairs are masked both."""
+    x, idx, w = _routing(T=4, K=2, E=4)
+    x = x.requires_grad_()
+    d = ep.dispatch(x, idx, w, num_experts=4, layout="expert_major", capacity=6, zero_padding=True)
+    held = (d.recv_topk_idx >= 0).unsqueeze(-1)
+    assert held.any() and (~held).any()
+    plain = ep.dispatch(x, idx, w, num_experts=4, layout="expert_major", capacity=6)
+    assert torch.equal(d.recv_x * held, plain.recv_x * held) and not (d.recv_x * ~held).any()
+    g = torch.randn(d.recv_x.shape)
+    (gx,) = torch.autograd.grad((d.recv_x * g).sum(), x)
+    (want,) = torch.autograd.grad((plain.recv_x * (g * held)).sum(), x)
+    assert torch.equal(gx, want)
+    x8, s8 = ep.dispatch(_fp8_routing()[0], *_fp8_routing()[1:], num_experts=4, layout="expert_major",
+                         use_fp8=True, zero_padding=True).recv_x
+    assert x8.dtype == torch.float8_e4m3fn and s8.shape[-1] == 2
+

@@ -25,6 +25,7 @@ compilation, before any op runs. Where ranks may diverge (tests, debugging), set
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -78,7 +79,8 @@ def _concrete(array) -> Optional[np.ndarray]:
 
 
 def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity: Optional[int] = None,
-             expert_alignment: int = 1, layout="rank_major", backend: Optional[str] = None) -> Dispatched:
+             expert_alignment: int = 1, layout="rank_major", backend: Optional[str] = None,
+             zero_padding: bool = False) -> Dispatched:
     """Send each token to the ranks of its experts; call inside ``shard_map`` over ``axis_name``.
 
     Per rank: ``x[T, H]`` bf16/fp16/fp32, or a tuple ``(x[T, H] float8_e4m3fn, x_scales[T, H/128]
@@ -100,6 +102,9 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     (``recv_x`` 0, ``recv_topk_idx`` -1, counts 0), the native backends leave them unspecified (zeroing
     would cost a pass over them on every call); both return a handle that routes nothing, so a combine
     with it returns the bias (or 0) and reports the same status. Raise it with :func:`check`.
+
+    ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
+    (DESIGN §2) — for a dense expert over every slot; one pass over ``recv_x``.
     """
     layout = Layout.parse(layout)
     fp8_pair = isinstance(x, (tuple, list))
@@ -122,7 +127,13 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     config = DispatchConfig(num_experts, num_ranks, layout,
                             resolve_capacity(capacity, num_ranks, num_tokens, layout, static=True),
                             check_expert_alignment(expert_alignment))
-    return _dispatch_fn(cls, axis_name, config, _sync())(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
+    d = _dispatch_fn(cls, axis_name, config, _sync())(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
+    if zero_padding and layout == Layout.EXPERT_MAJOR:
+        held = (d.recv_topk_idx >= 0)[..., None]
+        masked = tuple(jnp.where(held, t, jnp.zeros((), t.dtype)) for t in d.recv_x) if fp8_pair \
+            else jnp.where(held, d.recv_x, jnp.zeros((), d.recv_x.dtype))
+        d = dataclasses.replace(d, recv_x=masked)
+    return d
 
 
 def combine(y, handle: Handle, *, bias=None, return_status: bool = False):

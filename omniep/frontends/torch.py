@@ -160,7 +160,7 @@ def _config_ints(num_experts, capacity, expert_alignment) -> tuple:
 
 def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int, group=None,
              capacity: Optional[int] = None, expert_alignment: int = 1, layout="rank_major",
-             backend: Optional[str] = None, use_fp8: bool = False) -> Dispatched:
+             backend: Optional[str] = None, use_fp8: bool = False, zero_padding: bool = False) -> Dispatched:
     """Send every token to the ranks holding the experts it chose (DESIGN §2).
 
     ``x[T, H]`` bf16/fp16/fp32, or ``(x[T, H] float8_e4m3fn, x_scales[T, H/128] float32)`` (bytes moved
@@ -187,6 +187,10 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     ``scale = max(amax, 1e-4) / 448`` — on the native backends inside the dispatch kernel — and the result
     is bit for bit that of dispatching the pair :func:`omniep.backends.torch_group.quantize_fp8` gives.
     Not differentiable.
+
+    ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
+    (DESIGN §2) — for a dense expert (``bmm`` over every slot) whose gradients must not see the padding;
+    it costs one pass over ``recv_x``. A grouped GEMM given the counts does not need it.
     """
     if type(x) is tuple:
         if len(x) != 2:
@@ -235,9 +239,18 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
                            "topk_weights": topk_weights})
     recv_x = (out[0], out[1]) if x_scales is not None or use_fp8 else out[0]
+    if zero_padding and lay == Layout.EXPERT_MAJOR:
+        recv_x = _zero_padding((out[2] >= 0).unsqueeze(-1), recv_x)
     return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
                              "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
                              "handle": handle, "status": None})
+
+
+def _zero_padding(held: torch.Tensor, recv_x):
+    """``recv_x`` (or each tensor of the fp8 pair) with the slots where ``held`` is False set to zero."""
+    if type(recv_x) is tuple:
+        return tuple(_zero_padding(held, t) for t in recv_x)
+    return torch.where(held, recv_x, torch.zeros((), dtype=recv_x.dtype, device=recv_x.device))
 
 
 def _new(cls, fields: dict):
