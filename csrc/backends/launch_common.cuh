@@ -33,11 +33,13 @@ inline void check_group_shape(int num_experts, int capacity, int num_ranks) {
 }
 
 // ---- argument checks: throw on what no kernel instance can run; return the dynamic shared memory ----
-inline size_t per_expert_smem(int num_experts, const char* what) {
-  const size_t smem = sizeof(int) * static_cast<size_t>(num_experts);
+// `arrays` int arrays of num_experts entries each.
+inline size_t per_expert_smem(int num_experts, const char* what, int arrays = 1) {
+  const size_t per_expert = sizeof(int) * static_cast<size_t>(arrays);
+  const size_t smem = per_expert * static_cast<size_t>(num_experts);
   if (smem > kMaxDynamicSmem) {
     throw std::invalid_argument(std::string("omniep: ") + what + ": at most " +
-                                std::to_string(kMaxDynamicSmem / sizeof(int)) + " experts");
+                                std::to_string(kMaxDynamicSmem / per_expert) + " experts");
   }
   return smem;
 }
@@ -66,12 +68,7 @@ inline size_t checked_smem(const EMDispatchArgs& a) {
   if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
   if (!a.route.on) return 0;
   if (a.route.expert_alignment < 1) throw std::invalid_argument("omniep: expert_alignment must be >= 1");
-  const size_t smem = 2 * sizeof(int) * static_cast<size_t>(a.num_experts);  // two [E] int arrays
-  if (smem > kMaxDynamicSmem) {
-    throw std::invalid_argument("omniep: expert-major dispatch: at most " +
-                                std::to_string(kMaxDynamicSmem / (2 * sizeof(int))) + " experts");
-  }
-  return smem;
+  return per_expert_smem(a.num_experts, "expert-major dispatch", /*arrays=*/2);  // the routing front's two
 }
 
 inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a.hidden, a.num_bias); }

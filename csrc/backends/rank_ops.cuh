@@ -354,20 +354,14 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
     a.route.index_bytes = p->index_bytes;
     a.route.expert_alignment = p->expert_alignment;
     a.route.topk_idx = mine<const void>(g, p->topk_idx);
-    a.route.topk_idx32 = mine<int32_t>(g, p->topk_idx32);
-    a.route.copy_slot = mine<int32_t>(g, p->copy_slot);
-    a.route.recv_expert_count = mine<int32_t>(g, p->recv_expert_count);
     a.route.num_recv_tokens_per_expert = mine<int32_t>(g, p->num_recv_tokens_per_expert);
     a.route.num_recv = mine<int32_t>(g, p->em_num_recv);
     a.route.dropped = mine<int32_t>(g, p->em_dropped);
-    a.topk_idx32 = mine<const int32_t>(g, p->topk_idx32);
-    a.copy_slot = mine<const int32_t>(g, p->copy_slot);
-    a.recv_expert_count = mine<const int32_t>(g, p->recv_expert_count);
-  } else {
-    a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
-    a.copy_slot = mine<const int32_t>(g, c.copy_slot);
-    a.recv_expert_count = mine<const int32_t>(g, c.recv_expert_count);
   }
+  // With the route these are the front's outputs (prepare's arrays), else prepare's results.
+  a.topk_idx32 = mine<const int32_t>(g, c.route ? c.route->topk_idx32 : c.topk_idx32);
+  a.copy_slot = mine<const int32_t>(g, c.route ? c.route->copy_slot : c.copy_slot);
+  a.recv_expert_count = mine<const int32_t>(g, c.route ? c.route->recv_expert_count : c.recv_expert_count);
   a.recv_x = g.template sym<uint8_t>(offsets[0]);
   if (c.row2_bytes > 0) {
     a.x2 = mine<const uint8_t>(g, c.x2);

@@ -47,17 +47,16 @@ struct EMRouteArgs {
   int index_bytes;                                // 4 or 8
   int expert_alignment;
   PerRank<const void> topk_idx;                   // [T, K] int32 or int64, -1 = none
-  PerRank<int32_t> topk_idx32;                    // out [T, K]: the ids narrowed, -1 for none
-  PerRank<int32_t> copy_slot;                     // out [T, K] (em_args.h top)
-  PerRank<int32_t> recv_expert_count;             // out [L]
+  // The front also writes EMDispatchArgs' topk_idx32 (the ids narrowed, -1 for none), copy_slot and
+  // recv_expert_count, which the rest of the kernel then reads.
   PerRank<int32_t> num_recv_tokens_per_expert;    // out [L]: rounded up to expert_alignment
   PerRank<int32_t> num_recv;                      // out []
   PerRank<int32_t> dropped;                       // out []
 };
 
 struct EMDispatchArgs {
-  EMRouteArgs route;                         // route.on: the kernel routes first (the fields below the
-                                             // same arrays: topk_idx32, copy_slot, recv_expert_count)
+  EMRouteArgs route;                         // route.on: the kernel routes first, writing topk_idx32,
+                                             // copy_slot and recv_expert_count below
   PerRank<const uint8_t> x;                  // [T, row_bytes]
   PerRank<const uint8_t> x2;                 // [T, row2_bytes]: optional second payload (fp8 scales)
   // Optional bf16 [T, H]: the kernel first casts it into x (e4m3 [T, H], row_bytes = H) and x2

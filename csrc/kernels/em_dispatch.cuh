@@ -5,14 +5,14 @@
 // payload) and writes recv_topk_idx[l, c] = l and recv_topk_weights[l, c] = w[t, k].
 // combine_bwd writes g_y[l, c] = round(fp32(w[t, k]) * fp32(g_out[t])) — the product rounded to
 // fp32 (mul_rn), then once to the dtype — and, with_topk_grad, g_topk_weights[t, k] = <g_out[t],
-// y[l, c]> accumulated in fp32 (a reduction over H, in no order DESIGN fixes: tests match it to rounding, omniep/testing/bounds.py).
+// y[l, c]> accumulated in fp32 (a reduction over H, in no order DESIGN fixes: tests match it to rounding, tests/harness/bounds.py).
 // No source writes the padding slots [recv_expert_count[l], C). dispatch fills its results after the
 // end barrier with the counted slots only (their routing -1 / 0 on padding, the rows' padding left as
 // it is unless zero_padding: DESIGN §2), so its cost follows the routed copies, not L * C * H.
 // combine_bwd zero-fills g_y's padding (a gradient: exactly 0 there).
 //
-// One warp per copy (t, k): a low-latency batch (128 tokens, top-8) is 1024 rows per rank, enough
-// to keep every warp of 24 blocks busy, where one warp per token would leave most idle.
+// One warp per copy (t, k): a low-latency batch (128 tokens, top-8) is 1024 rows per rank, where one
+// warp per token would leave most warps idle.
 // Barriers: start (receivers done with earlier users of the buffers; their y is complete), end
 // (every row has arrived, and peers finished reading my y). No host synchronisation.
 //
@@ -82,7 +82,7 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
       if (e64 >= 0 && e64 < E) atomicAdd(&s_count[e64], 1);
     }
   }
-  int32_t* idx32 = tr.local(a.route.topk_idx32);
+  int32_t* idx32 = const_cast<int32_t*>(tr.local(a.topk_idx32));  // (outputs of the front: see EMRouteArgs)
   for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) idx32[i] = id(i);
   __syncthreads();
   if (first) {
@@ -93,8 +93,8 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
       s_desc.w[kDescInputDetail] = static_cast<int32_t>(bad > INT32_MAX ? INT32_MAX : bad < INT32_MIN ? INT32_MIN : bad);
     }
   }
-  int32_t* copy_slot = tr.local(a.route.copy_slot);
-  int32_t* count_out = first ? tr.local(a.route.recv_expert_count) : nullptr;
+  int32_t* copy_slot = const_cast<int32_t*>(tr.local(a.copy_slot));
+  int32_t* count_out = first ? const_cast<int32_t*>(tr.local(a.recv_expert_count)) : nullptr;
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
     em_route_nothing(copy_slot, i0, i1, count_out, tr.local(a.route.num_recv_tokens_per_expert), L,
                      tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr);
