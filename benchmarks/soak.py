@@ -74,18 +74,14 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
             cfg = case.config()
             cap = cfg.capacity if op["static"] or layout == Layout.EXPERT_MAJOR else None
             x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
-            H = op["H"]
             fault = op["fault"]
             if fault == "bad_id" and rank == op["culprit"]:
                 idx = idx.clone()
                 idx[0, 0] = E
             if fault == "overflow":
-                cap = 1 if layout == Layout.RANK_MAJOR else 0
-                if layout == Layout.EXPERT_MAJOR and not (case.topk_idx[rank] >= 0).any():
-                    cap = 0  # every slot overflows where anything is routed at all
+                cap = 1 if layout == Layout.RANK_MAJOR else 0  # (expert-major: any routed copy overflows)
             if fault == "mismatch" and rank == op["culprit"]:
                 x = torch.cat([x, x], dim=1)  # another H on one rank
-                H = 2 * H
             if fault:
                 stats["injected"][fault] += 1
             try:
@@ -98,7 +94,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
                     else:
                         stats["missed"].append((i, fault))
                     continue
-                plan = ref.make_plan(case.topk_idx, case.config(cap) if cap is not None else cfg)
+                plan = ref.make_plan(case.topk_idx, case.config(cap))
                 want = ref.dispatch(case.x, case.topk_weights, plan)
                 want_out = ref.combine([r.recv_x for r in want], plan,
                                        topk_weights=case.topk_weights if layout == Layout.EXPERT_MAJOR else None)

@@ -4,15 +4,9 @@
 ``Buffer`` (with its ``Config`` and ``EventOverlap``).
 """
 
-try:
-    import torch
-except ModuleNotFoundError as _exc:
-    if _exc.name != "torch":
-        raise
-    raise ModuleNotFoundError("omniep.torch needs PyTorch: pip install 'omniep[torch]' (or the torch build for your "
-                              "CUDA / ROCm version)", name="torch") from None
+from .frontends import require_framework
 
-del torch  # (imported only to say what to install when it is missing)
+require_framework("torch", "PyTorch", "pip install 'omniep[torch]' (or the torch build for your CUDA / ROCm version)")
 
 from .frontends.torch import (Dispatched, Handle, cached_dispatch, check, combine, context, destroy, dispatch,
                               synchronize)
