@@ -1,0 +1,163 @@
+"""``omniep.layers.torch.MoE``: the MoE layer as a torch ``nn.Module`` (semantics: :mod:`omniep.layers.config`).
+
+One module per rank of an EP process group (``group``; the default group when None — it may be one EP
+group of a larger world, EP × DP). The rank holds the router, the optional shared expert and its
+``L = E / R`` routed experts; dispatch and combine go through :mod:`omniep.torch`, so the backend is
+whatever ``OMNIEP_BACKEND`` (or ``backend=``) picks and nothing here depends on it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import torch as ep
+from ..ep_core.errors import InputError
+from .config import MoEConfig, capacities
+
+__all__ = ["MoE", "route", "drop_over_capacity", "swiglu_experts"]
+
+# Seed streams (see _normal): expert e uses _EXPERT_STREAM + e, so an expert's initial weights do not
+# depend on how many ranks share the experts.
+_ROUTER_STREAM, _SHARED_STREAM, _EXPERT_STREAM = 0, 1, 2
+
+
+def _normals(seed: int, stream: int, shapes: tuple, dtype, device) -> list:
+    """One N(0, 1/fan_in) tensor per shape (fan_in = shape[0]), drawn in order from one CPU generator
+    seeded by (seed, stream)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + stream)
+    return [(torch.randn(s, generator=gen) * s[0] ** -0.5).to(device=device, dtype=dtype) for s in shapes]
+
+
+class MoE(nn.Module):
+    """Router → expert-major dispatch → SwiGLU experts (batched GEMMs) → weighted combine (+ shared expert).
+
+    ``forward(x[..., H]) -> (out[..., H] in x's dtype, aux_loss fp32 scalar)``. Parameters:
+    ``router[H, E]``, ``w_gate_up[L, H, 2F]`` and ``w_down[L, F, H]`` (this rank's experts ``rank·L ..
+    rank·L + L - 1``), ``shared_gate_up[H, 2S]`` / ``shared_down[S, H]`` when ``config.shared_ffn``, and
+    the buffer ``expert_bias[E]`` when ``config.expert_bias``. Router and shared weights are replicated
+    over the EP group (average their gradients over it, as for any data-parallel weight); expert weights
+    are this rank's alone. Every rank of the group must call forward with the same number of tokens.
+    ``dtype``: the parameters' dtype (experts compute in ``x``'s dtype, the router in fp32).
+    """
+
+    def __init__(self, config: MoEConfig, *, group=None, dtype: torch.dtype = torch.float32, device=None,
+                 seed: int = 0, backend: Optional[str] = None):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise InputError(f"config must be an omniep.layers.MoEConfig, got {type(config).__name__}")
+        self.config, self.group, self.backend = config, group, backend
+        self.num_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if config.num_experts % self.num_ranks:
+            raise InputError(f"config.num_experts={config.num_experts} must be a multiple of the EP group size "
+                             f"{self.num_ranks}")
+        E, H, Fw, S = config.num_experts, config.hidden, config.ffn, config.shared_ffn
+        L = E // self.num_ranks
+        self.num_local_experts = L
+        kw = dict(dtype=dtype, device=device)
+        (router,) = _normals(seed, _ROUTER_STREAM, ((H, E),), **kw)
+        self.router = nn.Parameter(router)
+        experts = [_normals(seed, _EXPERT_STREAM + self.rank * L + l, ((H, 2 * Fw), (Fw, H)), **kw) for l in range(L)]
+        self.w_gate_up = nn.Parameter(torch.stack([w[0] for w in experts]))
+        self.w_down = nn.Parameter(torch.stack([w[1] for w in experts]))
+        if S:
+            gate_up, down = _normals(seed, _SHARED_STREAM, ((H, 2 * S), (S, H)), **kw)
+            self.shared_gate_up, self.shared_down = nn.Parameter(gate_up), nn.Parameter(down)
+        else:
+            self.shared_gate_up = self.shared_down = None
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32, device=device)
+                             if config.expert_bias else None)
+
+    def forward(self, x: torch.Tensor):
+        cfg = self.config
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != cfg.hidden:
+            raise InputError(f"x must be a tensor [..., hidden={cfg.hidden}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        tokens = x.reshape(-1, cfg.hidden)
+        topk_idx, topk_weights, aux_loss = route(tokens, self.router, cfg, self.expert_bias)
+        c_send, slots = capacities(cfg, self.num_ranks, tokens.shape[0])
+        if c_send is not None and c_send < tokens.shape[0]:
+            topk_idx, topk_weights = drop_over_capacity(topk_idx, topk_weights, c_send, cfg.num_experts)
+        d = ep.dispatch(tokens, topk_idx, topk_weights, num_experts=cfg.num_experts, group=self.group,
+                        capacity=slots, layout="expert_major", backend=self.backend, zero_padding=True)
+        y = swiglu_experts(d.recv_x, self.w_gate_up, self.w_down)
+        # Padding slots: zero, so that no gradient reaches the expert weights through them.
+        y = torch.where((d.recv_topk_idx >= 0).unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+        out = ep.combine(y, d.handle)
+        if self.shared_gate_up is not None:
+            out = out + _swiglu(tokens, self.shared_gate_up.to(tokens.dtype), self.shared_down.to(tokens.dtype))
+        return out.view(x.shape), aux_loss
+
+    def extra_repr(self) -> str:
+        return f"{self.config}, ranks={self.num_ranks}, rank={self.rank}, local_experts={self.num_local_experts}"
+
+
+def route(x: torch.Tensor, router: torch.Tensor, config: MoEConfig, expert_bias: Optional[torch.Tensor] = None):
+    """Steps 1–4 of :mod:`omniep.layers.config`: ``(topk_idx[T, K] int64, topk_weights[T, K] fp32,
+    aux_loss fp32 scalar)`` for ``x[T, H]``."""
+    cfg = config
+    logits = x.float() @ router.float()
+    scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+    sel = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+    if cfg.num_groups > 1:
+        T = sel.shape[0]
+        grouped = sel.view(T, cfg.num_groups, cfg.num_experts // cfg.num_groups)
+        group_score = grouped.topk(cfg.group_top, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(cfg.topk_groups, dim=-1).indices, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1), float("-inf"))
+    topk_idx = sel.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, topk_idx)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    aux = logits.new_zeros(())
+    T = x.shape[0]
+    if T and cfg.aux_loss_coef:
+        f = torch.bincount(topk_idx.flatten(), minlength=cfg.num_experts).float() / (T * cfg.top_k)
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        aux = aux + cfg.aux_loss_coef * cfg.num_experts * (f * p).sum()
+    if T and cfg.z_loss_coef:
+        aux = aux + cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).square().mean()
+    return topk_idx, weights, aux
+
+
+def drop_over_capacity(topk_idx: torch.Tensor, topk_weights: torch.Tensor, c_send: int, num_experts: int):
+    """Step 5: keep the first ``c_send`` copies per expert in ``(t, k)`` row-major order; the others get
+    id ``-1`` and weight ``0``. Ids must be in ``[0, E)``."""
+    flat = topk_idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    position = torch.empty_like(flat)
+    position[order] = rank_sorted
+    kept = (position < c_send).view_as(topk_idx)
+    return (torch.where(kept, topk_idx, torch.full((), -1, dtype=topk_idx.dtype, device=topk_idx.device)),
+            torch.where(kept, topk_weights, torch.zeros((), dtype=topk_weights.dtype, device=topk_weights.device)))
+
+
+def swiglu_experts(recv_x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Step 7 over the expert-major buffer ``recv_x[L, C, H]``: ``[L, C, H]`` in ``recv_x``'s dtype.
+
+    Every expert has the same C slots, so the grouped GEMM is a batched one (``torch.bmm``): one for
+    gate and up together, one for down."""
+    dt = recv_x.dtype
+    return _swiglu_batched(recv_x, w_gate_up.to(dt), w_down.to(dt))
+
+
+def _swiglu_batched(x, w_gate_up, w_down):
+    gate, up = torch.bmm(x, w_gate_up).chunk(2, dim=-1)
+    return torch.bmm(F.silu(gate) * up, w_down)
+
+
+def _swiglu(x, w_gate_up, w_down):
+    gate, up = (x @ w_gate_up).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w_down
+
