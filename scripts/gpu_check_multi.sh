@@ -33,6 +33,8 @@ if [[ "$PART" != tests ]]; then
     --sweep-blocks "" --json "$OUT/bench_ll.json"
   # DeepEP's low-latency decode op by op through omniep.torch and Buffer (fp8), one process per GPU
   step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --out "$OUT/ll_ops.json"
+  # The MoE layer (omniep.layers.torch) forward + backward at DeepSeek-V3's shape, native vs collective
+  step bench_layer 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu --out "$OUT/layer.json"
 fi
 echo "gpu_check_multi: exit $status; logs in $OUT"
 exit $status

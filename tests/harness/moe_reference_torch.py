@@ -5,8 +5,10 @@ chosen); the experts, the weighted sum and the shared expert in float64 (a more 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -82,3 +84,76 @@ def moe_reference(xs: list, params: dict, cfg: MoEConfig):
     lists ``(outs float64, aux losses, dropped copies)``; differentiable in every tensor."""
     res = [_shard(x, params, cfg, len(xs)) for x in xs]
     return [r[0] for r in res], [r[1] for r in res], [r[2] for r in res]
+
+
+# ---- the parent side of the multi-process layer tests --------------------------------------------
+
+def layer_jobs(cfg: MoEConfig, tokens: int, world: int, seed: int, skew: float = 0.0) -> tuple:
+    """Per-rank jobs for one problem: tokens drawn from ``seed``; ``skew`` > 0 shifts every token
+    towards expert 0's router column (the router is the layer's own, so skew enters through x)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((world * tokens, cfg.hidden)).astype(np.float32)
+    x += skew  # a shared offset pulls most tokens to the experts whose router column sums highest
+    g = rng.standard_normal((world * tokens, cfg.hidden)).astype(np.float32)
+    # A load-balancing bias large enough to change the selection (the oracle gets the same values).
+    bias = (rng.standard_normal(cfg.num_experts) * 0.5).astype(np.float32) if cfg.expert_bias else None
+    return [dict(config=dataclasses.asdict(cfg), x=x[r * tokens:(r + 1) * tokens], g=g[r * tokens:(r + 1) * tokens],
+                 seed=seed % 7, expert_bias=bias) for r in range(world)]
+
+
+def check_results(cfg: MoEConfig, jobs_by_rank: list, res: list, ep_size: int) -> list:
+    """Compare every EP group's results with the oracle; returns the oracle's dropped copies per rank."""
+    dropped = []
+    for first in range(0, len(res), ep_size):
+        ranks = range(first, first + ep_size)
+        params = {"router": torch.from_numpy(res[first]["router"]).requires_grad_(),
+                  "w_gate_up": torch.from_numpy(np.concatenate([res[r]["w_gate_up"] for r in ranks])).requires_grad_(),
+                  "w_down": torch.from_numpy(np.concatenate([res[r]["w_down"] for r in ranks])).requires_grad_()}
+        if cfg.shared_ffn:
+            params.update(shared_gate_up=torch.from_numpy(res[first]["shared_gate_up"]).requires_grad_(),
+                          shared_down=torch.from_numpy(res[first]["shared_down"]).requires_grad_())
+        if cfg.expert_bias:
+            params["expert_bias"] = torch.from_numpy(jobs_by_rank[first]["expert_bias"])
+        for r in ranks:  # replicated weights are replicas
+            for name in ("router", "shared_gate_up", "shared_down"):
+                if name in params:
+                    np.testing.assert_array_equal(res[r][name], res[first][name], err_msg=f"rank {r} {name} replica")
+        xs = [torch.from_numpy(jobs_by_rank[r]["x"]).requires_grad_() for r in ranks]
+        outs, auxs, drops = moe_reference(xs, params, cfg)
+        loss = sum((o * torch.from_numpy(jobs_by_rank[r]["g"]).double()).sum() + a.double()
+                   for r, o, a in zip(ranks, outs, auxs))
+        loss.backward()
+        for i, r in enumerate(ranks):
+            np.testing.assert_allclose(res[r]["out"], outs[i].detach().numpy(), rtol=2e-5, atol=2e-5,
+                                       err_msg=f"rank {r} out")
+            ref_aux = float(auxs[i].detach())
+            assert abs(res[r]["aux"] - ref_aux) <= 1e-5 * max(1.0, abs(ref_aux)), f"rank {r} aux"
+            np.testing.assert_allclose(res[r]["g_x"], xs[i].grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=f"rank {r} g_x")
+            L = res[r]["w_gate_up"].shape[0]
+            mine = slice((r - first) * L, (r - first + 1) * L)
+            for name in ("w_gate_up", "w_down"):
+                np.testing.assert_allclose(res[r][f"g_{name}"], params[name].grad.numpy()[mine], rtol=1e-4, atol=1e-4,
+                                           err_msg=f"rank {r} g_{name}")
+        # Replicated weights: the sum over the EP group of the replicas' gradients is the dense gradient.
+        for name in ("router", "shared_gate_up", "shared_down"):
+            if name in params:
+                np.testing.assert_allclose(sum(res[r][f"g_{name}"] for r in ranks), params[name].grad.numpy(),
+                                           rtol=1e-4, atol=1e-4, err_msg=f"g_{name}")
+        dropped += drops
+    return dropped
+
+
+def edge_problems() -> list:
+    """Hand-picked: heavy skew with a small capacity factor (drops certain), DeepSeek-V3-like sigmoid grouped
+    routing with scaling and a shared expert, exact capacity with alignment, one token per rank."""
+    base = dict(hidden=8, ffn=4, num_experts=8, top_k=2)
+    return [
+        (MoEConfig(**base, capacity_factor=0.25, aux_loss_coef=0.01), 8, 11, 4.0),
+        (MoEConfig(**base, score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+                   shared_ffn=6, capacity_factor=1.0, z_loss_coef=1e-3), 7, 12, 0.0),
+        (MoEConfig(**base, expert_alignment=8), 5, 13, 1.0),
+        (MoEConfig(**base, capacity_factor=0.5), 1, 14, 0.0),
+        (MoEConfig(**base, expert_bias=True, score_func="sigmoid", capacity_factor=2.0), 6, 15, 0.0),
+    ]
+
+

@@ -1,0 +1,161 @@
+"""The MoE layer (``omniep.layers.torch.MoE``) forward + backward on GPUs, per backend (issue 17).
+
+DeepSeek-V3's MoE shape by default: T=4096 tokens per rank, H=7168, 256 experts, top-8, expert width
+F=2048, softmax routing, capacity factor 1.25, bf16 parameters and activations. One process per rank
+(``--per-gpu``: rank r on GPU r; else every rank on GPU 0). For each backend (``--backends``):
+* ``step ms`` / ``tokens/s``: wall time of a forward + backward (loss = out.float().square().mean()
+  + aux), CUDA events, median over ``--iters``; tokens/s per rank;
+* the device time split from the CUDA profiler (run last: CUPTI slows the host): ``ep`` = the kernels
+  and copies launched inside omniep's dispatch / combine ops (forward and backward), ``gemm`` = those of
+  ``bmm`` / ``mm`` / ``addmm`` / ``matmul``, ``other`` = the rest (router, top-k, SwiGLU, masks, losses);
+* ``idle``: step wall − all device time: what the host path (or waiting for a peer) costs on top.
+
+    python benchmarks/moe_layer_gpu.py --world 2 --per-gpu [--backends cuda_nvshmem,collective] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from host_timing import pin_cpu
+
+SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, capacity_factor=1.25)
+GEMMS = ("aten::bmm", "aten::mm", "aten::addmm", "aten::matmul")
+
+
+def _split(prof) -> dict:
+    """Device µs of the profiled steps by category: every CUDA activity is charged to its outermost
+    CPU op that is an omniep op (ep) or a GEMM (gemm), else to other."""
+    totals = dict(ep=0.0, gemm=0.0, other=0.0)
+    charged = set()
+    for ev in prof.events():
+        if ev.device_type.name != "CPU":
+            continue
+        kind = "ep" if ev.name.startswith("omniep") else "gemm" if ev.name in GEMMS else None
+        if kind is None:
+            continue
+        parent, nested = ev.cpu_parent, False
+        while parent is not None:
+            if parent.name.startswith("omniep") or parent.name in GEMMS:
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested and ev.id not in charged:
+            charged.add(ev.id)
+            totals[kind] += ev.device_time_total
+    everything = sum(e.device_time_total for e in prof.events()
+                     if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None)
+    if everything == 0.0:
+        everything = sum(e.self_device_time_total for e in prof.events() if e.device_type.name == "CPU")
+    totals["other"] = max(0.0, everything - totals["ep"] - totals["gemm"])
+    totals["all"] = everything
+    return totals
+
+
+def rank_main(rank: int, world: int, port: int, args: dict) -> list:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+    from omniep.layers import MoEConfig
+    from omniep.layers.torch import MoE
+
+    pin_cpu(rank)
+    torch.cuda.set_device(rank if args["per_gpu"] else 0)
+    # NCCL for the collective backend's all-to-all when each rank has its own GPU; gloo otherwise (NCCL
+    # refuses two ranks on one GPU). The native backends only bootstrap through the group.
+    dist.init_process_group("nccl" if args["per_gpu"] else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300),
+                            device_id=torch.device("cuda", torch.cuda.current_device()) if args["per_gpu"] else None)
+    s = args["shape"]
+    cfg = MoEConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=s["experts"], top_k=s["topk"],
+                    capacity_factor=s["capacity_factor"], aux_loss_coef=0.001)
+    rows = []
+    try:
+        for backend in args["backends"]:
+            layer = MoE(cfg, dtype=torch.bfloat16, device="cuda", seed=1, backend=backend)
+            gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+            x = torch.randn(s["tokens"], s["hidden"], device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+
+            def step():
+                out, aux = layer(x)
+                (out.float().square().mean() + aux).backward()
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            dist.barrier()
+            times = []
+            for _ in range(args["iters"]):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                step()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            times.sort()
+            wall = times[len(times) // 2]
+            dist.barrier()
+            from torch.profiler import ProfilerActivity, profile
+
+            n = min(5, args["iters"])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    step()
+                torch.cuda.synchronize()
+            split = {k: v / n for k, v in _split(prof).items()}
+            row = dict(rank=rank, world=world, backend=backend, wall_us=wall, tokens_per_s=s["tokens"] / wall * 1e6,
+                       **{f"{k}_us": v for k, v in split.items()}, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            rows.append(row)
+            print(f"rank {rank} {backend}: step {wall / 1e3:.2f} ms, {row['tokens_per_s']:.0f} tok/s, ep "
+                  f"{split['ep']:.0f} µs, gemm {split['gemm']:.0f}, other {split['other']:.0f}, idle "
+                  f"{wall - split['all']:.0f}", flush=True)
+            layer = x = step = None  # free the weights before the next backend
+            ep.destroy()
+            torch.cuda.empty_cache()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
+    p.add_argument("--backends", default="cuda_nvshmem,collective")
+    p.add_argument("--iters", type=int, default=10)
+    for key, value in SHAPE.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    shape = {k: getattr(a, k) for k in SHAPE}
+    args = dict(iters=a.iters, backends=a.backends.split(","), per_gpu=a.per_gpu, shape=shape)
+    sys.path.insert(0, ".")
+    from omniep.testing.procs import run_ranks
+
+    results = run_ranks(rank_main, a.world, args=(args,), timeout=580, env={"OMNIEP_CHECKS": "default"})
+    rows = [row for rank_rows in results for row in rank_rows]
+    print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}; {shape}")
+    print("| backend | step ms (fwd+bwd) | tokens/s per rank | ep µs | gemm µs | other µs | idle µs | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend in args["backends"]:
+        mine = [r for r in rows if r["backend"] == backend]
+        worst = max(mine, key=lambda r: r["wall_us"])
+        print(f"| {backend} | {worst['wall_us'] / 1e3:.2f} | {min(r['tokens_per_s'] for r in mine):.0f} | "
+              f"{max(r['ep_us'] for r in mine):.0f} | {max(r['gemm_us'] for r in mine):.0f} | "
+              f"{max(r['other_us'] for r in mine):.0f} | {max(r['wall_us'] - r['all_us'] for r in mine):.0f} | "
+              f"{max(r['peak_gib'] for r in mine):.1f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
