@@ -136,7 +136,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     return d
 
 
-def combine(y, handle: Handle, *, bias=None, return_status: bool = False):
+def combine(y, handle: Handle, *, bias=None, return_status: bool = False, weighted: bool = True):
     """Bring expert outputs back to the tokens' ranks: ``out[T, H]`` in ``y``'s dtype.
 
     ``y`` is shaped like the ``recv_x`` of the dispatch that made ``handle``: ``[capacity, H]``
@@ -154,6 +154,10 @@ def combine(y, handle: Handle, *, bias=None, return_status: bool = False):
     combine's own exchange when ``y`` has the hidden size and element width of the dispatch's ``x``,
     bf16 after fp8, otherwise the combine exchanges twice; native backends: in the kernels' first
     barrier.)
+
+    ``weighted=False`` (expert-major): ``out[t] = Σ_k y[e_k][slot]`` without the weights — for a caller
+    that scaled ``y`` by ``recv_topk_weights`` at the experts, whose gradients come back through
+    dispatch exactly (bitwise the same on every backend, unlike the weighted combine's dot product over H).
     """
     if not isinstance(handle, Handle):
         raise InputError(f"combine needs the Handle returned by dispatch (Dispatched.handle), got {type(handle).__name__}")
@@ -164,6 +168,10 @@ def combine(y, handle: Handle, *, bias=None, return_status: bool = False):
         rows, shape = (cfg.num_local_experts, cfg.capacity), "[num_local_experts, capacity, H]"
     val.check_combine_input(y, rows, layout_shape=shape)
     biases = val.check_bias(bias, int(handle.topk_idx.shape[0]), int(y.shape[-1]))
+    if not weighted and cfg.layout == Layout.EXPERT_MAJOR:
+        # Unit weights where copies are: constants, so no gradient reaches the dispatch's weights here.
+        handle = handle.replace(topk_weights=jnp.ones_like(handle.topk_weights),
+                                recv_topk_weights=(handle.recv_topk_idx >= 0).astype(handle.recv_topk_weights.dtype))
     cls = registry.get_backend_class(handle.backend, "jax")
     bias_dtypes = tuple(val.dtype_name(b) for b in biases)
     out, status = _combine_fn(cls, handle.group, cfg, bias_dtypes, _sync())(y, handle, biases)

@@ -269,7 +269,7 @@ def _config(handle) -> tuple:
             cfg.expert_alignment)
 
 
-def combine(y: torch.Tensor, handle: Handle, *, bias=None) -> torch.Tensor:
+def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True) -> torch.Tensor:
     """Send expert outputs back to the tokens' ranks and sum them: ``out[T, H]`` in ``y``'s dtype.
 
     Rank-major ``y[rows, H]`` (rows as ``recv_x``; padding rows ignored): ``out[t]`` is the sum over
@@ -278,6 +278,12 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None) -> torch.Tensor:
     weights being the ``topk_weights`` given to dispatch (gradients flow to them). ``bias``: None, one
     ``[T, H]`` tensor or a tuple of two, added after the sum. Every sum is in fp32 from +0.0, in that
     order, rounded once. Differentiable in ``y``, ``bias`` and (expert-major) ``topk_weights``.
+
+    ``weighted=False`` (expert-major): sum the copies without weights, ``out[t] = sum_k y[copy (t, k)]``
+    — for a caller that scaled ``y`` by ``recv_topk_weights`` at the experts (Megatron's practice): the
+    weights' gradients then come back through dispatch, read back exactly, so they are bitwise the same
+    on every backend (the weighted combine's weight gradient is a dot product over H whose rounding is
+    each backend's own, DESIGN §2).
     """
     config = _config(handle)
     if bias is None:
@@ -288,10 +294,16 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None) -> torch.Tensor:
         b0, b1 = (tuple(bias) + (None, None))[:2]
     else:
         b0, b1 = bias, None
-    weights = handle.topk_weights if handle.config.layout == Layout.EXPERT_MAJOR else None
+    weights, tensors = None, handle.tensors
+    if handle.config.layout == Layout.EXPERT_MAJOR:
+        if weighted:
+            weights = handle.topk_weights
+        else:  # unit weights at the sources and on the held slots (the backward scales by the latter)
+            weights = torch.ones_like(handle.topk_weights)
+            tensors = (tensors[0], (tensors[0] >= 0).to(torch.float32), *tensors[2:])
     ctx = handle.context
     try:
-        return ctx.ops.combine(y, weights, b0, b1, list(handle.tensors), *config)
+        return ctx.ops.combine(y, weights, b0, b1, list(tensors), *config)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
 

@@ -32,9 +32,12 @@ every rank), ``E`` experts of which this rank holds ``L = E / R`` (``e // L`` is
    gradients).
 7. **Experts** (SwiGLU, in ``x``'s dtype): ``[gate | up] = recv_x @ w_gate_up[l]`` (``w_gate_up[L, H,
    2F]``, one grouped GEMM for both), ``a = silu(gate) * up``, ``y = a @ w_down[l]`` (``w_down[L, F,
-   H]``); ``y`` is set to zero on the padding slots (so no gradient flows through them either).
-8. **Combine**: ``out[t] = Σ_k w[t, k] · y[copy (t, k)]`` in fp32 in k order (DESIGN §2), rounded to
-   ``x``'s dtype.
+   H]``); then each copy is scaled by the weight that travelled with it, ``y · w`` in fp32 rounded to
+   ``x``'s dtype (Megatron's practice: the weights' gradients return through dispatch, read back exactly,
+   so they are bitwise the same on every backend), and set to zero on the padding slots (so no gradient
+   flows through them).
+8. **Combine** (unweighted): ``out[t] = Σ_k y[copy (t, k)]`` in fp32 in k order, rounded to ``x``'s
+   dtype.
 9. **Shared expert** (``shared_ffn > 0``, DeepSeek): ``out += swiglu(x; shared_gate_up[H, 2S],
    shared_down[S, H])`` in ``x``'s dtype.
 

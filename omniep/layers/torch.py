@@ -86,9 +86,12 @@ class MoE(nn.Module):
         d = ep.dispatch(tokens, topk_idx, topk_weights, num_experts=cfg.num_experts, group=self.group,
                         capacity=slots, layout="expert_major", backend=self.backend, zero_padding=True)
         y = swiglu_experts(d.recv_x, self.w_gate_up, self.w_down)
-        # Padding slots: zero, so that no gradient reaches the expert weights through them.
-        y = torch.where((d.recv_topk_idx >= 0).unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
-        out = ep.combine(y, d.handle)
+        # Weighted here, by the weight that travelled with each copy (its gradient returns through
+        # dispatch exactly: bitwise the same on every backend); padding slots zero, so that no gradient
+        # reaches the expert weights through them.
+        weighted = (y.float() * d.recv_topk_weights.unsqueeze(-1)).to(y.dtype)
+        y = torch.where((d.recv_topk_idx >= 0).unsqueeze(-1), weighted, torch.zeros((), dtype=y.dtype, device=y.device))
+        out = ep.combine(y, d.handle, weighted=False)
         if self.shared_gate_up is not None:
             out = out + _swiglu(tokens, self.shared_gate_up.to(tokens.dtype), self.shared_down.to(tokens.dtype))
         return out.view(x.shape), aux_loss

@@ -71,7 +71,9 @@ def _shard(x, params: dict, cfg: MoEConfig, num_ranks: int):
         h = torch.einsum("th,thf->tf", xd, wgu)
         gate, up = h.chunk(2, -1)
         y = torch.einsum("tf,tfh->th", F.silu(gate) * up, params["w_down"].double()[idx[:, k]])
-        out = out + torch.where(keep[:, k:k + 1], w[:, k:k + 1].double() * y, torch.zeros((), dtype=torch.float64))
+        # y · w rounded to x's dtype, as the layer's contract says (a no-op for float64 x).
+        term = (w[:, k:k + 1].double() * y).to(x.dtype).double()
+        out = out + torch.where(keep[:, k:k + 1], term, torch.zeros((), dtype=torch.float64))
     if "shared_gate_up" in params:
         gate, up = (xd @ params["shared_gate_up"].double()).chunk(2, -1)
         out = out + (F.silu(gate) * up) @ params["shared_down"].double()
