@@ -12,10 +12,12 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import jax_layer_workers
 from harness.moe_reference_jax import moe_reference
 from omniep.ep_core.errors import InputError
 from omniep.layers import jax as lj
 from omniep.layers.config import MoEConfig
+from omniep.testing.procs import run_ranks
 
 # Each example compiles a sharded forward+backward and the oracle's (a few seconds on 2 cores).
 EXAMPLES = max(3, settings.default.max_examples // 8)
@@ -253,3 +255,14 @@ def test_module_validation():
         model(jnp.zeros((4, 6), jnp.float32))
     with pytest.raises(InputError, match="do not split"):
         model(jnp.zeros((3, 8), jnp.float32))
+
+
+@pytest.mark.slow
+def test_two_processes_match_the_reference():
+    """2 JAX processes (jax.distributed, gloo), 2 CPU devices each: a 4-rank EP mesh, then EP groups that
+    span the processes with FSDP over the data axis; each process compares against the oracle."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    results = run_ranks(jax_layer_workers.mp_layer_cases, 2, env=env, timeout=240)
+    assert [r["process"] for r in results] == [0, 1]
+    for res in results:
+        assert res["num_devices"] == 4 and res["checked"] == ["ep", "ep_x_fsdp"]

@@ -10,6 +10,7 @@ Neither names a backend: ``OMNIEP_BACKEND`` or the ``backend`` argument, passed 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -140,9 +141,12 @@ def moe_shard(params: dict, x, config: MoEConfig, *, axis_name, backend: Optiona
     # grouped GEMM over experts is a batched matmul with no group sizes, one for [gate | up], one for down.
     y = _swiglu(d.recv_x, params["w_gate_up"].astype(dtype), params["w_down"].astype(dtype),
                 "lch,lhf->lcf", "lcf,lfh->lch")
-    # Padding slots carry no copy: zero y there so that no gradient reaches the weights through them.
-    y = jnp.where((d.recv_topk_idx >= 0)[..., None], y, jnp.zeros((), dtype))
-    out = ep.combine(y, d.handle)
+    # Each copy is scaled by the weight that travelled with it (fp32, rounded once) and the combine is
+    # unweighted: the weights' gradient then returns through dispatch, read back exactly, so it is the
+    # same bits on every backend. Padding slots carry no copy: zero there, so no gradient flows through.
+    scaled = (y.astype(jnp.float32) * d.recv_topk_weights[..., None]).astype(dtype)
+    y = jnp.where((d.recv_topk_idx >= 0)[..., None], scaled, jnp.zeros((), dtype))
+    out = ep.combine(y, d.handle, weighted=False)
     if config.shared_ffn > 0:
         out = out + _swiglu(x, params["shared_gate_up"].astype(dtype), params["shared_down"].astype(dtype),
                             "th,hf->tf", "tf,fh->th")
@@ -177,8 +181,16 @@ def init_params(key, config: MoEConfig, dtype=jnp.float32) -> dict:
     return params
 
 
-# One compiled program instead of a few hundred eager ops (the per-expert vmap above all).
-_init_params_jit = jax.jit(init_params, static_argnums=(1, 2))
+@functools.lru_cache(maxsize=None)
+def _init_program(config: MoEConfig, dtype, mesh, specs: tuple):
+    # One compiled program (not a few hundred eager ops) that writes each parameter in its sharding:
+    # every process of a multi-process mesh runs the same program, no array is moved afterwards.
+    shardings = {name: jax.sharding.NamedSharding(mesh, spec) for name, spec in specs}
+    return jax.jit(lambda key: init_params(key, config, dtype), out_shardings=shardings)
+
+
+def _init_params_sharded(key, config, dtype, mesh, specs):
+    return _init_program(config, dtype, mesh, specs)(key)
 
 
 # ---- the nnx module --------------------------------------------------------------------------------
@@ -226,13 +238,13 @@ class MoE(nnx.Module):
         self.expert_axis, self.data_axes, self.fsdp_axis = expert_axis, data_axes, fsdp_axis
         self.dtype = dtype
 
-        values = _init_params_jit(rngs.params(), config, param_dtype)
-        for name, spec in self._param_specs().items():
+        specs = self._param_specs()
+        values = _init_params_sharded(rngs.params(), config, jnp.dtype(param_dtype), mesh,
+                                      tuple(specs.items()))
+        for name, spec in specs.items():
             cls = ExpertBias if name == "expert_bias" else nnx.Param
-            # device_put (a constraint under jit) rather than flax's eager sharding, which compiles a
-            # program per parameter outside jit.
-            value = jax.device_put(values[name], jax.sharding.NamedSharding(mesh, spec))
-            setattr(self, name, cls(value, out_sharding=tuple(spec), mesh=mesh, eager_sharding=False))
+            # Placed by the init program itself (out_shardings), so flax's eager sharding has nothing to do.
+            setattr(self, name, cls(values[name], out_sharding=tuple(spec), mesh=mesh, eager_sharding=False))
 
     def _param_specs(self) -> dict:
         """Each parameter's PartitionSpec over the mesh (the in_specs of the shard_map)."""

@@ -4,8 +4,9 @@
 blocks of ``T`` tokens; with a data axis, every rank of every EP group) and the GLOBAL parameters (all
 ``E`` experts). Each shard routes its own tokens (router, grouped top-k, weights, losses, the sender-side
 capacity drop, which only sees the shard's own tokens), then every kept copy ``(t, k)`` goes through its
-expert by gathering that expert's weights: no communication, no dispatch buffer, no omniep.jax. Sums
-over k are fp32 in k order. Differentiable in ``x`` and every parameter.
+expert by gathering that expert's weights: no communication, no dispatch buffer, no omniep.jax. Each copy is
+scaled by its weight in fp32 and rounded to x's dtype; sums over k are fp32 in k order. Differentiable in
+``x`` and every parameter.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def _shard(x, params, cfg, c_send):
     for k in range(K):
         e = idx[:, k]
         y = _swiglu(x, params["w_gate_up"][e].astype(dtype), params["w_down"][e].astype(dtype))
-        acc = acc + jnp.where(kept[:, k:k + 1], w[:, k:k + 1] * y.astype(jnp.float32), 0.0)
+        # The copy scaled by its weight in fp32, rounded to x's dtype, then summed in fp32 in k order.
+        scaled = (w[:, k:k + 1] * y.astype(jnp.float32)).astype(dtype)
+        acc = acc + jnp.where(kept[:, k:k + 1], scaled.astype(jnp.float32), 0.0)
     out = acc.astype(dtype)
     if cfg.shared_ffn > 0:
         out = out + _swiglu(x, params["shared_gate_up"].astype(dtype), params["shared_down"].astype(dtype))
