@@ -1,8 +1,10 @@
-"""``omniep demo``: a toy MoE layer forward + backward on 8 JAX CPU devices and on 4 gloo ranks.
+"""``omniep demo``: a toy MoE layer forward + backward on 8 JAX CPU devices and on 4 gloo ranks, then
+a small MoE transformer block trained with ``omniep.layers.torch.MoE`` on 2 gloo ranks.
 
-Each run is checked two ways: dispatch + combine of a random routing case bit for bit against
+Each layer run is checked two ways: dispatch + combine of a random routing case bit for bit against
 :mod:`omniep.ep_core.reference`, and the whole layer (values and gradients) against the same layer
-computed densely without communication.
+computed densely without communication. The training run must bring its loss down (to below
+``TRAIN_TARGET``); its curve is plotted when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..testing.golden import assert_bitwise_equal
 
 LAYOUTS = ("rank_major", "expert_major")
 TOLERANCE = 1e-4
+TRAIN_STEPS, TRAIN_TARGET, TRAIN_PLOT = 200, 0.1, "omniep-demo-loss.png"
 
 
 def _case(num_ranks: int, layout: str):
@@ -135,6 +138,22 @@ def format_row(r: dict) -> str:
             f"{r['dispatch+combine']:<17} {r['fwd_err']:>12.2e} {r['grad_err']:>13.2e} {r['seconds']:>6.1f}")
 
 
+def train_demo(ranks: int = 2) -> bool:
+    """Train the example MoE block (omniep.examples.train_moe) and report; True if the loss fell enough."""
+    from ..examples import train_moe
+
+    print(f"\ntraining a MoE transformer block (omniep.layers.torch.MoE) on {ranks} gloo ranks, "
+          f"{TRAIN_STEPS} steps:", flush=True)
+    start = time.perf_counter()
+    losses = train_moe.train(ranks, TRAIN_STEPS, report_every=TRAIN_STEPS // 5)
+    ok = losses[-1] < TRAIN_TARGET
+    print(f"  {time.perf_counter() - start:.1f} s; final loss {losses[-1]:.4f} "
+          f"({'below' if ok else 'NOT below'} {TRAIN_TARGET})", flush=True)
+    if train_moe.plot({"omniep.layers.torch.MoE": losses}, TRAIN_PLOT):
+        print(f"  loss curve: {os.path.abspath(TRAIN_PLOT)}")
+    return ok
+
+
 def main(frameworks=("jax", "torch")) -> int:
     """The table, one row per check as it finishes (each takes several seconds), then the verdict."""
     print(_HEAD + "\n" + "-" * len(_HEAD), flush=True)
@@ -149,5 +168,7 @@ def main(frameworks=("jax", "torch")) -> int:
         rows += torch_rows(report=report)
     ok = all(r["dispatch+combine"] == "bitwise" and r["fwd_err"] < TOLERANCE and r["grad_err"] < TOLERANCE
              for r in rows)
+    if "torch" in frameworks:
+        ok = train_demo() and ok
     print("demo: all checks passed" if ok else "demo: CHECKS FAILED")
     return 0 if ok else 1
