@@ -8,7 +8,8 @@ F=2048, softmax routing, capacity factor 1.25, bf16 parameters and activations. 
 * the device time split from the CUDA profiler (run last: CUPTI slows the host): ``ep`` = the kernels
   and copies launched inside omniep's dispatch / combine ops (forward and backward), ``gemm`` = those of
   ``bmm`` / ``mm`` / ``addmm`` / ``matmul``, ``other`` = the rest (router, top-k, SwiGLU, masks, losses);
-* ``idle``: step wall − all device time: what the host path (or waiting for a peer) costs on top.
+* ``idle``: step wall − all device time: what the host path (or waiting for a peer) costs on top
+  (the profiled steps start after a host barrier; its NCCL kernel, a few µs, counts as ``other``).
 
     python benchmarks/moe_layer_gpu.py --world 2 --per-gpu [--backends cuda_nvshmem,collective] [--out f.json]
 """
@@ -106,6 +107,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(n):
+                    # Ranks start each profiled step together, so that a kernel does not also time the
+                    # wait for a peer that launched later.
+                    torch.cuda.synchronize()
+                    dist.barrier()
                     step()
                 torch.cuda.synchronize()
             split = {k: v / n for k, v in _split(prof).items()}

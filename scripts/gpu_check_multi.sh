@@ -35,6 +35,7 @@ if [[ "$PART" != tests ]]; then
   step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --out "$OUT/ll_ops.json"
   # The MoE layer (omniep.layers.torch) forward + backward at DeepSeek-V3's shape, native vs collective
   step bench_layer 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu --out "$OUT/layer.json"
+  step bench_layer_jax 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 --out "$OUT/layer_jax.json"
 fi
 echo "gpu_check_multi: exit $status; logs in $OUT"
 exit $status

@@ -1,0 +1,108 @@
+"""The Flax MoE layer (``omniep.layers.jax.MoE``) forward + backward under ``jit`` on GPUs (issue 17).
+
+The same shape and loss as ``moe_layer_gpu.py`` (the torch layer): T=4096 tokens per rank, H=7168, 256
+experts, top-8, F=2048, capacity factor 1.25, bf16 parameters and tokens. One ``jax.distributed``
+process per GPU (``--world`` GPUs), a 1-D ``expert`` mesh over them; per backend (``OMNIEP_BACKEND`` of
+the processes): the step's wall time (the jitted value-and-grad, dispatched and waited for), median
+over ``--iters``, and tokens/s per rank.
+
+    python benchmarks/moe_layer_jax_gpu.py --world 2 [--backends cuda_nvshmem,collective] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, capacity_factor=1.25)
+
+
+def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
+    os.environ["OMNIEP_BACKEND"] = args["backend"]
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    on_cpu = args["cpu"]  # a smoke run of the script itself (tiny shapes, gloo collectives)
+    if on_cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank,
+                               local_device_ids=None if on_cpu else [rank], initialization_timeout=120)
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from omniep.layers import MoEConfig
+    from omniep.layers import jax as lj
+
+    s = args["shape"]
+    cfg = MoEConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=s["experts"], top_k=s["topk"],
+                    capacity_factor=s["capacity_factor"], aux_loss_coef=0.001)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
+    model = lj.MoE(cfg, rngs=nnx.Rngs(params=1), mesh=mesh, param_dtype=jnp.bfloat16)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.sharding.NamedSharding(mesh, jax.P("expert", None))
+    x = jax.jit(lambda k: jax.random.normal(k, (world * s["tokens"], s["hidden"]), jnp.bfloat16),
+                out_shardings=tokens)(jax.random.key(100))
+
+    @jax.jit
+    def step(params, x):
+        def loss(params, x):
+            out, aux = nnx.merge(graphdef, params, rest)(x)
+            return jnp.mean(jnp.square(out.astype(jnp.float32))) + aux
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    for _ in range(3):
+        jax.block_until_ready(step(params, x))
+    times = []
+    for _ in range(args["iters"]):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(params, x))
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    wall = times[len(times) // 2]
+    stats = jax.local_devices()[0].memory_stats() or {}
+    row = dict(rank=rank, world=world, backend=args["backend"], wall_us=wall, tokens_per_s=s["tokens"] / wall * 1e6,
+               peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
+    print(f"rank {rank} {args['backend']}: step {wall / 1e3:.2f} ms, {row['tokens_per_s']:.0f} tok/s", flush=True)
+    jax.distributed.shutdown()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--backends", default="cuda_nvshmem,collective")
+    p.add_argument("--iters", type=int, default=10)
+    for key, value in SHAPE.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--cpu", action="store_true", help="smoke-run on CPU processes (use small shapes)")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    shape = {k: getattr(a, k) for k in SHAPE}
+    sys.path.insert(0, ".")
+    from omniep.testing.procs import run_ranks
+
+    rows = []
+    for backend in a.backends.split(","):
+        args = dict(iters=a.iters, backend=backend, shape=shape, cpu=a.cpu)
+        rows += run_ranks(rank_main, a.world, args=(args,), timeout=400,
+                          env={"OMNIEP_CHECKS": "default", "JAX_PLATFORMS": "cpu" if a.cpu else "cuda,cpu",
+                               "XLA_FLAGS": "--xla_force_host_platform_device_count=1" if a.cpu else ""})
+    print(f"\n{a.world} JAX process(es), one GPU each; {shape}")
+    print("| backend | step ms (fwd+bwd, jit) | tokens/s per rank | peak GiB |")
+    print("|---|---|---|---|")
+    for backend in a.backends.split(","):
+        mine = [r for r in rows if r["backend"] == backend]
+        print(f"| {backend} | {max(r['wall_us'] for r in mine) / 1e3:.2f} | {min(r['tokens_per_s'] for r in mine):.0f} "
+              f"| {max(r['peak_gib'] for r in mine):.1f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
