@@ -12,12 +12,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import jax_layer_workers
 from harness.moe_reference_jax import moe_reference
 from omniep.ep_core.errors import InputError
 from omniep.layers import jax as lj
 from omniep.layers.config import MoEConfig
-from omniep.testing.procs import run_ranks
 
 # Each example compiles a sharded forward+backward and the oracle's (a few seconds on 2 cores).
 EXAMPLES = max(3, settings.default.max_examples // 8)
@@ -176,8 +174,8 @@ def test_init_does_not_depend_on_the_ep_size():
     for R in (1, 2, 4):
         model = build(cfg, R, seed=3)
         params.append({k: np.asarray(v) for k, v in global_params(model).items()})
-        out, aux = nnx.jit(lambda m, x: m(x))(model, x)
-        outs.append(np.asarray(out))
+        if R != 2:  # (one compile less)
+            outs.append(np.asarray(nnx.jit(lambda m, x: m(x)[0])(model, x)))
         expected = jax.sharding.NamedSharding(make_mesh(R), jax.P("expert", None, None))
         assert model.w_gate_up[...].sharding.is_equivalent_to(expected, 3)
     for other in params[1:]:
@@ -206,18 +204,25 @@ def test_partition_specs_and_trainable_variables():
     assert "expert_bias" not in nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def test_linen_wrapper_matches_the_reference():
+def test_linen_wrapper_in_bfloat16_matches_the_reference():
+    """The Linen wrapper with dtype=bfloat16 and float32 parameters: experts, scaled copies and output in
+    bf16, router and loss in fp32 (the oracle rounds at the same points; bf16 tolerance for the GEMMs'
+    accumulation order)."""
     import flax.linen as nn
 
-    cfg = MoEConfig(hidden=8, ffn=4, num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_coef=0.1)
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((8, 8)).astype(np.float32))
-    module = lj.to_linen(cfg, mesh=make_mesh(2))
+    cfg = MoEConfig(hidden=8, ffn=4, num_experts=4, top_k=2, capacity_factor=1.0, shared_ffn=4, aux_loss_coef=0.1)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((12, 8)).astype(np.float32))
+    module = lj.to_linen(cfg, mesh=make_mesh(2), dtype=jnp.bfloat16)
     variables = jax.jit(module.init)(jax.random.key(5), x)
     assert nn.get_partition_spec(variables)["params"]["w_down"] == jax.P("expert", None, None)
+    params = nn.meta.unbox(variables)["params"]
+    assert params["w_down"].dtype == jnp.float32
     out, aux = jax.jit(module.apply)(variables, x)
-    ref_out, ref_aux = moe_reference(nn.meta.unbox(variables)["params"], x, cfg, 2)
-    close(out, ref_out, "linen out")
-    close(aux, np.mean(np.asarray(ref_aux)), "linen aux", rtol=1e-5)
+    assert out.dtype == jnp.bfloat16 and aux.dtype == jnp.float32
+    ref_out, ref_aux = moe_reference(params, x.astype(jnp.bfloat16), cfg, 2)
+    assert ref_out.dtype == jnp.bfloat16
+    close(out, ref_out, "bf16 out", rtol=2e-2)
+    close(aux, np.mean(np.asarray(ref_aux)), "aux", rtol=1e-5)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -256,13 +261,3 @@ def test_module_validation():
     with pytest.raises(InputError, match="do not split"):
         model(jnp.zeros((3, 8), jnp.float32))
 
-
-@pytest.mark.slow
-def test_two_processes_match_the_reference():
-    """2 JAX processes (jax.distributed, gloo), 2 CPU devices each: a 4-rank EP mesh, then EP groups that
-    span the processes with FSDP over the data axis; each process compares against the oracle."""
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    results = run_ranks(jax_layer_workers.mp_layer_cases, 2, env=env, timeout=240)
-    assert [r["process"] for r in results] == [0, 1]
-    for res in results:
-        assert res["num_devices"] == 4 and res["checked"] == ["ep", "ep_x_fsdp"]

@@ -113,7 +113,10 @@ def moe_shard(params: dict, x, config: MoEConfig, *, axis_name, backend: Optiona
     ``w_gate_up[L, H, 2F]`` and ``w_down[L, F, H]`` (this rank's ``L = E / R`` experts, rank ``r``
     holding experts ``r*L .. r*L+L-1``), optionally ``shared_gate_up[H, 2S]`` and ``shared_down[S, H]``
     (when ``config.shared_ffn > 0``) and ``expert_bias[E]`` (used when ``config.expert_bias``). The
-    router runs in fp32, the experts in ``x``'s dtype (weights are cast to it).
+    router runs in fp32, the experts in ``x``'s dtype (weights are cast to it). Copies over the
+    capacity (``config.capacity_factor``) are dropped on this rank, the first ``c_send`` per expert in
+    ``(t, k)`` order kept, before dispatch; the output of a token whose copies were all dropped is its
+    shared expert's (or zero).
 
     Returns ``(out[T, H]`` in ``x``'s dtype, ``aux_loss`` fp32 scalar over this rank's tokens; the mean
     over ranks is the global loss).
@@ -231,7 +234,7 @@ class MoE(nnx.Module):
         capacities(config, R, 1)  # E must be a multiple of R (InputError naming both)
         if fsdp_axis is not None:
             n = int(mesh.shape[fsdp_axis])
-            if config.hidden % n or (config.shared_ffn and config.hidden % n):
+            if config.hidden % n:
                 raise InputError(f"MoE fsdp_axis={fsdp_axis!r}: hidden={config.hidden} must be a multiple of "
                                  f"its size {n}")
         self.config, self.mesh, self.backend = config, mesh, backend
@@ -259,8 +262,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x):
         """``x[..., H]`` global, its token dims (flattened, row-major) sharded over ``data_axes +
-        (expert_axis,)``. Returns ``(out[..., H]`` in the compute dtype, ``aux_loss`` fp32 scalar: the
-        mean of every shard's loss, replicated)."""
+        (expert_axis,)``; it is cast to the compute dtype first (the router then reads the cast tokens
+        in fp32). Returns ``(out[..., H]`` in the compute dtype, ``aux_loss`` fp32 scalar: the mean of
+        every shard's loss, replicated)."""
         config, fsdp, dtype = self.config, self.fsdp_axis, self.dtype or x.dtype
         if x.shape[-1] != config.hidden:
             raise InputError(f"x has hidden size {x.shape[-1]}, config.hidden={config.hidden}")
