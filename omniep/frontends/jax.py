@@ -169,9 +169,12 @@ def combine(y, handle: Handle, *, bias=None, return_status: bool = False, weight
     val.check_combine_input(y, rows, layout_shape=shape)
     biases = val.check_bias(bias, int(handle.topk_idx.shape[0]), int(y.shape[-1]))
     if not weighted and cfg.layout == Layout.EXPERT_MAJOR:
-        # Unit weights where copies are: constants, so no gradient reaches the dispatch's weights here.
-        handle = handle.replace(topk_weights=jnp.ones_like(handle.topk_weights),
-                                recv_topk_weights=(handle.recv_topk_idx >= 0).astype(handle.recv_topk_weights.dtype))
+        # Unit weights where copies are (constants: no gradient reaches the dispatch's weights here): at
+        # the sources, and on the held slots for backends whose handle keeps the received weights.
+        ones = {"topk_weights": jnp.ones_like(handle.topk_weights)}
+        if handle.recv_topk_weights is not None and handle.recv_topk_idx is not None:
+            ones["recv_topk_weights"] = (handle.recv_topk_idx >= 0).astype(handle.recv_topk_weights.dtype)
+        handle = handle.replace(**ones)
     cls = registry.get_backend_class(handle.backend, "jax")
     bias_dtypes = tuple(val.dtype_name(b) for b in biases)
     out, status = _combine_fn(cls, handle.group, cfg, bias_dtypes, _sync())(y, handle, biases)
