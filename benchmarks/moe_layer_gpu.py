@@ -9,7 +9,7 @@ F=2048, softmax routing, capacity factor 1.25, bf16 parameters and activations. 
   and copies launched inside omniep's dispatch / combine ops (forward and backward), ``gemm`` = those of
   ``bmm`` / ``mm`` / ``addmm`` / ``matmul``, ``other`` = the rest (router, top-k, SwiGLU, masks, losses);
 * ``idle``: step wall − all device time: what the host path (or waiting for a peer) costs on top
-  (the profiled steps start after a host barrier; its NCCL kernel, a few µs, counts as ``other``).
+  (the profiled steps start after a host barrier over gloo).
 
     python benchmarks/moe_layer_gpu.py --world 2 --per-gpu [--backends cuda_nvshmem,collective] [--out f.json]
 """
@@ -30,7 +30,7 @@ def _split(prof) -> dict:
     """Device µs of the profiled steps by category: every CUDA activity is charged to its outermost
     CPU op that is an omniep op (ep) or a GEMM (gemm), else to other."""
     totals = dict(ep=0.0, gemm=0.0, other=0.0)
-    charged = set()
+    charged, inside = set(), set()
     for ev in prof.events():
         if ev.device_type.name != "CPU":
             continue
@@ -46,12 +46,19 @@ def _split(prof) -> dict:
         if not nested and ev.id not in charged:
             charged.add(ev.id)
             totals[kind] += ev.device_time_total
+            inside.update(k.name for k in ev.kernels)
     everything = sum(e.device_time_total for e in prof.events()
                      if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None)
     if everything == 0.0:
         everything = sum(e.self_device_time_total for e in prof.events() if e.device_type.name == "CPU")
     totals["other"] = max(0.0, everything - totals["ep"] - totals["gemm"])
     totals["all"] = everything
+    # The kernels of "other" that cost most (names of kernels never launched inside an ep / GEMM op).
+    others: dict = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key not in inside:
+            others[e.key] = others.get(e.key, 0.0) + e.device_time_total
+    totals["top_other"] = sorted(others.items(), key=lambda kv: -kv[1])[:8]
     return totals
 
 
@@ -72,6 +79,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     dist.init_process_group("nccl" if args["per_gpu"] else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300),
                             device_id=torch.device("cuda", torch.cuda.current_device()) if args["per_gpu"] else None)
+    # Host barriers over gloo: an NCCL barrier's kernel would time the wait for the later rank.
+    cpu_group = dist.new_group(backend="gloo")
     s = args["shape"]
     cfg = MoEConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=s["experts"], top_k=s["topk"],
                     capacity_factor=s["capacity_factor"], aux_loss_coef=0.001)
@@ -110,10 +119,15 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                     # Ranks start each profiled step together, so that a kernel does not also time the
                     # wait for a peer that launched later.
                     torch.cuda.synchronize()
-                    dist.barrier()
+                    dist.barrier(group=cpu_group)
                     step()
                 torch.cuda.synchronize()
-            split = {k: v / n for k, v in _split(prof).items()}
+            split = _split(prof)
+            top = split.pop("top_other")
+            split = {k: v / n for k, v in split.items()}
+            if rank == 0:
+                print(f"rank 0 {backend}: other's costliest kernels (µs per step): "
+                      + "; ".join(f"{name[:60]} {us / n:.0f}" for name, us in top), flush=True)
             row = dict(rank=rank, world=world, backend=backend, wall_us=wall, tokens_per_s=s["tokens"] / wall * 1e6,
                        **{f"{k}_us": v for k, v in split.items()}, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             rows.append(row)
