@@ -92,6 +92,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             x = torch.randn(s["tokens"], s["hidden"], device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
 
             def step():
+                # As a training step would: fresh gradients (accumulating into .grad would add passes
+                # over every expert weight that a zero_grad(set_to_none=True) loop does not make).
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
                 out, aux = layer(x)
                 (out.float().square().mean() + aux).backward()
 

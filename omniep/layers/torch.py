@@ -89,7 +89,7 @@ class MoE(nn.Module):
         # Weighted here, by the weight that travelled with each copy (its gradient returns through
         # dispatch exactly: bitwise the same on every backend); padding slots zero, so that no gradient
         # reaches the expert weights through them.
-        weighted = (y.float() * d.recv_topk_weights.unsqueeze(-1)).to(y.dtype)
+        weighted = (y * d.recv_topk_weights.unsqueeze(-1)).to(y.dtype)  # fp32 product (type promotion)
         y = torch.where((d.recv_topk_idx >= 0).unsqueeze(-1), weighted, torch.zeros((), dtype=y.dtype, device=y.device))
         out = ep.combine(y, d.handle, weighted=False)
         if self.shared_gate_up is not None:
