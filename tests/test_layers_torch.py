@@ -105,3 +105,8 @@ def test_config_errors_name_the_field():
         MoEConfig(hidden=4, ffn=4, num_experts=4, top_k=1, capacity_factor=0)
     with pytest.raises(InputError, match="hidden"):
         MoEConfig(hidden=0, ffn=4, num_experts=4, top_k=1)
+    with pytest.raises(InputError, match="capacity_factor"):
+        MoEConfig(hidden=4, ffn=4, num_experts=4, top_k=1, capacity_factor=float("inf"))
+    for name in ("routed_scaling_factor", "aux_loss_coef", "z_loss_coef"):
+        with pytest.raises(InputError, match=name):
+            MoEConfig(hidden=4, ffn=4, num_experts=4, top_k=1, **{name: float("nan")})

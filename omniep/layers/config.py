@@ -98,8 +98,12 @@ class MoEConfig:
             raise InputError(f"MoEConfig.top_k={self.top_k} exceeds the experts of topk_groups={self.topk_groups} "
                              f"groups of {self.num_experts // self.num_groups}")
         cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-            raise InputError(f"MoEConfig.capacity_factor must be a positive number or None, got {cf!r}")
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < math.inf):
+            raise InputError(f"MoEConfig.capacity_factor must be a positive finite number or None, got {cf!r}")
+        for name in ("routed_scaling_factor", "aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise InputError(f"MoEConfig.{name} must be a finite number >= 0, got {v!r}")
 
     @property
     def group_top(self) -> int:
