@@ -1,5 +1,5 @@
 """``omniep demo``: a toy MoE layer forward + backward on 8 JAX CPU devices and on 4 gloo ranks, then
-a small MoE transformer block trained with ``omniep.layers.torch.MoE`` on 2 gloo ranks.
+a small MoE transformer block trained with ``omniep.layers``' Flax and torch layers on 2 ranks each.
 
 Each layer run is checked two ways: dispatch + combine of a random routing case bit for bit against
 :mod:`omniep.ep_core.reference`, and the whole layer (values and gradients) against the same layer
@@ -138,19 +138,30 @@ def format_row(r: dict) -> str:
             f"{r['dispatch+combine']:<17} {r['fwd_err']:>12.2e} {r['grad_err']:>13.2e} {r['seconds']:>6.1f}")
 
 
-def train_demo(ranks: int = 2) -> bool:
-    """Train the example MoE block (omniep.examples.train_moe) and report; True if the loss fell enough."""
+def train_demo(frameworks=("jax", "torch"), ranks: int = 2) -> bool:
+    """Train the example MoE block (omniep.examples.train_moe[_jax]) with each framework's layer and
+    report; True if every loss fell below TRAIN_TARGET."""
     from ..examples import train_moe
 
-    print(f"\ntraining a MoE transformer block (omniep.layers.torch.MoE) on {ranks} gloo ranks, "
-          f"{TRAIN_STEPS} steps:", flush=True)
-    start = time.perf_counter()
-    losses = train_moe.train(ranks, TRAIN_STEPS, report_every=TRAIN_STEPS // 5)
-    ok = losses[-1] < TRAIN_TARGET
-    print(f"  {time.perf_counter() - start:.1f} s; final loss {losses[-1]:.4f} "
-          f"({'below' if ok else 'NOT below'} {TRAIN_TARGET})", flush=True)
-    if train_moe.plot({"omniep.layers.torch.MoE": losses}, TRAIN_PLOT):
-        print(f"  loss curve: {os.path.abspath(TRAIN_PLOT)}")
+    curves, ok = {}, True
+    for fw in frameworks:
+        where = f"{ranks} gloo ranks" if fw == "torch" else f"{ranks} XLA CPU devices"
+        print(f"\ntraining a MoE transformer block (omniep.layers.{fw}.MoE) on {where}, {TRAIN_STEPS} steps:",
+              flush=True)
+        start = time.perf_counter()
+        if fw == "torch":
+            losses = train_moe.train(ranks, TRAIN_STEPS, report_every=TRAIN_STEPS // 5)
+        else:
+            from ..examples import train_moe_jax
+
+            losses = train_moe_jax.train(ranks, TRAIN_STEPS, report_every=TRAIN_STEPS // 5)
+        curves[f"omniep.layers.{fw}.MoE"] = losses
+        good = losses[-1] < TRAIN_TARGET
+        ok = ok and good
+        print(f"  {time.perf_counter() - start:.1f} s; final loss {losses[-1]:.4f} "
+              f"({'below' if good else 'NOT below'} {TRAIN_TARGET})", flush=True)
+    if curves and train_moe.plot(curves, TRAIN_PLOT):
+        print(f"loss curves: {os.path.abspath(TRAIN_PLOT)}")
     return ok
 
 
@@ -168,7 +179,6 @@ def main(frameworks=("jax", "torch")) -> int:
         rows += torch_rows(report=report)
     ok = all(r["dispatch+combine"] == "bitwise" and r["fwd_err"] < TOLERANCE and r["grad_err"] < TOLERANCE
              for r in rows)
-    if "torch" in frameworks:
-        ok = train_demo() and ok
+    ok = train_demo(frameworks) and ok
     print("demo: all checks passed" if ok else "demo: CHECKS FAILED")
     return 0 if ok else 1
