@@ -85,3 +85,56 @@ def mp_layer_cases(rank: int, world: int, port: int) -> dict:
             assert int(np.sum(dropped)) > 0, f"{name}: the capacity factor was meant to drop copies"
         checked.append(name)
     return {"process": jax.process_index(), "num_devices": n, "checked": checked}
+
+
+def gpu_layer_run(rank: int, world: int, port: int, backend: str, per_gpu: bool, dtype: str) -> dict:
+    """One ``jax.distributed`` process (GPU ``rank`` with ``per_gpu``, else GPU 0) of a 1-D expert mesh over
+    all processes: the Flax layer's output, aux loss and every gradient under ``jit`` on ``backend``,
+    gathered to numpy (the same arrays in every process), for a drop-heavy sigmoid grouped config."""
+    import os
+
+    os.environ["OMNIEP_BACKEND"] = backend
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
+    import jax
+
+    on_cpu = os.environ.get("JAX_PLATFORMS") == "cpu"  # the worker's own CPU check (collective only)
+    if on_cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank,
+                               local_device_ids=None if on_cpu else [rank if per_gpu else 0],
+                               initialization_timeout=120)
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from omniep.layers import jax as lj
+    from omniep.layers.config import MoEConfig
+
+    cfg = MoEConfig(hidden=64, ffn=32, num_experts=4 * world, top_k=3, score_func="sigmoid", num_groups=2,
+                    topk_groups=1, routed_scaling_factor=2.5, capacity_factor=0.75, shared_ffn=16,
+                    aux_loss_coef=0.01, z_loss_coef=1e-3)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
+    model = lj.MoE(cfg, rngs=nnx.Rngs(params=3), mesh=mesh, param_dtype=getattr(jnp, dtype))
+    rng = np.random.default_rng(5)  # the same global arrays in every process
+    x_np = rng.standard_normal((world * 24, cfg.hidden)).astype(np.float32)
+    x_np[:, 0] += 2.0  # skew: drops at capacity factor 0.75
+    g_np = rng.standard_normal(x_np.shape).astype(np.float32)
+    token = jax.sharding.NamedSharding(mesh, jax.P("expert", None))
+    x, g = (jax.make_array_from_callback(a.shape, token, lambda idx, a=a: a[idx].astype(dtype)) for a in (x_np, g_np))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params, x, g):
+        def loss(params, x):
+            out, aux = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + aux, (out, aux)
+        (_, (out, aux)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return out, aux, gp, gx
+
+    out, aux, gp, gx = run(params, x, g)
+    gather = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))  # noqa: E731
+    res = {"out": gather(out), "aux": gather(aux), "g_x": gather(gx)}
+    res.update({f"g_{k}": gather(v) for k, v in nnx.to_pure_dict(gp).items()})
+    jax.distributed.shutdown()
+    return res
