@@ -58,6 +58,27 @@ for src in csrc/capi/*.cpp; do  # host-only C++: must not need CUDA headers
   echo "${CXX:-c++} $src"
   "${CXX:-c++}" -std=c++17 -Wall -Wextra -Werror -Icsrc -Icsrc/include -c "$src" -o "$out/$(basename "$src").o" || status=1
 done
+# The NCCL EP library's ABI as nccl_ep_lib relies on it (csrc/backends/nccl_ep_lib_abi.cpp, static_asserts
+# only): host C++ against nccl_ep.h of NVIDIA's nccl-extensions wheel (OMNIEP_NCCL_EP_ROOT: the folder
+# holding include/nccl_ep.h, or the ep/ folder of the `nccl` package of $PYTHON), nccl.h and the CUDA
+# runtime headers; skipped, and said so, where nccl_ep.h or nccl.h is not found.
+NCCL_EP_ROOT="${OMNIEP_NCCL_EP_ROOT:-}"
+if [[ -z "$NCCL_EP_ROOT" ]]; then
+  for py in "${PYTHON:-}" .venv/bin/python python3; do
+    [[ -n "$py" ]] && command -v "$py" >/dev/null || continue
+    NCCL_EP_ROOT="$("$py" -c 'import importlib.util as u, os; s = u.find_spec("nccl"); print(next(os.path.join(d, "ep") for d in s.submodule_search_locations if os.path.isfile(os.path.join(d, "ep", "include", "nccl_ep.h"))))' 2>/dev/null)" && break
+  done
+fi
+src=csrc/backends/nccl_ep_lib_abi.cpp
+if [[ -z "$NCCL_EP_ROOT" || ! -f "$NCCL_EP_ROOT/include/nccl_ep.h" ]]; then
+  echo "skip $src (nccl_ep.h not found: set OMNIEP_NCCL_EP_ROOT or pip install nccl-extensions)"
+elif [[ -z "$NCCL_ROOT" || ! -f "$NCCL_ROOT/include/nccl.h" ]]; then
+  echo "skip $src (nccl.h not found: set OMNIEP_NCCL_ROOT or pip install nvidia-nccl-cu13)"
+else
+  echo "nvcc -x c++ -isystem $NCCL_EP_ROOT/include -I$NCCL_ROOT/include $src (NCCL EP ABI)"
+  "$NVCC" -x c++ -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -Icsrc -Icsrc/include -isystem "$NCCL_EP_ROOT/include" \
+    -I"$NCCL_ROOT/include" -c "$src" -o "$out/$(basename "$src").o" || status=1
+fi
 # XLA FFI handlers (csrc/ffi): host C++ against jax.ffi.include_dir() and the CUDA runtime headers;
 # skipped, and said so, where no interpreter imports jax.
 XLA_FFI_INC=""

@@ -64,7 +64,7 @@ def test_auto_falls_back_to_collective_and_logs_once(framework, monkeypatch, cap
     assert first is second and first.name == "collective" and first.framework == framework
     lines = [r.getMessage() for r in caplog.records if "backend chosen" in r.getMessage()]
     assert lines == [f"omniep: backend chosen for {framework}: collective (passed over: cuda_nvshmem, nccl_ep, "
-                     f"rocm_rocshmem; `omniep info` says why)"], lines
+                     f"rocm_rocshmem, nccl_ep_lib; `omniep info` says why)"], lines
 
 
 def test_per_call_name_overrides_environment(monkeypatch):
@@ -74,7 +74,7 @@ def test_per_call_name_overrides_environment(monkeypatch):
 
 def test_report_lists_every_backend_with_a_reason():
     rep = registry.report()
-    assert set(rep) == {"collective", "cuda_nvshmem", "nccl_ep", "rocm_rocshmem"}
+    assert set(rep) == {"collective", "cuda_nvshmem", "nccl_ep", "rocm_rocshmem", "nccl_ep_lib"}
     for per_fw in rep.values():
         for avail in per_fw.values():
             assert avail.reason.strip()

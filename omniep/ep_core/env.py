@@ -5,8 +5,8 @@ clear error naming it).
 (``OMNIEP_BACKEND=" CUDA_NVSHMEM "`` is ``cuda_nvshmem``); a value the variable does not accept raises
 :class:`InputError` naming the variable, the value and what it accepts. :func:`report` is what
 ``omniep info`` prints: every variable with the value in force and a verdict. The build scripts' own
-variables (``OMNIEP_BUILD_DIR``, ``OMNIEP_NVSHMEM_ROOT``, ``OMNIEP_NCCL_ROOT``, ``OMNIEP_HIP_ARCHS``) are
-the scripts' business and not listed here.
+variables (``OMNIEP_BUILD_DIR``, ``OMNIEP_NVSHMEM_ROOT``, ``OMNIEP_NCCL_ROOT``, ``OMNIEP_NCCL_EP_ROOT``,
+``OMNIEP_HIP_ARCHS``) are the scripts' business and not listed here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Variable:
     default: str
     doc: str
     choices: Optional[Callable[[], Optional[tuple]]] = None  # names (case-folded); None: `number` says what
-    number: Optional[str] = None  # "seconds": a float > 0; "bytes": an int >= 0; "flag": 0 or 1
+    number: Optional[str] = None  # "seconds": a float > 0; "bytes": an int >= 0; "flag": 0 or 1; "path": any
 
     def parse(self, raw: str):
         """The value of ``raw`` (already stripped), or ValueError saying what the variable accepts."""
@@ -57,6 +57,8 @@ class Variable:
             if not raw.isdigit():
                 raise ValueError("expected a whole number of bytes >= 0")
             return int(raw)
+        if self.number == "path":
+            return raw
         if raw not in ("0", "1"):
             raise ValueError("expected 0 or 1")
         return raw == "1"
@@ -64,7 +66,7 @@ class Variable:
     def accepts(self) -> str:
         if self.choices is not None:
             return " | ".join(self.choices() or ("a registered backend's name",))
-        return {"seconds": "seconds > 0", "bytes": "bytes >= 0", "flag": "0 | 1"}[self.number]
+        return {"seconds": "seconds > 0", "bytes": "bytes >= 0", "flag": "0 | 1", "path": "a path"}[self.number]
 
 
 def _is_float(raw: str) -> bool:
@@ -88,6 +90,8 @@ VARIABLES = {v.name: v for v in (
              "path, as across nodes; every rank must agree", number="flag"),
     Variable("OMNIEP_FUSED_COPY_BYTES", "4194304", "rank-major ops whose local copy is at most this many bytes "
              "do it inside the communication kernel (one launch fewer)", number="bytes"),
+    Variable("OMNIEP_NCCL_EP_LIB", "", "nccl_ep_lib: NVIDIA's libnccl_ep.so (the file or its folder); unset: "
+             "the installed nccl-extensions package's ep/lib/cu13, then cu12", number="path"),
 )}
 
 

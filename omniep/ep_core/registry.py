@@ -27,6 +27,12 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "torch": "omniep.backends.nccl_ep.torch_backend:NcclEpTorch",
     },
     "rocm_rocshmem": {"torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch"},
+    # NVIDIA's NCCL EP library (nccl-extensions): registered so that `omniep info` says why it cannot run;
+    # no adapter yet, so it is never available.
+    "nccl_ep_lib": {
+        "jax": "omniep.backends.nccl_ep_lib:NcclEpLibJax",
+        "torch": "omniep.backends.nccl_ep_lib:NcclEpLibTorch",
+    },
     "collective": {
         "jax": "omniep.backends.collective.jax_backend:CollectiveJax",
         "torch": "omniep.backends.collective.torch_backend:CollectiveTorch",

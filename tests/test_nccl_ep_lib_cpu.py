@@ -1,0 +1,178 @@
+"""``nccl_ep_lib`` (NVIDIA's NCCL EP library, issue 18 item 2) on CPU: registered, listed by ``omniep info``
+with its reason, the reason walking down the checks as each is met with real files (an empty
+``libnccl_ep.so``, fake ``libnccl.so.2`` libraries compiled here with the version and symbols asked for),
+and every op raising :class:`BackendUnavailableError` naming the backend (no adapter yet)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from omniep.backends import nccl_ep_lib as lib
+from omniep.ep_core import registry
+from omniep.ep_core.errors import BackendUnavailableError
+
+ADAPTER_NOTE = "adapter is not implemented yet"
+
+
+@pytest.fixture
+def ep_dir(tmp_path, monkeypatch):
+    """A folder holding an (empty) libnccl_ep.so, named by OMNIEP_NCCL_EP_LIB."""
+    d = tmp_path / "ep"
+    d.mkdir()
+    (d / "libnccl_ep.so").write_bytes(b"")
+    monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(d))
+    return d
+
+
+def fake_nccl(tmp_path, version: int, symbols=()) -> str:
+    """Compile a libnccl.so.2 whose ncclGetVersion reports ``version`` and that exports ``symbols``."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("c++")
+    if cc is None:
+        pytest.skip("no C compiler to build a fake libnccl.so.2")
+    src = tmp_path / f"nccl_{version}_{len(symbols)}.c"
+    body = [f"int ncclGetVersion(int* v) {{ *v = {version}; return 0; }}"]
+    body += [f"int {s}(void) {{ return 0; }}" for s in symbols]
+    src.write_text("\n".join(body) + "\n")
+    out = tmp_path / f"v{version}_{len(symbols)}" / "libnccl.so.2"
+    out.parent.mkdir()
+    subprocess.run([cc, "-x", "c", "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return str(out)
+
+
+def test_listed_by_the_registry_and_by_omniep_info_json(tmp_path):
+    assert "nccl_ep_lib" in registry.backend_names()
+    missing = tmp_path / "nowhere"
+    res = subprocess.run([sys.executable, "-m", "omniep.cli", "info", "--json"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMNIEP_NCCL_EP_LIB": str(missing)})
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    for fw in ("jax", "torch"):
+        entry = data["backends"]["nccl_ep_lib"][fw]
+        assert entry["available"] is False
+        assert entry["reason"].startswith("NCCL EP library (libnccl_ep.so) not found"), entry
+        assert str(missing) in entry["reason"] and ADAPTER_NOTE in entry["reason"]
+    assert "nccl_ep_lib" in data["not_run_on_hardware"]
+    setting = {v["name"]: v for v in data["environment"]}["OMNIEP_NCCL_EP_LIB"]
+    assert setting["value"] == str(missing) and setting["error"] is None
+
+
+def test_library_absent_names_where_it_looked_and_the_adapter_comes_last(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
+    avail = lib.NcclEpLibTorch.availability()
+    assert not avail
+    assert avail.reason.startswith("NCCL EP library (libnccl_ep.so) not found (looked at: " + str(tmp_path / "none"))
+    assert avail.reason.index("not found") < avail.reason.index(ADAPTER_NOTE)
+
+
+def test_without_the_setting_it_looks_in_the_nccl_package_cu13_then_cu12(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMNIEP_NCCL_EP_LIB", raising=False)
+    pkg = tmp_path / "site" / "nccl"  # a namespace package, as nccl-extensions installs it
+    (pkg / "ep" / "lib" / "cu12").mkdir(parents=True)
+    (pkg / "ep" / "lib" / "cu12" / "libnccl_ep.so").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "nccl" or m.startswith("nccl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    path, looked = lib.find_ep_library()
+    assert looked[:2] == [str(pkg / "ep" / "lib" / f / "libnccl_ep.so") for f in ("cu13", "cu12")], looked
+    assert path == looked[1]
+
+
+def test_library_found_but_no_nccl_runtime(ep_dir, tmp_path, monkeypatch):
+    absent = str(tmp_path / "no" / "libnccl.so.2")
+    monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [absent])
+    reason = lib.NcclEpLibJax.availability().reason
+    assert reason.startswith(f"libnccl_ep.so found at {ep_dir / 'libnccl_ep.so'}, but no NCCL runtime"), reason
+    assert absent in reason and ">= 2.30.4" in reason and reason.endswith(lib.ADAPTER)
+
+
+def test_too_old_nccl_is_reported_with_both_versions_and_the_missing_symbols(ep_dir, tmp_path, monkeypatch):
+    old = fake_nccl(tmp_path, 22809)
+    monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [old])
+    reason = lib.NcclEpLibTorch.availability().reason
+    assert reason.startswith(f"NCCL 2.28.9 at {old} is too old: the NCCL EP library needs NCCL >= 2.30.4"), reason
+    assert "ncclCommQueryProperties, ncclGetPeerDevicePointer, ncclWinGetUserPtr" in reason
+    assert reason.index("too old") < reason.index(ADAPTER_NOTE)
+
+
+def test_new_enough_nccl_without_the_symbols_names_the_missing_ones(ep_dir, tmp_path, monkeypatch):
+    partial = fake_nccl(tmp_path, 23004, ["ncclGetPeerDevicePointer"])
+    monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [partial])
+    reason = lib.NcclEpLibTorch.availability().reason
+    assert reason.startswith(f"NCCL at {partial} (2.30.4) lacks ncclCommQueryProperties, ncclWinGetUserPtr,"), reason
+
+
+def test_everything_but_a_gpu(ep_dir, tmp_path, monkeypatch):
+    full = fake_nccl(tmp_path, 23100, lib.NEEDED_SYMBOLS)
+    monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [full])
+    monkeypatch.setattr(lib, "nvidia_gpus", lambda: 0)
+    reason = lib.NcclEpLibTorch.availability().reason
+    assert reason.startswith(f"libnccl_ep.so at {ep_dir / 'libnccl_ep.so'} and NCCL 2.31.0 found, but no NVIDIA GPU")
+    monkeypatch.setattr(lib, "nvidia_gpus", lambda: 8)  # then only the adapter is missing: still unavailable
+    avail = lib.NcclEpLibTorch.availability()
+    assert not avail and avail.reason == f"library, NCCL and GPU found, but the {lib.ADAPTER}"
+
+
+@pytest.mark.parametrize("code,ok", [(22809, False), (23003, False), (23004, True), (23100, True),
+                                     (30000, True), (21903, False)])
+def test_version_comparison(code, ok):
+    why = lib.version_reason(code, "here")
+    assert (why == "") is ok
+    if not ok:
+        assert lib.version_string(code) in why and "2.30.4" in why
+
+
+def test_version_without_an_answer():
+    assert "did not report its version" in lib.version_reason(None, "x")
+    assert lib.version_string(22809) == "2.28.9" and lib.version_string(23004) == "2.30.4"
+
+
+@pytest.mark.parametrize("cls", [lib.NcclEpLibTorch, lib.NcclEpLibJax])
+def test_every_op_raises_naming_the_backend(cls, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
+    backend = cls(group=None)
+    for op, args in [("prepare", (None, None)), ("dispatch", (None, None, None)), ("combine", (None, None)),
+                     ("dispatch_bwd", (None, None, None)), ("combine_bwd", (None, None)), ("num_ranks", ())]:
+        with pytest.raises(BackendUnavailableError) as info:
+            getattr(backend, op)(*args)
+        assert info.value.backend == "nccl_ep_lib" and "'nccl_ep_lib' is not available here" in str(info.value)
+        assert "libnccl_ep.so) not found" in info.value.reason and ADAPTER_NOTE in info.value.reason
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_selecting_it_by_name_raises_with_the_reason(framework, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
+    monkeypatch.setattr(registry, "_AVAILABILITY", {})
+    with pytest.raises(BackendUnavailableError, match=r"'nccl_ep_lib' is not available here: NCCL EP library"):
+        registry.select_backend(framework, "nccl_ep_lib")
+
+
+def test_torch_dispatch_on_it_raises(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import omniep.frontends.torch as ep
+
+    monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
+    monkeypatch.setattr(registry, "_AVAILABILITY", {})
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.zeros(4, 8)
+        idx = torch.zeros(4, 2, dtype=torch.int64)
+        idx[:, 1] = 1
+        with pytest.raises(BackendUnavailableError, match="'nccl_ep_lib' is not available here") as info:
+            ep.dispatch(x, idx, torch.ones(4, 2), num_experts=2, backend="nccl_ep_lib")
+        assert info.value.backend == "nccl_ep_lib"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_it_serves_nothing_until_the_adapter_exists():
+    caps = lib.NcclEpLibTorch.capabilities()
+    assert caps.dtypes == () and caps.layouts == () and caps.devices == ()
+    assert lib.PLANNED.layouts and lib.PLANNED.devices == ("gpu",)
