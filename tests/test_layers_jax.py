@@ -12,6 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.jax_layer_workers import layer_value_and_grads
 from harness.moe_reference_jax import moe_reference
 from omniep.ep_core.errors import InputError
 from omniep.layers import jax as lj
@@ -38,22 +39,6 @@ def build(cfg, R, D=1, fsdp=False, seed=0):
 def global_params(model) -> dict:
     return {name: jnp.asarray(np.asarray(getattr(model, name)[...]))
             for name in PARAM_NAMES + ("expert_bias",) if hasattr(model, name)}
-
-
-def layer_value_and_grads(model, x, g):
-    """``(out, aux, grads{name: array}, g_x)`` of ``sum(out * g) + aux`` through the module, jitted."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def run(params, rest, x, g):
-        def loss(params, x):
-            out, aux = nnx.merge(graphdef, params, rest)(x)
-            return jnp.sum(out * g) + aux, (out, aux)
-        (_, (out, aux)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-        return out, aux, gp, gx
-
-    out, aux, gp, gx = run(params, rest, x, g)
-    return out, aux, nnx.to_pure_dict(gp), gx
 
 
 def reference_value_and_grads(params, x, g, cfg, shards):

@@ -135,19 +135,21 @@ def plot(curves: dict, path: str) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2)
+def run_cli(train_fn, where: str, argv=None, doc: str = __doc__) -> int:
+    """The examples' command line: ``train_fn(n, steps, backend, report_every=...)`` once per backend of
+    ``--backends``, the curves compared bit for bit and plotted; exit 0 if they agree and the loss fell.
+    ``where`` names what ``--ranks`` counts (gloo ranks, XLA devices)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help=f"how many {where}")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--backends", default="", help="comma-separated; default: OMNIEP_BACKEND or auto-selection")
     p.add_argument("--plot", default="", help="write the loss curves to this PNG")
     a = p.parse_args(argv)
-    backends = a.backends.split(",") if a.backends else [None]
     curves = {}
-    for backend in backends:
+    for backend in a.backends.split(",") if a.backends else [None]:
         start = time.perf_counter()
-        print(f"training on {a.ranks} ranks, backend {backend or 'auto'}:", flush=True)
-        curves[backend or "auto"] = train(a.ranks, a.steps, backend, report_every=max(1, a.steps // 6))
+        print(f"training on {a.ranks} {where}, backend {backend or 'auto'}:", flush=True)
+        curves[backend or "auto"] = train_fn(a.ranks, a.steps, backend, report_every=max(1, a.steps // 6))
         print(f"  {time.perf_counter() - start:.1f} s", flush=True)
     first = next(iter(curves.values()))
     same = all(c == first for c in curves.values())
@@ -156,6 +158,10 @@ def main(argv=None) -> int:
     if a.plot and plot(curves, a.plot):
         print(f"plot: {a.plot}")
     return 0 if same and first[-1] < first[0] else 1
+
+
+def main(argv=None) -> int:
+    return run_cli(train, "gloo ranks", argv)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,13 @@ embedding → causal self-attention → MoE (experts sharded over the mesh, toke
 and residual. One ``jit``-ed step (optax Adam) over the global batch: XLA averages the replicated weights'
 gradients itself. Nothing here names a backend; the losses are bitwise the same on every backend.
 
-    python -m omniep.examples.train_moe_jax [--devices 4] [--steps 300] [--backends collective]
+    python -m omniep.examples.train_moe_jax [--ranks 4] [--steps 300] [--backends collective]  # ranks: devices
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
 VOCAB, SEQ, BATCH = 16, 12, 8   # BATCH sequences per device
 
@@ -86,30 +84,12 @@ def train(devices: int = 4, steps: int = 300, backend=None, seed: int = 0, repor
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--backends", default="", help="comma-separated; default: OMNIEP_BACKEND or auto-selection")
-    p.add_argument("--plot", default="", help="write the loss curves to this PNG")
-    a = p.parse_args(argv)
     if "jax" not in sys.modules:  # CPU devices for the mesh (a no-op once jax has started)
         kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join(kept + [f"--xla_force_host_platform_device_count={max(8, a.devices)}"])
-    from .train_moe import plot
+        os.environ["XLA_FLAGS"] = " ".join(kept + ["--xla_force_host_platform_device_count=8"])
+    from .train_moe import run_cli
 
-    curves = {}
-    for backend in a.backends.split(",") if a.backends else [None]:
-        start = time.perf_counter()
-        print(f"training on {a.devices} devices, backend {backend or 'auto'}:", flush=True)
-        curves[backend or "auto"] = train(a.devices, a.steps, backend, report_every=max(1, a.steps // 6))
-        print(f"  {time.perf_counter() - start:.1f} s", flush=True)
-    first = next(iter(curves.values()))
-    same = all(c == first for c in curves.values())
-    if len(curves) > 1:
-        print("losses bitwise identical across backends" if same else "LOSSES DIFFER ACROSS BACKENDS")
-    if a.plot and plot(curves, a.plot):
-        print(f"plot: {a.plot}")
-    return 0 if same and first[-1] < first[0] else 1
+    return run_cli(train, "XLA devices", argv, __doc__)
 
 
 if __name__ == "__main__":

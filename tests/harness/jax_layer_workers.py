@@ -21,6 +21,27 @@ def _close(actual, expected, what: str, rtol: float) -> None:
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
 
 
+def layer_value_and_grads(model, x, g):
+    """``(out, aux, grads{name: array}, g_x)`` of ``sum(out * g) + aux`` (in fp32) through the nnx
+    module, jitted."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params, rest, x, g):
+        def loss(params, x):
+            out, aux = nnx.merge(graphdef, params, rest)(x)
+            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + aux, (out, aux)
+        (_, (out, aux)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return out, aux, gp, gx
+
+    out, aux, gp, gx = run(params, rest, x, g)
+    return out, aux, nnx.to_pure_dict(gp), gx
+
+
 def mp_layer_cases(rank: int, world: int, port: int) -> dict:
     """Two layers over all devices: a 1-D EP mesh (every device one rank, with drops, shared expert and
     losses) and an EP x data mesh whose EP groups span the processes, with FSDP over the data axis."""
@@ -54,20 +75,10 @@ def mp_layer_cases(rank: int, world: int, port: int) -> dict:
         model.router[...] = model.router[...].at[0, 0].set(2.0)
         token = jax.sharding.NamedSharding(mesh, jax.P(data_axes + ("expert",), None))
         x, g = (jax.make_array_from_callback(a.shape, token, lambda idx, a=a: a[idx]) for a in (x_np, g_np))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        @jax.jit
-        def run(params, rest, x, g):
-            def loss(params, x):
-                out, aux = nnx.merge(graphdef, params, rest)(x)
-                return jnp.sum(out * g) + aux, (out, aux)
-            (_, (out, aux)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-            return out, aux, gp, gx
-
-        out, aux, gp, gx = run(params, rest, x, g)
+        out, aux, gp, gx = layer_value_and_grads(model, x, g)
         gather = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))  # noqa: E731
-        grads = {k: gather(v) for k, v in nnx.to_pure_dict(gp).items()}
-        glob = {k: jnp.asarray(gather(v)) for k, v in nnx.to_pure_dict(params).items()}
+        grads = {k: gather(v) for k, v in gp.items()}
+        glob = {k: jnp.asarray(gather(v)) for k, v in nnx.to_pure_dict(nnx.state(model, nnx.Param)).items()}
 
         def ref_loss(p, x):
             o, a, dropped = moe_reference(p, x, cfg, n, return_dropped=True)
@@ -122,19 +133,9 @@ def gpu_layer_run(rank: int, world: int, port: int, backend: str, per_gpu: bool,
     g_np = rng.standard_normal(x_np.shape).astype(np.float32)
     token = jax.sharding.NamedSharding(mesh, jax.P("expert", None))
     x, g = (jax.make_array_from_callback(a.shape, token, lambda idx, a=a: a[idx].astype(dtype)) for a in (x_np, g_np))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def run(params, x, g):
-        def loss(params, x):
-            out, aux = nnx.merge(graphdef, params, rest)(x)
-            return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32)) + aux, (out, aux)
-        (_, (out, aux)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-        return out, aux, gp, gx
-
-    out, aux, gp, gx = run(params, x, g)
+    out, aux, gp, gx = layer_value_and_grads(model, x, g)
     gather = lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True))  # noqa: E731
     res = {"out": gather(out), "aux": gather(aux), "g_x": gather(gx)}
-    res.update({f"g_{k}": gather(v) for k, v in nnx.to_pure_dict(gp).items()})
+    res.update({f"g_{k}": gather(v) for k, v in gp.items()})
     jax.distributed.shutdown()
     return res
