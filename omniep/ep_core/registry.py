@@ -158,15 +158,21 @@ def require(cls, framework: str, *, layout=None, dtype: Optional[str] = None, fp
     if device is not None and device_kind(device) not in caps.devices:
         checks.append((f"arrays on {device_kind(device)}", lambda c: device_kind(device) in c.devices))
     for feature, ok in checks:
-        served = []
-        for other in _REGISTRY:
-            try:
-                other_cls = get_backend_class(other, framework)
-            except BackendUnavailableError:
-                continue
-            if other_cls is not cls and ok(other_cls.capabilities()):
-                served.append(other)
-        raise UnsupportedError(cls.name, feature, served)
+        raise UnsupportedError(cls.name, feature, serving(framework, ok, exclude=cls.name))
+
+
+def serving(framework: str, ok, exclude: Optional[str] = None) -> list[str]:
+    """Names of the registered backends for ``framework`` (other than ``exclude``) whose capabilities
+    satisfy ``ok(capabilities)``, in registry order: who can serve a request that one cannot."""
+    served = []
+    for other in _REGISTRY:
+        try:
+            other_cls = get_backend_class(other, framework)
+        except BackendUnavailableError:
+            continue
+        if other != exclude and ok(other_cls.capabilities()):
+            served.append(other)
+    return served
 
 
 def report(framework: Optional[str] = None) -> dict[str, dict[str, Availability]]:

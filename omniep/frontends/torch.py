@@ -208,7 +208,7 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         lay = Layout.parse(layout)
     if lay not in ctx.layouts:
         raise UnsupportedError(ctx.name, f"layout {lay.value}",
-                               [n for n in registry.backend_names() if n != ctx.name])
+                               registry.serving("torch", lambda c: lay in c.layouts, exclude=ctx.name))
     experts, cap, align = _config_ints(num_experts, capacity, expert_alignment)
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
