@@ -23,6 +23,17 @@ import sys
 from host_timing import pin_cpu
 
 SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, capacity_factor=1.25)
+def add_shape_args(parser) -> None:
+    """``--tokens``, ``--hidden``, ... for every key of SHAPE (the torch and JAX layer benchmarks share it:
+    their comparison needs the same shape)."""
+    for key, value in SHAPE.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+
+
+def shape_of(args) -> dict:
+    return {k: getattr(args, k) for k in SHAPE}
+
+
 GEMMS = ("aten::bmm", "aten::mm", "aten::addmm", "aten::matmul")
 
 
@@ -153,11 +164,10 @@ def main(argv=None) -> int:
     p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
     p.add_argument("--backends", default="cuda_nvshmem,collective")
     p.add_argument("--iters", type=int, default=10)
-    for key, value in SHAPE.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    add_shape_args(p)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    shape = {k: getattr(a, k) for k in SHAPE}
+    shape = shape_of(a)
     args = dict(iters=a.iters, backends=a.backends.split(","), per_gpu=a.per_gpu, shape=shape)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks

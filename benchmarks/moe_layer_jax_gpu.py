@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, capacity_factor=1.25)
+from moe_layer_gpu import add_shape_args, shape_of  # the torch layer's benchmark: the same shape
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
@@ -76,12 +76,11 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--backends", default="cuda_nvshmem,collective")
     p.add_argument("--iters", type=int, default=10)
-    for key, value in SHAPE.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    add_shape_args(p)
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU processes (use small shapes)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    shape = {k: getattr(a, k) for k in SHAPE}
+    shape = shape_of(a)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 

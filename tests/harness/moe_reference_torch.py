@@ -34,7 +34,7 @@ def _select(sel: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     return torch.stack(ids) if ids else torch.zeros((0, cfg.top_k), dtype=torch.long)
 
 
-def _shard(x, params: dict, cfg: MoEConfig, num_ranks: int):
+def _shard(x, params: dict, cfg: MoEConfig):
     """One rank's tokens ``x[T, H]`` against the GLOBAL params: (out[T, H] float64, aux, dropped)."""
     T = x.shape[0]
     logits = x.float() @ params["router"].float()
@@ -84,7 +84,7 @@ def moe_reference(xs: list, params: dict, cfg: MoEConfig):
     """``xs``: each rank's tokens ``[T, H]``; ``params``: global ``router[H, E]``, ``w_gate_up[E, H, 2F]``,
     ``w_down[E, F, H]`` (+ ``shared_gate_up``, ``shared_down``, ``expert_bias``). Returns per-rank
     lists ``(outs float64, aux losses, dropped copies)``; differentiable in every tensor."""
-    res = [_shard(x, params, cfg, len(xs)) for x in xs]
+    res = [_shard(x, params, cfg) for x in xs]
     return [r[0] for r in res], [r[1] for r in res], [r[2] for r in res]
 
 
