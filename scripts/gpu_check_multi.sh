@@ -5,6 +5,8 @@
 #   scripts/gpu_check_multi.sh            # build + tests + benchmarks (about 12 minutes)
 #   PART=tests scripts/gpu_check_multi.sh # build + every `gpu` test (fits one 10-minute device call)
 #   PART=bench scripts/gpu_check_multi.sh # build (cached: seconds) + the benchmarks
+#   GPU_TESTS=tests/gpu/test_layers_gpu.py BENCHES="layer layer_jax" scripts/gpu_check_multi.sh
+#                                          # a subset of the tests and of the benchmarks (names below)
 # Builds: build/native_nccl (-DOMNIEP_NCCL=ON: _native, _native_mp, _native_jax and _native_nccl with
 # its JAX handlers) and build/native_nvshmem (-DOMNIEP_NVSHMEM=ON: _native_nvshmem); a failed NVSHMEM
 # or NCCL build leaves the other modules and their tests intact (those tests skip themselves).
@@ -25,17 +27,20 @@ PART="${PART:-all}"
 step build_nccl 200 env OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON
 step build_nvshmem 120 env OMNIEP_BUILD_DIR=build/native_nvshmem scripts/build_native.sh -DOMNIEP_NVSHMEM=ON
 if [[ "$PART" != bench ]]; then
-  step pytest_gpu 420 "$PY" -m pytest -m gpu tests -q -rs --timeout=400 -p no:cacheprovider
+  # shellcheck disable=SC2086
+  step pytest_gpu 420 "$PY" -m pytest -m gpu ${GPU_TESTS:-tests} -q -rs --timeout=400 -p no:cacheprovider
 fi
+BENCHES="${BENCHES:-normal ll ll_ops layer layer_jax}"
+want() { [[ " $BENCHES " == *" $1 "* ]]; }
 if [[ "$PART" != tests ]]; then
-  step bench_normal 150 "$PY" benchmarks/bench_multigpu.py --nccl --sweep-blocks "" --json "$OUT/bench_normal.json"
-  step bench_ll 120 "$PY" benchmarks/bench_multigpu.py --nccl --layout expert_major --tokens 128 --experts 288 \
+  want normal && step bench_normal 150 "$PY" benchmarks/bench_multigpu.py --nccl --sweep-blocks "" --json "$OUT/bench_normal.json"
+  want ll && step bench_ll 120 "$PY" benchmarks/bench_multigpu.py --nccl --layout expert_major --tokens 128 --experts 288 \
     --sweep-blocks "" --json "$OUT/bench_ll.json"
   # DeepEP's low-latency decode op by op through omniep.torch and Buffer (fp8), one process per GPU
-  step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --out "$OUT/ll_ops.json"
+  want ll_ops && step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --out "$OUT/ll_ops.json"
   # The MoE layer (omniep.layers.torch) forward + backward at DeepSeek-V3's shape, native vs collective
-  step bench_layer 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu --out "$OUT/layer.json"
-  step bench_layer_jax 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 --out "$OUT/layer_jax.json"
+  want layer && step bench_layer 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu --out "$OUT/layer.json"
+  want layer_jax && step bench_layer_jax 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 --out "$OUT/layer_jax.json"
 fi
 echo "gpu_check_multi: exit $status; logs in $OUT"
 exit $status
