@@ -8,10 +8,16 @@ STAMP       := $(VENV)/.omniep-deps
 
 .PHONY: demo test info bench native check-cuda check-hip clean
 
-$(STAMP): pyproject.toml
+# The project itself is built without build isolation so that CMake sees this venv's torch and jax
+# (cmake/torch.cmake, cmake/jax_ffi.cmake); its build tools are installed first for that reason.
+# Where nvcc is found this compiles the native modules (minutes; OMNIEP_GPU=NONE skips them).
+$(STAMP): pyproject.toml CMakeLists.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[jax,torch,test,bench]"
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja
+	@echo "omniep: installing (CMake builds the native modules this machine can build; omniep info lists them)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[jax,torch,test,bench]"
+	$(PY) -m omniep.cli info --build
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,15 +32,19 @@ info: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m omniep.cli bench
 
-# `make native OMNIEP_HIP=1`: the AMD build (omniep._native_hip; ROCm >= 6.2, cmake/hip.cmake).
-native:
-	OMNIEP_HIP=$(OMNIEP_HIP) PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/build_native.sh
+# Rebuild the native modules into the editable install (incremental: build/<wheel tag>). Choices as
+# environment variables (CMakeLists.txt): OMNIEP_GPU=AUTO|CUDA|HIP|NONE, OMNIEP_NVSHMEM / OMNIEP_NCCL =
+# AUTO|ON|OFF, OMNIEP_COMPILE_CHECK=ON; e.g. `make native OMNIEP_GPU=HIP` on a ROCm >= 6.2 machine.
+native: $(STAMP)
+	$(PY) -m pip install -v --no-build-isolation --no-deps -e .
+	$(PY) -m omniep.cli info --build
 
-check-cuda:
-	scripts/check_cuda_compile.sh
+# CI's CUDA compile check: the same CMake project, warnings as errors, plus compile-only targets.
+check-cuda: $(STAMP)
+	OMNIEP_COMPILE_CHECK=ON OMNIEP_GPU=CUDA $(PY) -m pip install -v --no-build-isolation --no-deps -e .
 
 check-hip:
 	scripts/check_hip_compile.sh
 
 clean:
-	rm -rf $(VENV) build bench_out .pytest_cache omniep/_native*.so
+	rm -rf $(VENV) build bench_out .pytest_cache omniep/_native*.so omniep/_build_info.py

@@ -1,11 +1,11 @@
 # The native core for AMD GPUs (omniep._native_hip): the SAME kernel sources (csrc/kernels) and the
 # one-rank-per-process launcher (csrc/backends/ipc_rank.cu: p2p transport over hipIpcGetMemHandle /
-# hipIpcOpenMemHandle, xGMI peers) compiled with hipcc. Included from CMakeLists.txt only with
-# -DOMNIEP_HIP=ON (then no CUDA toolchain is needed or used):
-#   cmake -S . -B build/hip -G Ninja -DOMNIEP_HIP=ON -DPython_EXECUTABLE=$(which python3) \
-#         [-DOMNIEP_HIP_ARCH="gfx942;gfx90a"] [-DROCSHMEM_DIR=/opt/rocshmem]
-#   cmake --build build/hip           (or: make native OMNIEP_HIP=1)
+# hipIpcOpenMemHandle, xGMI peers) compiled with hipcc. Included from CMakeLists.txt when OMNIEP_GPU is
+# HIP, or AUTO on a machine without nvcc (then no CUDA toolchain is needed or used):
+#   pip install --no-build-isolation .    (or: make native OMNIEP_HIP=1; -DOMNIEP_HIP_ARCH="gfx942;gfx90a",
+#                                          -DROCSHMEM_DIR=/opt/rocshmem)
 # Needs ROCm >= 6.2 (find_package(hip), CMake's HIP language). Default target gfx942 (MI300X/MI325X).
+# Without it: skipped with the reason under AUTO, a configure error under OMNIEP_GPU=HIP.
 #
 # Built and run status: this file has NOT been configured against a ROCm >= 6.2 install (none on the
 # project's machines). What CI checks is that the same sources compile with Debian's hipcc 5.2.3 for
@@ -30,17 +30,27 @@ else()
 endif()
 list(APPEND CMAKE_PREFIX_PATH "${_omniep_rocm}" "${_omniep_rocm}/lib/cmake")
 
-include(CheckLanguage)
+macro(omniep_no_hip reason)
+  if(OMNIEP_GPU STREQUAL "HIP")
+    message(FATAL_ERROR "omniep: OMNIEP_GPU=HIP but ${reason}")
+  endif()
+  omniep_skip_gpu_parts("no nvcc (CUDA), and ${reason}")
+  set(OMNIEP_INFO_gpu "none")
+  return()
+endmacro()
+find_package(hip CONFIG QUIET)
+if(NOT hip_FOUND)
+  omniep_no_hip("no ROCm >= ${OMNIEP_HIP_MIN_ROCM} found (hip-config.cmake under ROCM_PATH=${_omniep_rocm})")
+endif()
+if(hip_VERSION VERSION_LESS OMNIEP_HIP_MIN_ROCM)
+  omniep_no_hip("ROCm ${hip_VERSION} in ${hip_DIR} is older than ${OMNIEP_HIP_MIN_ROCM}")
+endif()
 check_language(HIP)
 if(NOT CMAKE_HIP_COMPILER)
-  message(FATAL_ERROR "OMNIEP_HIP=ON but CMake finds no HIP compiler: install ROCm >= ${OMNIEP_HIP_MIN_ROCM} "
-                      "(ROCM_PATH=${_omniep_rocm}) or pass -DCMAKE_HIP_COMPILER=<rocm>/llvm/bin/clang++")
+  omniep_no_hip("CMake finds no HIP compiler (pass -DCMAKE_HIP_COMPILER=<rocm>/llvm/bin/clang++)")
 endif()
 enable_language(HIP)
-find_package(hip CONFIG REQUIRED)
-if(hip_VERSION VERSION_LESS OMNIEP_HIP_MIN_ROCM)
-  message(FATAL_ERROR "OMNIEP_HIP=ON needs ROCm >= ${OMNIEP_HIP_MIN_ROCM}; found HIP ${hip_VERSION} in ${hip_DIR}")
-endif()
+set(OMNIEP_INFO_gpu "HIP ${hip_VERSION}, ${CMAKE_HIP_ARCHITECTURES}")
 message(STATUS "omniep: HIP ${hip_VERSION} (${CMAKE_HIP_COMPILER}), targets ${CMAKE_HIP_ARCHITECTURES}")
 
 # One rank per process over HIP IPC: the .cu sources are HIP here (omniep/runtime.h maps the CUDA
@@ -55,9 +65,11 @@ target_link_libraries(omniep_hip_ipc PUBLIC hip::host)
 pybind11_add_module(_native_hip MODULE NO_EXTRAS csrc/python/module_mp.cpp)
 target_compile_definitions(_native_hip PRIVATE OMNIEP_HIP_HOST=1)  # cudaStream_t is hipStream_t
 target_link_libraries(_native_hip PRIVATE omniep_hip_ipc)
-set_target_properties(_native_hip PROPERTIES
-  LIBRARY_OUTPUT_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}/omniep"
-  LIBRARY_OUTPUT_DIRECTORY_RELEASE "${CMAKE_CURRENT_SOURCE_DIR}/omniep")
+omniep_module(_native_hip)
+foreach(part _native _native_mp _native_jax _native_torch _native_nvshmem _native_nccl)
+  omniep_part(${part} skipped "HIP build (the CUDA modules need nvcc)")
+endforeach()
+omniep_part(_native_hip built "one rank per process over HIP IPC (${OMNIEP_INFO_gpu})")
 
 # ---- optional: the rocshmem transport (GPU-initiated RDMA), only where rocSHMEM is found ----
 if(NOT ROCSHMEM_DIR AND DEFINED ENV{ROCSHMEM_DIR})
@@ -67,16 +79,13 @@ find_path(OMNIEP_ROCSHMEM_INCLUDE rocshmem/rocshmem.hpp
           HINTS "${ROCSHMEM_DIR}/include" "${_omniep_rocm}/include" NO_CACHE)
 find_library(OMNIEP_ROCSHMEM_LIB NAMES rocshmem HINTS "${ROCSHMEM_DIR}/lib" "${_omniep_rocm}/lib" NO_CACHE)
 if(OMNIEP_ROCSHMEM_INCLUDE AND OMNIEP_ROCSHMEM_LIB)
-  message(STATUS "omniep: rocSHMEM in ${OMNIEP_ROCSHMEM_INCLUDE}: building omniep_rocshmem_check "
-                 "(every kernel over transports/rocshmem.cuh; no launcher or module over it yet)")
   set_source_files_properties(csrc/transports/rocshmem_compile_check.hip PROPERTIES LANGUAGE HIP)
   add_library(omniep_rocshmem_check OBJECT csrc/transports/rocshmem_compile_check.hip)
   target_include_directories(omniep_rocshmem_check PRIVATE csrc csrc/include "${OMNIEP_ROCSHMEM_INCLUDE}")
   # rocSHMEM's device API is a device library: relocatable device code (-fgpu-rdc).
   target_compile_options(omniep_rocshmem_check PRIVATE -fgpu-rdc)
   target_link_libraries(omniep_rocshmem_check PRIVATE hip::host)
+  omniep_part(check_rocshmem built "compile only: every kernel over the rocshmem transport")
 else()
-  message(STATUS "omniep: rocshmem transport skipped: rocSHMEM not found (no rocshmem/rocshmem.hpp and "
-                 "librocshmem under ROCSHMEM_DIR='${ROCSHMEM_DIR}' or ${_omniep_rocm}); "
-                 "the rocm_rocshmem backend uses the p2p transport over HIP IPC")
+  omniep_part(check_rocshmem skipped "rocSHMEM not found (no rocshmem/rocshmem.hpp and librocshmem under ROCSHMEM_DIR='${ROCSHMEM_DIR}' or ${_omniep_rocm}); the rocm_rocshmem backend uses the p2p transport over HIP IPC")
 endif()

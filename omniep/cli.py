@@ -15,6 +15,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, vendor, devices, OMNIEP_* settings and every backend's availability")
     info.add_argument("--json", action="store_true", help="the same report as JSON")
+    info.add_argument("--build", action="store_true", help="only what the native build built, and why not the rest")
     demo = sub.add_parser("demo", help="a toy MoE layer on 8 JAX CPU devices and 4 gloo ranks, checked")
     demo.add_argument("--frameworks", default="jax,torch", help="comma-separated: jax, torch")
     bench = sub.add_parser("bench", help="time dispatch/combine of the selected backend")
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # keep "no TPU here" probes out of the output
     if args.command == "info":
         from .tools.info import main as run
-        return run(as_json=args.json)
+        return run(as_json=args.json, build_only=args.build)
     if args.command == "demo":
         from .tools.demo import main as run
         return run(frameworks=args.frameworks.split(","))

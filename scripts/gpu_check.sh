@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call on a one-GPU machine (nvidia-h100-x1 / nvidia-h200): build every native module the
-# GPU can use (NVSHMEM included; nccl_ep needs two GPUs: scripts/gpu_check_multi.sh), run the `gpu`
+# One device call on a one-GPU machine (nvidia-h100-x1 / nvidia-h200): build every native module
+# (`pip install -e .`; nccl_ep's tests need two GPUs: scripts/gpu_check_multi.sh), run the `gpu`
 # tests and the benchmarks. Logs go to $OUT (set by the device runner; defaults to ./gpu_out). Each
 # step has its own timeout; a failing step does not stop the later ones; the exit status is the first
 # failure's.
@@ -19,7 +19,7 @@ PART="${PART:-all}"
   nvcc --version | tail -2
 } 2>&1 | tee "$OUT/env.log"
 
-step build 300 env OMNIEP_BUILD_DIR=build/native_nvshmem scripts/build_native.sh -DOMNIEP_NVSHMEM=ON
+build_all
 if [[ "$PART" != bench ]]; then
   # shellcheck disable=SC2086
   step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -q -rs --timeout=400 \

@@ -7,9 +7,7 @@
 #   PART=bench scripts/gpu_check_multi.sh # build (cached: seconds) + the benchmarks
 #   GPU_TESTS=tests/gpu/test_layers_gpu.py BENCHES="layer layer_jax" scripts/gpu_check_multi.sh
 #                                          # a subset of the tests and of the benchmarks (names below)
-# Builds: build/native_nccl (-DOMNIEP_NCCL=ON: _native, _native_mp, _native_jax and _native_nccl with
-# its JAX handlers) and build/native_nvshmem (-DOMNIEP_NVSHMEM=ON: _native_nvshmem); a failed NVSHMEM
-# or NCCL build leaves the other modules and their tests intact (those tests skip themselves).
+# Build: every module, `pip install -e .` through the CMake project (build_all in gpu_steps.sh).
 # Benchmarks (benchmarks/bench_multigpu.py, one process per GPU): DeepEP's normal shape rank-major and
 # its low-latency shape expert-major, cuda_nvshmem and nccl_ep beside NCCL and the raw copy.
 set -uo pipefail
@@ -24,8 +22,7 @@ PART="${PART:-all}"
   git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
 } 2>&1 | tee "$OUT/env.log"
 
-step build_nccl 200 env OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON
-step build_nvshmem 120 env OMNIEP_BUILD_DIR=build/native_nvshmem scripts/build_native.sh -DOMNIEP_NVSHMEM=ON
+build_all
 if [[ "$PART" != bench ]]; then
   # shellcheck disable=SC2086
   step pytest_gpu 420 "$PY" -m pytest -m gpu ${GPU_TESTS:-tests} -q -rs --timeout=400 -p no:cacheprovider

@@ -1,6 +1,9 @@
 # Sourced by scripts/gpu_check*.sh (from the repository root): the environment every GPU step needs and
 # `step NAME TIMEOUT_S CMD...`, which runs CMD with a timeout, logs to $OUT/NAME.log and keeps the first
-# failure's exit code in $status (a failing step does not stop the later ones).
+# failure's exit code in $status (a failing step does not stop the later ones), and `build_all`: the
+# package installed editable through its CMake project (scikit-build-core, build/<wheel tag> cached
+# between calls on a warm machine) with every module required (NVSHMEM and NCCL from the image's
+# wheels), then what it built. `python -m pytest` from the repository root imports that build.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,4 +20,9 @@ step() {
   echo "=== $name: exit $rc"
   [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
   return 0
+}
+build_all() {
+  step build "${1:-420}" env OMNIEP_GPU=CUDA OMNIEP_NVSHMEM=ON OMNIEP_NCCL=ON \
+    "$PY" -m pip install -v --no-build-isolation --no-deps -e .
+  step build_info 60 "$PY" -m omniep.cli info --build
 }

@@ -79,5 +79,5 @@ def test_not_built_reason(monkeypatch):
 
     monkeypatch.setattr(tb.importlib, "import_module", fake)
     reason = tb.RocmRocshmemTorch.availability().reason
-    assert f"omniep native module {tb.NATIVE_MODULE} not built for ROCm: make native OMNIEP_HIP=1" in reason
+    assert f"omniep native module {tb.NATIVE_MODULE} not built for ROCm: make native OMNIEP_GPU=HIP" in reason
     assert f"omniep native module {tb.TORCH_OPS_MODULE} (the torch ops) has no ROCm build yet" in reason

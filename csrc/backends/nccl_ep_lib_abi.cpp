@@ -1,7 +1,7 @@
 // Compile-time check of the NCCL EP ABI (nccl_ep.h of NVIDIA's nccl-extensions wheel, API version 2) that
 // omniep's `nccl_ep_lib` adapter will be written against (issue 18 item 2). Nothing here runs: it is
-// compiled on CPU by scripts/check_cuda_compile.sh where nccl_ep.h is found (OMNIEP_NCCL_EP_ROOT, or the
-// installed `nccl` package's ep/), and a header whose ABI moved fails the build here, not at run time.
+// compiled on CPU by the CMake project's compile check (cmake/compile_check.cmake) where nccl_ep.h is found
+// (OMNIEP_NCCL_EP_ROOT, or the installed `nccl` package's ep/), and a header whose ABI moved fails the build here, not at run time.
 //
 // Checked for every public struct that carries `size` / `magic` (the versioned ones; the header also
 // defines ncclEpAllocConfig_t, ncclEpDispQuant_t and ncclEpCombQuant_t, which it does not version):

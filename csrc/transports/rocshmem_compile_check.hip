@@ -2,8 +2,7 @@
 // target cmake/hip.cmake builds (omniep_rocshmem_check) when rocSHMEM is found. NEVER COMPILED here
 // (no rocSHMEM on this project's machines); see transports/rocshmem.cuh. The same kernel list as
 // csrc/kernels/instantiate_all.cu (the p2p compile check): kernels/every_kernel.cuh, one rank per
-// launch. A .hip file, not .cu, so that the nvcc compile check (scripts/check_cuda_compile.sh: every
-// *.cu) leaves it out.
+// launch. A .hip file, not .cu: nvcc never compiles it.
 #include "kernels/every_kernel.cuh"
 #include "transports/rocshmem.cuh"
 

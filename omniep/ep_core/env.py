@@ -4,9 +4,9 @@ clear error naming it).
 :func:`get` reads a variable: surrounding whitespace is dropped and names are case-folded
 (``OMNIEP_BACKEND=" CUDA_NVSHMEM "`` is ``cuda_nvshmem``); a value the variable does not accept raises
 :class:`InputError` naming the variable, the value and what it accepts. :func:`report` is what
-``omniep info`` prints: every variable with the value in force and a verdict. The build scripts' own
-variables (``OMNIEP_BUILD_DIR``, ``OMNIEP_NVSHMEM_ROOT``, ``OMNIEP_NCCL_ROOT``, ``OMNIEP_NCCL_EP_ROOT``,
-``OMNIEP_HIP_ARCHS``) are the scripts' business and not listed here.
+``omniep info`` prints: every variable with the value in force and a verdict. The build's own
+variables (``OMNIEP_GPU``, ``OMNIEP_NVSHMEM``, ``OMNIEP_NCCL``, ``OMNIEP_COMPILE_CHECK``, the ``*_ROOT``
+folders; CMakeLists.txt) and the scripts' (``OMNIEP_HIP_ARCHS``) are read at build time, not here.
 """
 
 from __future__ import annotations

@@ -10,11 +10,24 @@ from ..ep_core import env, registry
 from .platform import detect_vendor, framework_devices, gpu_names
 
 
+def build_data() -> dict:
+    """What the native build of this install built and why it skipped the rest (``omniep._build_info``,
+    written by CMake: cmake/parts.cmake): ``{"gpu": str, "parts": {name: {"state", "detail"}}}``; an
+    install that never ran CMake says so."""
+    try:
+        from .._build_info import BUILD
+    except ImportError:
+        return {"gpu": "none", "parts": {}, "note": "no native build in this install (pip install "
+                                                    "--no-build-isolation . or make native builds one)"}
+    return BUILD
+
+
 def info_data() -> dict:
     """What ``omniep info`` reports, as plain data (``--json``)."""
     report = registry.report()
     return {
         "version": __version__,
+        "build": build_data(),
         "vendor": detect_vendor(),
         "gpus": gpu_names(),
         "frameworks": framework_devices(),
@@ -26,8 +39,15 @@ def info_data() -> dict:
     }
 
 
+def build_lines(build: dict) -> list[str]:
+    lines = [f"native build: {build['gpu']}" + (f" ({build['note']})" if build.get("note") else "")]
+    for name, part in build["parts"].items():
+        lines.append(f"  {name:<18} {part['state']:<8} {part['detail']}")
+    return lines
+
+
 def info_lines(data: dict) -> list[str]:
-    lines = [f"omniep {data['version']}", f"vendor: {data['vendor']}"]
+    lines = [f"omniep {data['version']}", f"vendor: {data['vendor']}", *build_lines(data["build"])]
     gpus = data["gpus"]
     lines.append(f"gpus: {len(gpus)}" + (f" ({', '.join(gpus)})" if gpus else ""))
     for fw, desc in data["frameworks"].items():
@@ -48,8 +68,13 @@ def info_lines(data: dict) -> list[str]:
     return lines
 
 
-def main(as_json: bool = False) -> int:
-    """Print the report; exit status 1 when an OMNIEP_* variable is set to something invalid."""
+def main(as_json: bool = False, build_only: bool = False) -> int:
+    """Print the report; exit status 1 when an OMNIEP_* variable is set to something invalid.
+    ``build_only``: only what the native build built (no framework or device probes)."""
+    if build_only:
+        build = build_data()
+        print(json.dumps(build, indent=1) if as_json else "\n".join(build_lines(build)))
+        return 0
     data = info_data()
     print(json.dumps(data, indent=1) if as_json else "\n".join(info_lines(data)))
     return 1 if any(var["error"] for var in data["environment"]) else 0

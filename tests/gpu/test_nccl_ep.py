@@ -1,7 +1,7 @@
 """``nccl_ep`` with one process per GPU, through ``omniep.torch``, bit for bit against the reference.
 
 Marked ``gpu``; needs two GPUs (NCCL refuses two ranks on one GPU) and ``omniep._native_nccl``
-(``OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON``). One session of
+(``OMNIEP_NCCL=ON make native``). One session of
 R = 2 processes, one per GPU, runs the cases of ``test_native_multiprocess`` (hypothesis-drawn
 rank-major cases and edge cases through the frontend, static-capacity cases with drops through the
 backend, the rank-major golden vectors, a peer that never arrives) with ``OMNIEP_BACKEND=nccl_ep``:

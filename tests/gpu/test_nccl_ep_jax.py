@@ -1,7 +1,7 @@
 """``nccl_ep`` through ``omniep.jax``, both JAX process models, bit for bit against the reference.
 
 Marked ``gpu``; needs two GPUs (NCCL refuses two ranks on one GPU) and ``omniep._native_nccl`` built
-with its JAX handlers (``OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON``
+with its JAX handlers (``OMNIEP_NCCL=ON make native``
 with jax importable). The cases are those of the ``cuda_nvshmem`` JAX test
 (:func:`harness.jax_mp_workers.session_cases`: dispatch, combine with 0-2 biases and both
 backward passes under ``jit`` inside ``shard_map``, every dtype, drops, odd rows, int64 ids, and the

@@ -5,8 +5,7 @@ on NVLink, the barriers and timeouts of the shared kernels. Peers off the LSA te
 every peer with ``OMNIEP_FORCE_REMOTE=1``) take the kernels' remote path over GIN (puts from
 registered memory and GIN signals; rank-major layout only: GIN has no gets). That path is compiled
 and selected for such peers but has NOT run on a network here (no NICs on our machines). Optional module ``omniep._native_nccl``, built
-with ``OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON`` from the
-``nvidia-nccl-cu13`` wheel. NCCL refuses two ranks on one GPU: this backend needs a GPU per rank.
+by ``pip install --no-build-isolation .`` (``make native``) where the ``nvidia-nccl-cu13`` wheel is installed. NCCL refuses two ranks on one GPU: this backend needs a GPU per rank.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Optional
 NOT_RUN = ("GIN (peers outside the NVLink/LSA team): compiled and selected for them, refused without a "
            "GIN-capable NIC; it has NOT run on a network here")
 MIN_NCCL = 22800  # NCCL_VERSION_CODE of 2.28.0, the first release with nccl_device.h as used here
-BUILD_HINT = "OMNIEP_BUILD_DIR=build/native_nccl scripts/build_native.sh -DOMNIEP_NCCL=ON"
+BUILD_HINT = "pip install nvidia-nccl-cu13, then OMNIEP_NCCL=ON make native (omniep info --build says why it was skipped)"
 
 
 def version_string(code: int) -> str:

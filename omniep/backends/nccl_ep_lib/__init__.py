@@ -6,8 +6,8 @@ Not to be confused with ``nccl_ep``, which is omniep's own kernels over the NCCL
 Status, plainly: this is the first slice. What exists is the availability check below (why the library
 cannot run here, without initialising CUDA and without loading ``libnccl_ep.so``), the registry entry
 (``omniep info`` lists it with the reason), and a CPU compile-time check of the ABI our adapter will rely
-on (``csrc/backends/nccl_ep_lib_abi.cpp``, compiled by ``scripts/check_cuda_compile.sh`` where
-``nccl_ep.h`` is found). The adapter from :class:`~omniep.ep_core.backend.EPBackend` to
+on (``csrc/backends/nccl_ep_lib_abi.cpp``, compiled by the CMake project's compile check,
+``cmake/compile_check.cmake``, where ``nccl_ep.h`` is found). The adapter from :class:`~omniep.ep_core.backend.EPBackend` to
 ``ncclEpCreateGroup`` / ``ncclEpInitHandle`` / ``ncclEpDispatch`` / ``ncclEpCombine`` is NOT written:
 the backend is unavailable for every op everywhere, and its ops raise :class:`BackendUnavailableError`.
 

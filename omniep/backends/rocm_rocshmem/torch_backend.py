@@ -21,7 +21,7 @@ from ..cuda_nvshmem.torch_backend import TORCH_OPS_MODULE, CudaNvshmemTorch
 from ..torch_group import destroy_contexts
 
 NATIVE_MODULE = "omniep._native_hip"
-BUILD_HINT = "make native OMNIEP_HIP=1"
+BUILD_HINT = "make native OMNIEP_GPU=HIP"
 
 
 def destroy_states() -> None:
