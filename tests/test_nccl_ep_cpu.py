@@ -32,7 +32,7 @@ def test_not_built_reason_names_the_build_command(monkeypatch):
     monkeypatch.setattr(nccl_ep.importlib, "import_module", fake)
     monkeypatch.setattr(nccl_ep, "_wheel_nccl", lambda: ("/x", 22809, True))
     mod, why = nccl_ep.native_reason()
-    assert mod is None and "not built" in why and "-DOMNIEP_NCCL=ON" in why
+    assert mod is None and "not built" in why and "OMNIEP_NCCL=ON make native" in why
     monkeypatch.setattr(nccl_ep, "_wheel_nccl", lambda: ("/x", 22704, False))
     assert "2.27.4 too old" in nccl_ep.native_reason()[1]
     monkeypatch.setattr(nccl_ep, "_wheel_nccl", lambda: ("/x", None, False))

@@ -17,7 +17,7 @@ from typing import Optional
 NOT_RUN = ("GIN (peers outside the NVLink/LSA team): compiled and selected for them, refused without a "
            "GIN-capable NIC; it has NOT run on a network here")
 MIN_NCCL = 22800  # NCCL_VERSION_CODE of 2.28.0, the first release with nccl_device.h as used here
-BUILD_HINT = "pip install nvidia-nccl-cu13, then OMNIEP_NCCL=ON make native (omniep info --build says why it was skipped)"
+BUILD_HINT = "OMNIEP_NCCL=ON make native (omniep info --build says why it was skipped)"
 
 
 def version_string(code: int) -> str:
