@@ -25,7 +25,7 @@ PART="${PART:-all}"
 build_all
 if [[ "$PART" != bench ]]; then
   # shellcheck disable=SC2086
-  step pytest_gpu 420 "$PY" -m pytest -m gpu ${GPU_TESTS:-tests} -q -rs --timeout=400 -p no:cacheprovider
+  step pytest_gpu 420 "$PY" -m pytest -m gpu ${GPU_TESTS:-tests} -q -rfEs --timeout=400 -p no:cacheprovider
 fi
 BENCHES="${BENCHES:-normal ll ll_ops layer layer_jax}"
 want() { [[ " $BENCHES " == *" $1 "* ]]; }

@@ -22,6 +22,7 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "backends/ep_rank.h"
 #include "ffi/jax_group.h"
@@ -422,168 +423,56 @@ ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_o
   });
 }
 
+// ---- bindings -----------------------------------------------------------------------------------------
+
+// Every handler's binding: XLA's stream and device ordinal, `Args` buffer operands (then the remaining
+// ones: combine's bias terms), `Rets` buffer results, and the int64 attributes named, in the order of
+// the handler's parameters. XLA's Binding can only be chained on temporaries (its copy is deleted and
+// its move private), hence one expression, taken by reference, each step a new prvalue; counts >= 1.
+template <int N, typename B>
+auto buffer_args(B&& b) {
+  if constexpr (N == 1) return std::move(b).template Arg<ffi::AnyBuffer>();
+  else return buffer_args<N - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+template <int N, typename B>
+auto buffer_rets(B&& b) {
+  if constexpr (N == 1) return std::move(b).template Ret<ffi::AnyBuffer>();
+  else return buffer_rets<N - 1>(std::move(b).template Ret<ffi::AnyBuffer>());
+}
+template <typename B, typename... More>
+auto int_attrs(B&& b, const char* name, More... more) {
+  if constexpr (sizeof...(More) == 0) return std::move(b).template Attr<int64_t>(name);
+  else return int_attrs(std::move(b).template Attr<int64_t>(name), more...);
+}
+template <int Args, int Rets, bool Remaining = false, typename... Names>
+auto bind(Names... attrs) {
+  if constexpr (Remaining) {
+    return int_attrs(buffer_rets<Rets>(buffer_args<Args>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                             .Ctx<ffi::DeviceOrdinal>())
+                                           .RemainingArgs()),
+                     attrs...);
+  } else {
+    return int_attrs(buffer_rets<Rets>(buffer_args<Args>(
+                         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())),
+                     attrs...);
+  }
+}
+
 }  // namespace jax_ffi
 }  // namespace omniep
 
 // Defines the ten exported handler symbols `prefix_*` over rank type G (see the file comment).
-#define OMNIEP_JAX_HANDLERS(prefix, G)                                                                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_prepare, omniep::jax_ffi::Prepare<G>,                              \
-                                xla::ffi::Ffi::Bind()                                                       \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                         \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                 \
-                                    .Attr<int64_t>("num_experts")                                           \
-                                    .Attr<int64_t>("capacity")                                              \
-                                    .Attr<int64_t>("hidden")                                                \
-                                    .Attr<int64_t>("dtype"));                                               \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_dispatch, omniep::jax_ffi::Dispatch<G>,                            \
-                                xla::ffi::Ffi::Bind()                                                       \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                         \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                 \
-                                    .Attr<int64_t>("num_experts")                                           \
-                                    .Attr<int64_t>("expert_alignment"));                                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_dispatch_rows, omniep::jax_ffi::DispatchRows<G>,                   \
-                                xla::ffi::Ffi::Bind()                                                       \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                         \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                 \
-                                    .Attr<int64_t>("num_experts"));                                         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_combine, omniep::jax_ffi::Combine<G>,                              \
-                                xla::ffi::Ffi::Bind()                                                       \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                         \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .RemainingArgs()                                                        \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                 \
-                                    .Attr<int64_t>("num_experts"));                                         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_dispatch_bwd, omniep::jax_ffi::DispatchBwd<G>,                     \
-                                xla::ffi::Ffi::Bind()                                                       \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                         \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                 \
-                                    .Attr<int64_t>("num_experts"));                                         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_prepare, omniep::jax_ffi::EmPrepare<G>,                           \
-                                xla::ffi::Ffi::Bind()                                                         \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                   \
-                                    .Attr<int64_t>("num_experts")                                             \
-                                    .Attr<int64_t>("capacity")                                                \
-                                    .Attr<int64_t>("expert_alignment")                                        \
-                                    .Attr<int64_t>("hidden")                                                  \
-                                    .Attr<int64_t>("dtype"));                                                 \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_dispatch, omniep::jax_ffi::EmDispatch<G>,                         \
-                                xla::ffi::Ffi::Bind()                                                         \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                   \
-                                    .Attr<int64_t>("num_experts"));                                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_combine, omniep::jax_ffi::EmCombine<G>,                           \
-                                xla::ffi::Ffi::Bind()                                                         \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .RemainingArgs()                                                          \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                   \
-                                    .Attr<int64_t>("num_experts"));                                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_dispatch_bwd, omniep::jax_ffi::EmDispatchBwd<G>,                  \
-                                xla::ffi::Ffi::Bind()                                                         \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                   \
-                                    .Attr<int64_t>("num_experts"));                                           \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_em_combine_bwd, omniep::jax_ffi::EmCombineBwd<G>,                    \
-                                xla::ffi::Ffi::Bind()                                                         \
-                                    .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                            \
-                                    .Ctx<xla::ffi::DeviceOrdinal>()                                           \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Arg<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Ret<xla::ffi::AnyBuffer>()                                             \
-                                    .Attr<int64_t>("state")                                                   \
-                                    .Attr<int64_t>("num_experts"))
+#define OMNIEP_JAX_HANDLER(prefix, name, Impl, G, ...) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_##name, omniep::jax_ffi::Impl<G>, (omniep::jax_ffi::__VA_ARGS__))
+#define OMNIEP_JAX_HANDLERS(prefix, G)                                                                         \
+  OMNIEP_JAX_HANDLER(prefix, prepare, Prepare, G, bind<1, 8>("state", "num_experts", "capacity", "hidden", "dtype")); \
+  OMNIEP_JAX_HANDLER(prefix, dispatch, Dispatch, G, bind<8, 6>("state", "num_experts", "expert_alignment"));   \
+  OMNIEP_JAX_HANDLER(prefix, dispatch_rows, DispatchRows, G, bind<5, 1>("state", "num_experts"));              \
+  OMNIEP_JAX_HANDLER(prefix, combine, Combine, G, bind<5, 2, true>("state", "num_experts"));                   \
+  OMNIEP_JAX_HANDLER(prefix, dispatch_bwd, DispatchBwd, G, bind<6, 2>("state", "num_experts"));                \
+  OMNIEP_JAX_HANDLER(prefix, em_prepare, EmPrepare, G,                                                        \
+                     bind<1, 14>("state", "num_experts", "capacity", "expert_alignment", "hidden", "dtype"));  \
+  OMNIEP_JAX_HANDLER(prefix, em_dispatch, EmDispatch, G, bind<6, 5>("state", "num_experts"));                  \
+  OMNIEP_JAX_HANDLER(prefix, em_combine, EmCombine, G, bind<4, 2, true>("state", "num_experts"));              \
+  OMNIEP_JAX_HANDLER(prefix, em_dispatch_bwd, EmDispatchBwd, G, bind<4, 2>("state", "num_experts"));           \
+  OMNIEP_JAX_HANDLER(prefix, em_combine_bwd, EmCombineBwd, G, bind<6, 2>("state", "num_experts"))

@@ -51,18 +51,17 @@ def test_native_and_collective_layers_are_bitwise_equal(dtype):
                 np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=f"problem {i} rank {r} {key}")
 
 
+@two_gpus
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jax_layer_native_and_collective_are_bitwise_equal(dtype):
     """The Flax layer under jit: cuda_nvshmem and collective (XLA all-to-all) give identical outputs,
-    aux loss and gradients — two jax.distributed processes, one GPU each when two are visible, else
-    both on GPU 0."""
+    aux loss and gradients — two jax.distributed processes, one GPU each."""
     pytest.importorskip("flax")
     from harness.jax_layer_workers import gpu_layer_run
     from omniep.testing.procs import run_ranks
 
-    per_gpu = gpu_count() >= 2
     env = {"JAX_PLATFORMS": "cuda,cpu", "OMNIEP_CHECKS": "default"}
-    runs = {b: run_ranks(gpu_layer_run, 2, args=(b, per_gpu, dtype), timeout=300, env=env)[0]
+    runs = {b: run_ranks(gpu_layer_run, 2, args=(b, dtype), timeout=300, env=env)[0]
             for b in (NATIVE, "collective")}
     native, coll = runs[NATIVE], runs["collective"]
     assert native.keys() == coll.keys() and "g_w_gate_up" in native

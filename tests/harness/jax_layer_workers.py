@@ -98,8 +98,8 @@ def mp_layer_cases(rank: int, world: int, port: int) -> dict:
     return {"process": jax.process_index(), "num_devices": n, "checked": checked}
 
 
-def gpu_layer_run(rank: int, world: int, port: int, backend: str, per_gpu: bool, dtype: str) -> dict:
-    """One ``jax.distributed`` process (GPU ``rank`` with ``per_gpu``, else GPU 0) of a 1-D expert mesh over
+def gpu_layer_run(rank: int, world: int, port: int, backend: str, dtype: str) -> dict:
+    """One ``jax.distributed`` process (on GPU ``rank``: XLA's NCCL refuses two ranks on one) of a 1-D expert mesh over
     all processes: the Flax layer's output, aux loss and every gradient under ``jit`` on ``backend``,
     gathered to numpy (the same arrays in every process), for a drop-heavy sigmoid grouped config."""
     import os
@@ -113,7 +113,7 @@ def gpu_layer_run(rank: int, world: int, port: int, backend: str, per_gpu: bool,
     if on_cpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=world, process_id=rank,
-                               local_device_ids=None if on_cpu else [rank if per_gpu else 0],
+                               local_device_ids=None if on_cpu else [rank],
                                initialization_timeout=120)
     import jax.numpy as jnp
     from flax import nnx
