@@ -6,18 +6,11 @@ if(OMNIEP_NCCL STREQUAL "OFF")
   omniep_part(_native_nccl skipped "OMNIEP_NCCL=OFF")
   return()
 endif()
-if(NOT OMNIEP_NCCL_ROOT AND DEFINED ENV{OMNIEP_NCCL_ROOT})
-  set(OMNIEP_NCCL_ROOT "$ENV{OMNIEP_NCCL_ROOT}")
-endif()
+omniep_wheel_root(OMNIEP_NCCL_ROOT nvidia.nccl)
 if(NOT OMNIEP_NCCL_ROOT)
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c "import nvidia.nccl as m; print(list(m.__path__)[0])"
-    OUTPUT_VARIABLE OMNIEP_NCCL_ROOT OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _nccl_rc ERROR_QUIET)
-  if(NOT _nccl_rc EQUAL 0)
-    omniep_cannot(_native_nccl "${OMNIEP_NCCL}"
-                  "nvidia.nccl not importable by ${Python_EXECUTABLE} (pip install nvidia-nccl-cu13, or -DOMNIEP_NCCL_ROOT=<dir>)")
-    return()
-  endif()
+  omniep_cannot(_native_nccl "${OMNIEP_NCCL}"
+                "nvidia.nccl not importable by ${Python_EXECUTABLE} (pip install nvidia-nccl-cu13, or -DOMNIEP_NCCL_ROOT=<dir>)")
+  return()
 endif()
 set(_nccl_lib "${OMNIEP_NCCL_ROOT}/lib")
 if(NOT EXISTS "${OMNIEP_NCCL_ROOT}/include/nccl_device.h")

@@ -6,18 +6,11 @@ if(OMNIEP_NVSHMEM STREQUAL "OFF")
   omniep_part(_native_nvshmem skipped "OMNIEP_NVSHMEM=OFF")
   return()
 endif()
-if(NOT OMNIEP_NVSHMEM_ROOT AND DEFINED ENV{OMNIEP_NVSHMEM_ROOT})
-  set(OMNIEP_NVSHMEM_ROOT "$ENV{OMNIEP_NVSHMEM_ROOT}")
-endif()
+omniep_wheel_root(OMNIEP_NVSHMEM_ROOT nvidia.nvshmem)
 if(NOT OMNIEP_NVSHMEM_ROOT)
-  execute_process(
-    COMMAND "${Python_EXECUTABLE}" -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])"
-    OUTPUT_VARIABLE OMNIEP_NVSHMEM_ROOT OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _nvshmem_rc ERROR_QUIET)
-  if(NOT _nvshmem_rc EQUAL 0)
-    omniep_cannot(_native_nvshmem "${OMNIEP_NVSHMEM}"
-                  "nvidia.nvshmem not importable by ${Python_EXECUTABLE} (pip install nvidia-nvshmem-cu13, or -DOMNIEP_NVSHMEM_ROOT=<dir>)")
-    return()
-  endif()
+  omniep_cannot(_native_nvshmem "${OMNIEP_NVSHMEM}"
+                "nvidia.nvshmem not importable by ${Python_EXECUTABLE} (pip install nvidia-nvshmem-cu13, or -DOMNIEP_NVSHMEM_ROOT=<dir>)")
+  return()
 endif()
 set(_nvshmem_lib "${OMNIEP_NVSHMEM_ROOT}/lib")
 if(NOT EXISTS "${_nvshmem_lib}/libnvshmem_device.a" OR NOT EXISTS "${_nvshmem_lib}/libnvshmem_host.so.3")

@@ -30,6 +30,24 @@ function(omniep_module target)
   install(TARGETS ${target} LIBRARY DESTINATION omniep)
 endfunction()
 
+# ${var}: the -D option, else the environment variable of that name, else the folder of the Python
+# package `module` (a wheel's: nvidia.nvshmem, nvidia.nccl) as ${Python_EXECUTABLE} imports it; empty
+# when none is found.
+function(omniep_wheel_root var module)
+  if(NOT ${var} AND DEFINED ENV{${var}})
+    set(${var} "$ENV{${var}}")
+  endif()
+  if(NOT ${var})
+    execute_process(
+      COMMAND "${Python_EXECUTABLE}" -c "import ${module} as m; print(list(m.__path__)[0])"
+      OUTPUT_VARIABLE ${var} OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE rc ERROR_QUIET)
+    if(NOT rc EQUAL 0)
+      set(${var} "")
+    endif()
+  endif()
+  set(${var} "${${var}}" PARENT_SCOPE)
+endfunction()
+
 function(_omniep_json_string out value)
   string(REPLACE "\\" "\\\\" value "${value}")
   string(REPLACE "\"" "\\\"" value "${value}")

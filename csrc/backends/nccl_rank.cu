@@ -112,7 +112,7 @@ void NcclRank::on_device(F&& f) const {
 }
 
 NcclRank::NcclRank(ncclComm_t comm, int device, uint64_t timeout_ns)
-    : comm_(comm), device_(device), timeout_ns_(timeout_ns) {
+    : SymmetricDataRank(0, timeout_ns), comm_(comm), device_(device) {
   adopt();
 }
 
@@ -141,7 +141,8 @@ void NcclRank::open_windows() {
   require_gin();
 }
 
-NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns) : timeout_ns_(timeout_ns) {
+NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns)
+    : SymmetricDataRank(0, timeout_ns) {
   if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
     throw std::invalid_argument("omniep: rank " + std::to_string(rank) + " of " + std::to_string(num_ranks) +
                                 ": need 0 <= rank < num_ranks <= " + std::to_string(kMaxRanks));
@@ -162,7 +163,7 @@ NcclRank::NcclRank(int rank, int num_ranks, const std::string& uid, uint64_t tim
 }
 
 NcclRank::NcclRank(uintptr_t borrowed_comm, uint64_t timeout_ns)
-    : comm_(reinterpret_cast<ncclComm_t>(borrowed_comm)), owns_comm_(false), timeout_ns_(timeout_ns) {
+    : SymmetricDataRank(0, timeout_ns), comm_(reinterpret_cast<ncclComm_t>(borrowed_comm)), owns_comm_(false) {
   if (comm_ == nullptr) {
     throw std::invalid_argument("omniep: the process group has no NCCL communicator yet (run one collective "
                                 "on it first, or pass device_id to init_process_group)");

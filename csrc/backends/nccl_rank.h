@@ -35,7 +35,7 @@ class OneRankLauncher;
 struct NcclDevCommBox;  // holds the ncclDevComm (nccl_device.h stays out of this header)
 struct NcclDevTransport;
 
-class NcclRank : public OneRankOps<NcclRank> {
+class NcclRank : public OneRankOps<NcclRank>, public SymmetricDataRank {
  public:
   static std::string unique_id();  // ncclGetUniqueId, as bytes
   static int runtime_version();    // ncclGetVersion of the loaded libnccl (e.g. 22809)
@@ -53,23 +53,12 @@ class NcclRank : public OneRankOps<NcclRank> {
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
   int device() const { return device_; }
-  uint64_t timeout_ns() const { return timeout_ns_; }
-  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
-  void set_blocks(int n);
-  uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r is reached through GIN
+  void set_blocks(int n);  // remote_mask(): the peers reached through GIN
   size_t data_bytes() const override { return data_bytes_; }
-  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
-  // Collective (every rank, same bytes): deregister, free, allocate and register the data buffer.
+  // Collective (every rank, same bytes): deregister, free, allocate and register the data buffer (its
+  // peers' entries: through the window).
   void allocate_data(size_t bytes);
   void grow_data(size_t bytes, cudaStream_t) { allocate_data(bytes); }  // inside an op (OneRankOps)
-
-  // Entry [me] = my data buffer + offset (the transport derives the peers' through the window).
-  template <typename T>
-  PerRank<T> sym(int64_t offset) const {
-    PerRank<T> out = {};
-    out.p[rank_] = data_ ? reinterpret_cast<T*>(static_cast<char*>(data_) + offset) : nullptr;
-    return out;
-  }
 
  private:
   friend class NcclLocalGroup;
@@ -95,14 +84,10 @@ class NcclRank : public OneRankOps<NcclRank> {
 
   ncclComm_t comm_ = nullptr;
   bool owns_comm_ = true;  // false: borrowed (a torch process group's), never destroyed here
-  int rank_ = 0, num_ranks_ = 0, device_ = 0;
-  uint64_t timeout_ns_;
+  int num_ranks_ = 0, device_ = 0;
   RankWorkspace* workspace_ = nullptr;
   ncclWindow_t ws_window_ = nullptr;
-  void* data_ = nullptr;
-  size_t data_bytes_ = 0;
   ncclWindow_t data_window_ = nullptr;
-  uint32_t remote_mask_ = 0;
   void* mirrors_ = nullptr;  // with GIN peers: R x data_bytes_, registered
   ncclWindow_t mirror_window_ = nullptr;
   std::unique_ptr<NcclDevCommBox> dev_comm_;

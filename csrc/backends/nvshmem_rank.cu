@@ -29,7 +29,7 @@ std::string NvshmemRank::unique_id() {
 }
 
 NvshmemRank::NvshmemRank(int rank, int num_ranks, const std::string& uid, uint64_t timeout_ns)
-    : rank_(rank), num_ranks_(num_ranks), timeout_ns_(timeout_ns) {
+    : SymmetricDataRank(rank, timeout_ns), num_ranks_(num_ranks) {
   if (num_ranks < 1 || num_ranks > kMaxRanks || rank < 0 || rank >= num_ranks) {
     throw std::invalid_argument("omniep: rank " + std::to_string(rank) + " of " + std::to_string(num_ranks) +
                                 ": need 0 <= rank < num_ranks <= " + std::to_string(kMaxRanks));

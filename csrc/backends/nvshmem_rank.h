@@ -26,7 +26,7 @@ class OneRankLauncher;
 struct NvshmemTransport;
 
 // The ops are OneRankOps' (backends/one_rank_ops.h), shared with IpcRank and NcclRank.
-class NvshmemRank : public OneRankOps<NvshmemRank> {
+class NvshmemRank : public OneRankOps<NvshmemRank>, public SymmetricDataRank {
  public:
   static std::string unique_id();  // nvshmemx_get_uniqueid, as bytes
   NvshmemRank(int rank, int num_ranks, const std::string& unique_id, uint64_t timeout_ns);
@@ -36,23 +36,12 @@ class NvshmemRank : public OneRankOps<NvshmemRank> {
 
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
-  uint64_t timeout_ns() const { return timeout_ns_; }
-  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
   void set_blocks(int n);
-  uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r goes through puts + signals
   size_t data_bytes() const override { return data_bytes_; }
-  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
-  // Collective (every PE, same bytes): free and re-allocate the symmetric data buffer.
+  // Collective (every PE, same bytes): free and re-allocate the symmetric data buffer (its peers'
+  // entries: nvshmem_ptr).
   void allocate_data(size_t bytes);
   void grow_data(size_t bytes, cudaStream_t) { allocate_data(bytes); }  // inside an op (OneRankOps)
-
-  // Entry [me] = my data buffer + offset (the transport derives the peers' with nvshmem_ptr).
-  template <typename T>
-  PerRank<T> sym(int64_t offset) const {
-    PerRank<T> out = {};
-    out.p[rank_] = data_ ? reinterpret_cast<T*>(static_cast<char*>(data_) + offset) : nullptr;
-    return out;
-  }
 
  private:
   friend class OneRankOps<NvshmemRank>;
@@ -62,12 +51,8 @@ class NvshmemRank : public OneRankOps<NvshmemRank> {
   template <typename F>
   void on_device(F&& f) const { f(); }  // the current device (the one the PE was made on)
 
-  int rank_, num_ranks_;
-  uint64_t timeout_ns_;
+  int num_ranks_;
   RankWorkspace* workspace_ = nullptr;
-  void* data_ = nullptr;
-  size_t data_bytes_ = 0;
-  uint32_t remote_mask_ = 0;
   uint8_t* scratch_ = nullptr;  // symmetric, only with remote peers: expert-major per-warp staging
   uint8_t* mirrors_ = nullptr;  // symmetric, only with remote peers: R x data_bytes_
   int64_t scratch_bytes_ = 0;

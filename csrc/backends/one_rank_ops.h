@@ -31,6 +31,32 @@ namespace omniep {
 
 struct BarrierArgs;
 
+// What the classes over ONE symmetric data buffer (NvshmemRank, NcclRank) keep alike: the buffer
+// (sym<T>(), data_ptr()), the peers reached by puts + signals, the wait limit. IpcRank keeps one
+// buffer per peer instead.
+class SymmetricDataRank {
+ public:
+  uint64_t timeout_ns() const { return timeout_ns_; }
+  void set_timeout_ns(uint64_t ns) { timeout_ns_ = ns; }
+  uint32_t remote_mask() const { return remote_mask_; }  // bit r: peer r is reached by puts + signals
+  uintptr_t data_ptr() const { return reinterpret_cast<uintptr_t>(data_); }
+  // Entry [me] = my data buffer + offset (the transport derives the peers' entries).
+  template <typename T>
+  PerRank<T> sym(int64_t offset) const {
+    PerRank<T> out = {};
+    out.p[rank_] = data_ ? reinterpret_cast<T*>(static_cast<char*>(data_) + offset) : nullptr;
+    return out;
+  }
+
+ protected:
+  SymmetricDataRank(int rank, uint64_t timeout_ns) : rank_(rank), timeout_ns_(timeout_ns) {}
+  int rank_;
+  uint64_t timeout_ns_;
+  void* data_ = nullptr;
+  size_t data_bytes_ = 0;
+  uint32_t remote_mask_ = 0;
+};
+
 template <typename Rank>
 class OneRankOps : public EpRank {
  public:

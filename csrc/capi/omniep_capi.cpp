@@ -58,155 +58,129 @@ void require_group(const omniep_group* g, const void* args) {
   if (args == nullptr) throw std::invalid_argument("omniep: null argument struct");
 }
 
-omniep::LayoutArgs convert(const omniep_layout_args& c) {
-  omniep::LayoutArgs a = {};
-  to_per_rank(a.topk_idx, c.topk_idx);
+// The fields the C structs and the kernels' structs share by name, by kind of op (templates: the
+// rank-major and expert-major structs of a kind spell them alike).
+template <typename A, typename C>
+void copy_shape(A& a, const C& c) {
   to_per_rank(a.topk_idx32, c.topk_idx32);
-  to_per_rank(a.send_pos, c.send_pos);
-  to_per_rank(a.num_tokens_per_rank, c.num_tokens_per_rank);
-  to_per_rank(a.num_tokens_per_expert, c.num_tokens_per_expert);
-  to_per_rank(a.recv_counts, c.recv_counts);
-  to_per_rank(a.send_offset, c.send_offset);
-  to_per_rank(a.num_recv, c.num_recv);
-  to_per_rank(a.dropped, c.dropped);
   for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
   a.num_topk = c.num_topk;
   a.num_experts = c.num_experts;
   a.capacity = c.capacity;
+}
+
+template <typename A, typename C>
+void copy_layout(A& a, const C& c) {
+  copy_shape(a, c);
+  to_per_rank(a.num_tokens_per_expert, c.num_tokens_per_expert);
+  to_per_rank(a.num_recv, c.num_recv);
+  to_per_rank(a.dropped, c.dropped);
+}
+
+template <typename A, typename C>
+void copy_dispatch(A& a, const C& c) {
+  copy_shape(a, c);
+  to_per_rank(a.x, c.x);
+  to_per_rank(a.x2, c.x2);
+  to_per_rank(a.topk_weights, c.topk_weights);
+  to_per_rank(a.recv_x, c.recv_x);
+  to_per_rank(a.recv_x2, c.recv_x2);
+  to_per_rank(a.recv_topk_idx, c.recv_topk_idx);
+  to_per_rank(a.recv_topk_weights, c.recv_topk_weights);
+  a.row_bytes = c.row_bytes;
+  a.row2_bytes = c.row2_bytes;
+  set_copy_units(a, c);
+}
+
+template <typename A, typename C>
+void copy_combine(A& a, const C& c) {
+  copy_shape(a, c);
+  to_per_rank(a.y, c.y);
+  to_per_rank(a.out, c.out);
+  to_per_rank(a.bias[0], c.bias0);
+  to_per_rank(a.bias[1], c.bias1);
+  to_per_rank(a.g_recv_topk_weights, c.g_recv_topk_weights);
+  to_per_rank(a.g_topk_weights, c.g_topk_weights);
+  a.hidden = c.hidden;
+  a.dtype = c.dtype;
+  if (c.num_bias < 0 || c.num_bias > 2) throw std::invalid_argument("omniep: num_bias must be 0, 1 or 2");
+  a.num_bias = c.num_bias;
+  a.bias_dtype[0] = c.bias_dtype[0];
+  a.bias_dtype[1] = c.bias_dtype[1];
+}
+
+omniep::LayoutArgs convert(const omniep_layout_args& c) {
+  omniep::LayoutArgs a = {};
+  copy_layout(a, c);
+  to_per_rank(a.topk_idx, c.topk_idx);
+  to_per_rank(a.send_pos, c.send_pos);
+  to_per_rank(a.num_tokens_per_rank, c.num_tokens_per_rank);
+  to_per_rank(a.recv_counts, c.recv_counts);
+  to_per_rank(a.send_offset, c.send_offset);
   a.index_bytes = c.index_bytes;
   return a;
 }
 
 omniep::DispatchArgs convert(const omniep_dispatch_args& c) {
   omniep::DispatchArgs a = {};
-  to_per_rank(a.x, c.x);
-  to_per_rank(a.x2, c.x2);
-  to_per_rank(a.topk_idx32, c.topk_idx32);
-  to_per_rank(a.topk_weights, c.topk_weights);
+  copy_dispatch(a, c);
   to_per_rank(a.send_pos, c.send_pos);
   to_per_rank(a.send_offset, c.send_offset);
   to_per_rank(a.recv_counts, c.recv_counts);
-  to_per_rank(a.recv_x, c.recv_x);
-  to_per_rank(a.recv_x2, c.recv_x2);
-  to_per_rank(a.recv_topk_idx, c.recv_topk_idx);
-  to_per_rank(a.recv_topk_weights, c.recv_topk_weights);
   to_per_rank(a.num_recv_tokens_per_expert, c.num_recv_tokens_per_expert);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
-  a.row_bytes = c.row_bytes;
-  a.row2_bytes = c.row2_bytes;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
   a.expert_alignment = c.expert_alignment;
   a.with_routing = c.with_routing;
-  set_copy_units(a, c);
   return a;
 }
 
 omniep::CombineArgs convert(const omniep_combine_args& c) {
   omniep::CombineArgs a = {};
-  to_per_rank(a.y, c.y);
-  to_per_rank(a.out, c.out);
-  to_per_rank(a.bias[0], c.bias0);
-  to_per_rank(a.bias[1], c.bias1);
-  to_per_rank(a.topk_idx32, c.topk_idx32);
+  copy_combine(a, c);
   to_per_rank(a.send_pos, c.send_pos);
   to_per_rank(a.send_offset, c.send_offset);
-  to_per_rank(a.g_recv_topk_weights, c.g_recv_topk_weights);
-  to_per_rank(a.g_topk_weights, c.g_topk_weights);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
-  a.hidden = c.hidden;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
-  a.dtype = c.dtype;
-  a.num_bias = c.num_bias;
-  a.bias_dtype[0] = c.bias_dtype[0];
-  a.bias_dtype[1] = c.bias_dtype[1];
   a.with_topk_grad = c.with_topk_grad;
-  if (a.num_bias < 0 || a.num_bias > 2) throw std::invalid_argument("omniep: num_bias must be 0, 1 or 2");
   return a;
 }
 
 omniep::EMLayoutArgs convert(const omniep_em_layout_args& c) {
   omniep::EMLayoutArgs a = {};
-  to_per_rank(a.topk_idx32, c.topk_idx32);
-  to_per_rank(a.num_tokens_per_expert, c.num_tokens_per_expert);
+  copy_layout(a, c);
   to_per_rank(a.copy_slot, c.copy_slot);
   to_per_rank(a.recv_expert_count, c.recv_expert_count);
   to_per_rank(a.num_recv_tokens_per_expert, c.num_recv_tokens_per_expert);
-  to_per_rank(a.num_recv, c.num_recv);
-  to_per_rank(a.dropped, c.dropped);
   to_per_rank(a.max_expert_count, c.max_expert_count);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
   a.expert_alignment = c.expert_alignment;
   return a;
 }
 
 omniep::EMDispatchArgs convert(const omniep_em_dispatch_args& c) {
   omniep::EMDispatchArgs a = {};
-  to_per_rank(a.x, c.x);
-  to_per_rank(a.x2, c.x2);
-  to_per_rank(a.topk_idx32, c.topk_idx32);
-  to_per_rank(a.topk_weights, c.topk_weights);
+  copy_dispatch(a, c);
   to_per_rank(a.copy_slot, c.copy_slot);
   to_per_rank(a.recv_expert_count, c.recv_expert_count);
-  to_per_rank(a.recv_x, c.recv_x);
-  to_per_rank(a.recv_x2, c.recv_x2);
-  to_per_rank(a.recv_topk_idx, c.recv_topk_idx);
-  to_per_rank(a.recv_topk_weights, c.recv_topk_weights);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
-  a.row_bytes = c.row_bytes;
-  a.row2_bytes = c.row2_bytes;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
   a.zero_padding = 1;  // the results are the caller's own tensors: their padding stays zero, as documented
-  set_copy_units(a, c);
   return a;
 }
 
 omniep::EMCombineArgs convert(const omniep_em_combine_args& c) {
   omniep::EMCombineArgs a = {};
-  to_per_rank(a.y, c.y);
-  to_per_rank(a.out, c.out);
-  to_per_rank(a.bias[0], c.bias0);
-  to_per_rank(a.bias[1], c.bias1);
-  to_per_rank(a.topk_idx32, c.topk_idx32);
+  copy_combine(a, c);
   to_per_rank(a.topk_weights, c.topk_weights);
   to_per_rank(a.copy_slot, c.copy_slot);
-  to_per_rank(a.g_recv_topk_weights, c.g_recv_topk_weights);
-  to_per_rank(a.g_topk_weights, c.g_topk_weights);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
-  a.hidden = c.hidden;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
-  a.dtype = c.dtype;
-  a.num_bias = c.num_bias;
-  a.bias_dtype[0] = c.bias_dtype[0];
-  a.bias_dtype[1] = c.bias_dtype[1];
   return a;
 }
 
 omniep::EMCombineBwdArgs convert(const omniep_em_combine_bwd_args& c) {
   omniep::EMCombineBwdArgs a = {};
+  copy_shape(a, c);
   to_per_rank(a.g_out, c.g_out);
   to_per_rank(a.y, c.y);
-  to_per_rank(a.topk_idx32, c.topk_idx32);
   to_per_rank(a.topk_weights, c.topk_weights);
   to_per_rank(a.copy_slot, c.copy_slot);
   to_per_rank(a.recv_expert_count, c.recv_expert_count);
   to_per_rank(a.g_y, c.g_y);
   to_per_rank(a.g_topk_weights, c.g_topk_weights);
-  for (int r = 0; r < OMNIEP_MAX_RANKS; ++r) a.num_tokens[r] = c.num_tokens[r];
   a.hidden = c.hidden;
-  a.num_topk = c.num_topk;
-  a.num_experts = c.num_experts;
-  a.capacity = c.capacity;
   a.dtype = c.dtype;
   a.with_topk_grad = c.with_topk_grad;
   return a;

@@ -139,6 +139,34 @@ inline void set_combine_base(CombineBase& c, const ffi::AnyBuffer& y, int64_t hi
 
 // ---- rank-major -------------------------------------------------------------------------------------
 
+// What prepare of both layouts fills alike: the routing in, its rank-major layout out.
+inline PrepareCall prepare_call(const ffi::AnyBuffer& topk_idx, ffi::Result<ffi::AnyBuffer>& idx32,
+                                ffi::Result<ffi::AnyBuffer>& send_pos, ffi::Result<ffi::AnyBuffer>& per_rank,
+                                ffi::Result<ffi::AnyBuffer>& per_expert, ffi::Result<ffi::AnyBuffer>& recv_counts,
+                                ffi::Result<ffi::AnyBuffer>& send_offset, ffi::Result<ffi::AnyBuffer>& num_recv,
+                                ffi::Result<ffi::AnyBuffer>& dropped, int64_t num_experts, int64_t capacity,
+                                int64_t expert_alignment) {
+  const auto t = topk_idx.element_type();
+  if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
+  PrepareCall c = {};
+  c.topk_idx = data(topk_idx);
+  c.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
+  c.num_tokens = static_cast<int>(rows_of(topk_idx));
+  c.num_topk = static_cast<int>(cols_of(topk_idx));
+  c.num_experts = static_cast<int>(num_experts);
+  c.capacity = static_cast<int>(capacity);
+  c.expert_alignment = static_cast<int>(expert_alignment);
+  c.topk_idx32 = as<int32_t>(idx32);
+  c.send_pos = as<int32_t>(send_pos);
+  c.num_tokens_per_rank = as<int32_t>(per_rank);
+  c.num_tokens_per_expert = as<int32_t>(per_expert);
+  c.recv_counts = as<int32_t>(recv_counts);
+  c.send_offset = as<int32_t>(send_offset);
+  c.num_recv = as<int32_t>(num_recv);
+  c.dropped = as<int32_t>(dropped);
+  return c;
+}
+
 template <typename G>
 ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> idx32,
                    ffi::Result<ffi::AnyBuffer> send_pos, ffi::Result<ffi::AnyBuffer> per_rank,
@@ -147,24 +175,8 @@ ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx
                    ffi::Result<ffi::AnyBuffer> dropped, int64_t state, int64_t num_experts, int64_t capacity,
                    int64_t hidden, int64_t dtype) {
   return guarded<G>(state, ordinal, "omniep prepare (JAX)", [&](G& g) {
-    const auto t = topk_idx.element_type();
-    if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
-    PrepareCall c = {};
-    c.topk_idx = data(topk_idx);
-    c.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
-    c.num_tokens = static_cast<int>(rows_of(topk_idx));
-    c.num_topk = static_cast<int>(cols_of(topk_idx));
-    c.num_experts = static_cast<int>(num_experts);
-    c.capacity = static_cast<int>(capacity);
-    c.expert_alignment = 1;
-    c.topk_idx32 = as<int32_t>(idx32);
-    c.send_pos = as<int32_t>(send_pos);
-    c.num_tokens_per_rank = as<int32_t>(per_rank);
-    c.num_tokens_per_expert = as<int32_t>(per_expert);
-    c.recv_counts = as<int32_t>(recv_counts);
-    c.send_offset = as<int32_t>(send_offset);
-    c.num_recv = as<int32_t>(num_recv);
-    c.dropped = as<int32_t>(dropped);
+    PrepareCall c = prepare_call(topk_idx, idx32, send_pos, per_rank, per_expert, recv_counts, send_offset, num_recv,
+                                 dropped, num_experts, capacity, 1);
     // hidden and dtype: of the x the dispatch that continues this op moves (the ranks compare them here)
     g.prepare(c, g.begin(kOpDispatch, c.num_experts, static_cast<int>(hidden), static_cast<int>(dtype), 0, c.capacity,
                          -1, c.num_topk),
@@ -287,26 +299,10 @@ ffi::Error EmPrepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_i
                      ffi::Result<ffi::AnyBuffer> max_expert_count, int64_t state, int64_t num_experts,
                      int64_t capacity, int64_t expert_alignment, int64_t hidden, int64_t dtype) {
   return guarded<G>(state, ordinal, "omniep expert-major prepare (JAX)", [&](G& g) {
-    const auto t = topk_idx.element_type();
-    if (t != ffi::DataType::S32 && t != ffi::DataType::S64) throw std::invalid_argument("topk_idx must be int32 or int64");
     (void)max_expert_count;  // the exact-capacity output of old layouts: C is static now
-    PrepareCall c = {};
-    c.topk_idx = data(topk_idx);
-    c.index_bytes = t == ffi::DataType::S64 ? 8 : 4;
-    c.num_tokens = static_cast<int>(rows_of(topk_idx));
-    c.num_topk = static_cast<int>(cols_of(topk_idx));
-    c.num_experts = static_cast<int>(num_experts);
-    c.capacity = static_cast<int>(capacity);
-    c.expert_alignment = static_cast<int>(expert_alignment);
+    PrepareCall c = prepare_call(topk_idx, idx32, send_pos, per_rank, per_expert, recv_counts, send_offset,
+                                 rm_num_recv, rm_dropped, num_experts, capacity, expert_alignment);
     c.expert_major = true;
-    c.topk_idx32 = as<int32_t>(idx32);
-    c.send_pos = as<int32_t>(send_pos);
-    c.num_tokens_per_rank = as<int32_t>(per_rank);
-    c.num_tokens_per_expert = as<int32_t>(per_expert);
-    c.recv_counts = as<int32_t>(recv_counts);
-    c.send_offset = as<int32_t>(send_offset);
-    c.num_recv = as<int32_t>(rm_num_recv);
-    c.dropped = as<int32_t>(rm_dropped);
     c.copy_slot = as<int32_t>(copy_slot);
     c.recv_expert_count = as<int32_t>(recv_expert_count);
     c.num_recv_tokens_per_expert = as<int32_t>(per_expert_aligned);

@@ -87,7 +87,22 @@ struct DispatchArgs {
   OpDesc desc[kMaxRanks];
 };
 
-struct CombineArgs {
+// The scalars of every combine-like op: combine and dispatch_bwd of both layouts (CombineArgs,
+// EMCombineArgs in kernels/em_args.h).
+struct CombineScalars {
+  int num_tokens[kMaxRanks];
+  int hidden;
+  int num_topk;
+  int num_experts;
+  int capacity;
+  int dtype;
+  int num_bias;
+  int bias_dtype[2];
+  int with_topk_grad;
+  OpDesc desc[kMaxRanks];
+};
+
+struct CombineArgs : CombineScalars {
   PerRank<const void> y;                    // sym [C, H] in `dtype`
   PerRank<void> out;                        // [T, H] in `dtype`
   PerRank<const void> bias[2];              // [T, H] in bias_dtype[i], first num_bias used
@@ -104,16 +119,6 @@ struct CombineArgs {
   // rank's own segment into y (the copy-in, fused: kernels/copy_rows.cuh), in units of copy_unit.
   int copy_rows;
   int copy_unit;
-  int num_tokens[kMaxRanks];
-  int hidden;
-  int num_topk;
-  int num_experts;
-  int capacity;
-  int dtype;
-  int num_bias;
-  int bias_dtype[2];
-  int with_topk_grad;
-  OpDesc desc[kMaxRanks];
 };
 
 }  // namespace omniep

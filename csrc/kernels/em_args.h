@@ -15,6 +15,7 @@
 
 #include <stdint.h>
 
+#include "kernels/args.h"
 #include "omniep/transport.h"
 
 namespace omniep {
@@ -92,7 +93,7 @@ struct EMDispatchArgs {
 };
 
 // combine (weighted) and dispatch_bwd (topk_weights all null: weight 1, with_topk_grad = 1).
-struct EMCombineArgs {
+struct EMCombineArgs : CombineScalars {
   PerRank<const void> y;                      // sym [L, C, H] in `dtype`
   // Optional: the caller's y [L, C, H] (and g_recv_topk_weights [L, C]), copied into the symmetric
   // buffers by the kernel before its start barrier — the counted slots only when recv_expert_count is
@@ -108,16 +109,6 @@ struct EMCombineArgs {
   PerRank<const int32_t> copy_slot;           // [T, K]
   PerRank<const float> g_recv_topk_weights;   // sym [L, C] (with_topk_grad)
   PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
-  int num_tokens[kMaxRanks];
-  int hidden;
-  int num_topk;
-  int num_experts;
-  int capacity;
-  int dtype;
-  int num_bias;
-  int bias_dtype[2];
-  int with_topk_grad;
-  OpDesc desc[kMaxRanks];
 };
 
 // combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) pushed to the copy's slot, and (with_topk_grad)
