@@ -37,6 +37,9 @@ if [[ "$PART" != tests ]]; then
   want ll_ops && step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --out "$OUT/ll_ops.json"
   # The MoE layer (omniep.layers.torch) forward + backward at DeepSeek-V3's shape, native vs collective
   want layer && step bench_layer 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu --out "$OUT/layer.json"
+  # ... the same with the layer's elementwise work eager (OMNIEP_LAYER_COMPILE=0): what the fusion buys
+  want layer_eager && step bench_layer_eager 150 env OMNIEP_LAYER_COMPILE=0 "$PY" benchmarks/moe_layer_gpu.py --world 2 \
+    --per-gpu --backends cuda_nvshmem --out "$OUT/layer_eager.json"
   want layer_jax && step bench_layer_jax 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 --out "$OUT/layer_jax.json"
 fi
 echo "gpu_check_multi: exit $status; logs in $OUT"

@@ -90,6 +90,8 @@ VARIABLES = {v.name: v for v in (
              "path, as across nodes; every rank must agree", number="flag"),
     Variable("OMNIEP_FUSED_COPY_BYTES", "4194304", "rank-major ops whose local copy is at most this many bytes "
              "do it inside the communication kernel (one launch fewer)", number="bytes"),
+    Variable("OMNIEP_LAYER_COMPILE", "1", "1: the torch MoE layer's elementwise work on a GPU (SwiGLU, weighting) "
+             "runs through torch.compile, fused; 0: eager kernels", number="flag"),
     Variable("OMNIEP_NCCL_EP_LIB", "", "nccl_ep_lib: NVIDIA's libnccl_ep.so (the file or its folder); unset: "
              "the installed nccl-extensions package's ep/lib/cu13, then cu12", number="path"),
 )}

@@ -89,8 +89,7 @@ class MoE(nn.Module):
         # Weighted here, by the weight that travelled with each copy (its gradient returns through
         # dispatch exactly: bitwise the same on every backend); padding slots zero, so that no gradient
         # reaches the expert weights through them.
-        weighted = (y * d.recv_topk_weights.unsqueeze(-1)).to(y.dtype)  # fp32 product (type promotion)
-        y = torch.where((d.recv_topk_idx >= 0).unsqueeze(-1), weighted, torch.zeros((), dtype=y.dtype, device=y.device))
+        y = _elementwise(_weigh_held, y)(y, d.recv_topk_weights, d.recv_topk_idx)
         out = ep.combine(y, d.handle, weighted=False)
         if self.shared_gate_up is not None:
             out = out + _swiglu(tokens, self.shared_gate_up.to(tokens.dtype), self.shared_down.to(tokens.dtype))
@@ -152,15 +151,40 @@ def swiglu_experts(recv_x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     Every expert has the same C slots, so the grouped GEMM is a batched one (``torch.bmm``): one for
     gate and up together, one for down."""
     dt = recv_x.dtype
-    return _swiglu_batched(recv_x, w_gate_up.to(dt), w_down.to(dt))
-
-
-def _swiglu_batched(x, w_gate_up, w_down):
-    gate, up = torch.bmm(x, w_gate_up).chunk(2, dim=-1)
-    return torch.bmm(F.silu(gate) * up, w_down)
+    return _swiglu(recv_x, w_gate_up.to(dt), w_down.to(dt))
 
 
 def _swiglu(x, w_gate_up, w_down):
-    gate, up = (x @ w_gate_up).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w_down
+    """``x[..., H] @ w_gate_up[(L,) H, 2F]`` → SwiGLU → ``@ w_down[(L,) F, H]``: a batched GEMM over the
+    experts' ``[L, C, H]`` buffer, a plain one for the shared expert's ``[T, H]``."""
+    h = x @ w_gate_up
+    return _elementwise(_silu_mul, h)(h) @ w_down
+
+
+def _silu_mul(h):
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _weigh_held(y, recv_topk_weights, recv_topk_idx):
+    """``y[L, C, H]`` times its copy's fp32 weight, rounded to y's dtype; slots that hold no copy 0."""
+    weighted = (y * recv_topk_weights.unsqueeze(-1)).to(y.dtype)  # fp32 product (type promotion)
+    return torch.where((recv_topk_idx >= 0).unsqueeze(-1), weighted, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+_COMPILED: dict = {}
+
+
+def _elementwise(fn, like: torch.Tensor):
+    """``fn`` itself on CPU; on a GPU, ``fn`` compiled by ``torch.compile`` (TorchInductor fuses its
+    elementwise passes over the ``[L, C, H]`` buffers, forward and backward, into one kernel each; the
+    same formula, so every backend of a device type runs the same kernels and stays bitwise equal).
+    ``OMNIEP_LAYER_COMPILE=0`` keeps the eager kernels everywhere."""
+    from ..ep_core import env
+
+    if like.device.type == "cpu" or not env.get("OMNIEP_LAYER_COMPILE"):
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _COMPILED[fn]
 
