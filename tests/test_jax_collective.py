@@ -15,7 +15,7 @@ from omniep import jax as ep
 from omniep.backends.collective.jax_backend import CollectiveJax
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import DispatchConfig, Layout
-from omniep.testing import golden
+from harness import golden
 from harness import jax_workers as jw
 from omniep.testing.cases import case_strategy, make_case
 

@@ -16,7 +16,7 @@ from omniep.backends.collective.jax_backend import CollectiveJax
 from omniep.ep_core import descriptor as dsc
 from omniep.ep_core import registry
 from omniep.ep_core.errors import CapacityError, InputError, PeerTimeoutError, RankMismatchError
-from omniep.testing import golden
+from harness import golden
 from harness import jax_divergence as jd
 from harness import jax_workers as jw
 from omniep.testing.cases import make_case

@@ -8,7 +8,7 @@ from omniep.ep_core import DispatchConfig, Layout
 from omniep.ep_core import reference as ref
 from omniep.ep_core.errors import InputError
 from omniep.testing.cases import case_strategy, make_case
-from omniep.testing.golden import (GOLDEN_CASES, assert_bitwise_equal, golden_files, load,
+from harness.golden import (GOLDEN_CASES, assert_bitwise_equal, golden_files, load,
                                    reference_results, static_capacity)
 
 

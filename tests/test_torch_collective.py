@@ -13,7 +13,7 @@ from hypothesis import settings
 
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
-from omniep.testing import golden
+from harness import golden
 from omniep.testing.cases import case_strategy, draw, make_case, np_dtype
 from harness.jobs import make_job
 from omniep.testing.procs import run_ranks

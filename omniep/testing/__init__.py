@@ -1,1 +1,3 @@
-"""Helpers shared by the tests, the demo and the benchmarks: routing cases and multi-process runs."""
+"""What the demo, the examples and the benchmarks check and run with (the test suites too): routing cases,
+bitwise comparisons, multi-process runs. The test harnesses themselves (golden vectors included) live in
+tests/harness."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..ep_core import reference as ref
 from ..testing.cases import make_case
-from ..testing.golden import assert_bitwise_equal
+from ..testing.compare import assert_bitwise_equal
 
 LAYOUTS = ("rank_major", "expert_major")
 TOLERANCE = 1e-4

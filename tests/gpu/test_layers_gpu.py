@@ -36,7 +36,11 @@ def test_native_layer_matches_dense_oracle():
     assert dropped[0] > 0
 
 
-@pytest.mark.skipif(gpu_count() < 2, reason="bitwise across backends needs two GPUs (NCCL refuses two ranks on one)")
+# The collective backend's NCCL (torch's process group, XLA's cliques) refuses two ranks on one GPU.
+two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="bitwise across backends needs two GPUs (NCCL refuses two ranks on one)")
+
+
+@two_gpus
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_and_collective_layers_are_bitwise_equal(dtype):
     """The same problems through cuda_nvshmem and collective (NCCL): identical out, aux and gradients."""

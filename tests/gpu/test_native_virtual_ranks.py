@@ -15,7 +15,7 @@ import pytest
 from omniep.ep_core import reference as ref
 from omniep.ep_core.errors import CapacityError, PeerTimeoutError
 from omniep.ep_core.types import Layout
-from omniep.testing import golden
+from harness import golden
 from omniep.testing.torch_bits import assert_bits_equal
 from omniep.testing.cases import case_strategy, make_case
 from harness.virtual_rank_checks import check_golden_vector, run_and_compare, to_torch

@@ -25,7 +25,7 @@ import numpy as np
 
 from omniep.ep_core import descriptor as dsc
 from omniep.ep_core.errors import OmniEPError
-from omniep.testing import golden
+from harness import golden
 from omniep.testing.cases import make_case, np_dtype
 
 AXIS = "ep"

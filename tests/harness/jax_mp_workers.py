@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from omniep.ep_core.types import Layout
-from omniep.testing import golden
+from harness import golden
 from omniep.testing.cases import case_strategy, draw, make_case
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from omniep.ep_core import descriptor as dsc
 from omniep.ep_core.types import Layout
-from omniep.testing import golden
+from harness import golden
 from omniep.testing.cases import Case, make_case, np_dtype
 
 AXIS = "ep"

@@ -19,7 +19,7 @@ import numpy as np
 
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
-from omniep.testing import golden
+from harness import golden
 from harness.bounds import assert_dots_close
 from omniep.testing.cases import case_strategy, draw, make_case
 from harness.jobs import make_job

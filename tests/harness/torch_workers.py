@@ -150,7 +150,7 @@ def backend_job(rank: int, job: dict, backend_cls=None) -> dict:
 # ---- golden vectors, opcheck, Buffer -------------------------------------------------------------
 
 def golden_job(rank: int, path: str, via_frontend: bool) -> dict:
-    from omniep.testing.golden import load, static_capacity
+    from harness.golden import load, static_capacity
 
     g = load(path)
     case = g.case

@@ -14,7 +14,7 @@ import numpy as np
 
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import DispatchConfig, Layout
-from omniep.testing import golden
+from harness import golden
 from harness.bounds import assert_dots_close
 from omniep.testing.torch_bits import assert_bits_equal, randn
 from omniep.testing.torch_bits import to_torch as _to_torch

@@ -17,11 +17,16 @@ import pathlib
 
 import numpy as np
 
-from ..ep_core import reference as ref
-from ..ep_core.types import Layout
-from .cases import Case, make_case, np_dtype
+from omniep.ep_core import reference as ref
+from omniep.ep_core.types import Layout
+from omniep.testing.cases import Case, make_case, np_dtype
+from omniep.testing.compare import assert_bitwise_equal, counted_rows, raw_bits
 
-GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[2] / "tests" / "golden"
+# The comparisons come along: the suites call them as golden.counted_rows / golden.assert_bitwise_equal.
+__all__ = ["GOLDEN_DIR", "GOLDEN_CASES", "INPUTS", "EXPECTED", "Golden", "static_capacity", "compute",
+           "reference_results", "save", "load", "golden_files", "write_all", "assert_bitwise_equal", "counted_rows"]
+
+GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1] / "golden"
 
 INPUTS = ("x", "topk_idx", "topk_weights", "y", "bias", "g_out", "g_recv_x", "g_recv_w")
 EXPECTED = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv", "num_recv_tokens_per_expert",
@@ -112,39 +117,6 @@ def reference_results(case: Case, inputs: dict, capacity: int | None = None) -> 
     }
 
 
-def counted_rows(recv_x, recv_topk_idx) -> np.ndarray:
-    """``recv_x`` with its expert-major padding slots (``recv_topk_idx[l, c] == -1``) zeroed, for
-    comparisons: DESIGN §2 leaves those rows unspecified (``zero_padding=False``), the reference zeroes
-    them. A rank-major ``recv_x`` (2-D) comes back unchanged."""
-    x = np.array(recv_x, copy=True)
-    idx = np.asarray(recv_topk_idx)
-    if x.ndim == 3 and idx.shape == x.shape[:2]:
-        x[idx < 0] = 0
-    return x
-
-
-def assert_bitwise_equal(actual, expected, what: str = "") -> None:
-    """Raise AssertionError unless two arrays have the same shape, dtype and bits (NaN-safe)."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    if actual.shape != expected.shape:
-        raise AssertionError(f"{what}: shape {actual.shape} != expected {expected.shape}")
-    if actual.dtype != expected.dtype:
-        raise AssertionError(f"{what}: dtype {actual.dtype} != expected {expected.dtype}")
-    a, e = _bits(actual), _bits(expected)
-    if a.dtype.kind == "f":
-        a, e = a.view(f"u{a.dtype.itemsize}"), e.view(f"u{e.dtype.itemsize}")
-    bad = np.argwhere(a != e)
-    if bad.size:
-        i = tuple(bad[0])
-        raise AssertionError(f"{what}: {len(bad)} elements differ, first at {i}: "
-                             f"{actual[i]!r} != expected {expected[i]!r}")
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" or a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
-
-
 def save(path: pathlib.Path, case: Case, inputs: dict, expected: dict) -> None:
     arrays = {
         "meta_num_ranks": np.int64(case.num_ranks), "meta_num_experts": np.int64(case.num_experts),
@@ -157,7 +129,7 @@ def save(path: pathlib.Path, case: Case, inputs: dict, expected: dict) -> None:
         for key, per_rank in group.items():
             for r, a in enumerate(per_rank):
                 a = np.asarray(a)
-                arrays[f"{key}__{r}"] = _bits(a)
+                arrays[f"{key}__{r}"] = raw_bits(a)
                 arrays[f"{key}__{r}__dtype"] = np.str_(a.dtype.name)
     np.savez_compressed(path, **arrays)
 
@@ -184,7 +156,7 @@ def golden_files() -> list[pathlib.Path]:
 
 
 def write_all(directory: pathlib.Path = GOLDEN_DIR) -> list[pathlib.Path]:
-    """(Re)make every golden file from the reference. Run ``python -m omniep.testing.golden``."""
+    """(Re)make every golden file from the reference. Run ``python tests/harness/golden.py``."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for seed, (name, kwargs) in enumerate(GOLDEN_CASES):
