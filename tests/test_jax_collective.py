@@ -17,7 +17,8 @@ from omniep.ep_core import reference as ref
 from omniep.ep_core.types import DispatchConfig, Layout
 from harness import golden
 from harness import jax_workers as jw
-from omniep.testing.cases import case_strategy, make_case
+from omniep.testing.cases import make_case
+from harness.strategies import case_strategy
 
 RANKS = (1, 2, 4, 8)
 

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from omniep.ep_core.errors import InputError  # noqa: E402
 from omniep.layers import MoEConfig  # noqa: E402
-from omniep.testing.cases import draw  # noqa: E402
+from harness.strategies import draw  # noqa: E402
 from harness.moe_reference_torch import check_results, edge_problems, layer_jobs  # noqa: E402
 from harness.torch_layer_workers import run_layers  # noqa: E402
 

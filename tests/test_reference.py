@@ -7,7 +7,8 @@ from hypothesis import given, strategies as st
 from omniep.ep_core import DispatchConfig, Layout
 from omniep.ep_core import reference as ref
 from omniep.ep_core.errors import InputError
-from omniep.testing.cases import case_strategy, make_case
+from omniep.testing.cases import make_case
+from harness.strategies import case_strategy
 from harness.golden import (GOLDEN_CASES, assert_bitwise_equal, golden_files, load,
                                    reference_results, static_capacity)
 

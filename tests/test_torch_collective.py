@@ -14,7 +14,8 @@ from hypothesis import settings
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
 from harness import golden
-from omniep.testing.cases import case_strategy, draw, make_case, np_dtype
+from omniep.testing.cases import make_case, np_dtype
+from harness.strategies import case_strategy, draw
 from harness.jobs import make_job
 from omniep.testing.procs import run_ranks
 from harness.mp_suite import assert_bits, expected

@@ -18,7 +18,8 @@ from omniep.ep_core.errors import CapacityError
 from omniep.ep_core.types import Layout
 from harness import golden
 from omniep.testing.torch_bits import assert_bits_equal
-from omniep.testing.cases import case_strategy, make_case
+from omniep.testing.cases import make_case
+from harness.strategies import case_strategy
 from harness.virtual_rank_checks import check_golden_vector, run_and_compare, to_torch
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,8 @@ import numpy as np
 
 from omniep.ep_core.types import Layout
 from harness import golden
-from omniep.testing.cases import case_strategy, draw, make_case
+from omniep.testing.cases import make_case
+from harness.strategies import case_strategy, draw
 
 
 def _draw_cases(R: int, n: int) -> list:

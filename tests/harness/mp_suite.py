@@ -21,7 +21,8 @@ from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
 from harness import golden
 from harness.bounds import assert_dots_close
-from omniep.testing.cases import case_strategy, draw, make_case
+from omniep.testing.cases import make_case
+from harness.strategies import case_strategy, draw
 from harness.jobs import make_job
 from omniep.testing.procs import run_ranks
 
