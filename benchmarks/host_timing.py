@@ -1,10 +1,12 @@
-"""Host and device timing shared by the GPU benchmarks (hot_path_gpu.py, host_split_gpu.py, ll_gpu.py).
+"""Host and device timing shared by the GPU benchmarks (hot_path_gpu.py, host_split_gpu.py, ll_gpu.py,
+moe_layer_gpu.py, moe_layer_jax_gpu.py).
 
 * :func:`pin_cpu`: a rank process on one CPU core of its own (no migrations between the calls timed:
   on the lent machines an unpinned process read the same call 30-50 % slower in some runs);
 * :func:`host_times`: the host times to issue ``fn`` while a spin kernel queued ahead keeps the GPU busy,
   so that nothing waits and the launch queue never drains;
-* :func:`device_us`: the GPU time of a call (its kernels and copies summed) from the CUDA profiler.
+* :func:`device_us`: the GPU time of a call (its kernels and copies summed) from the CUDA profiler;
+* :func:`report`: the markdown table every benchmark ends with, and its rows as JSON.
 
 Measure host time before any ``torch.profiler`` session with CUDA activity in the process: once CUPTI
 is loaded, every later launch costs more host time (seen on an H100: a cached LL pair read 105 µs
@@ -13,6 +15,7 @@ after a profiled step, 45 µs without one).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -66,3 +69,17 @@ def device_us(torch, step, iters: int, skip: tuple = ()) -> tuple:
     if total == 0.0:  # older event trees: the kernel events of the key averages
         total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count)
     return total / iters, count / iters
+
+
+def report(header: list, lines: list, rows: list, out: str = "") -> int:
+    """Print a markdown table (``header``: column names; ``lines``: rows of cells, already formatted) and
+    write ``rows`` (the per-rank dicts it came from) to ``out`` as JSON when given. Returns 0 (main's
+    exit status)."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for cells in lines:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0

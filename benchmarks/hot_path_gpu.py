@@ -21,11 +21,10 @@ slicing between the processes then inflates ``device`` and ``wall``. Prints a ta
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from host_timing import device_us, host_times, pin_cpu, quantile
+from host_timing import device_us, host_times, pin_cpu, quantile, report
 
 SHAPES = {"ht": dict(tokens=4096, hidden=7168, topk=8, experts=256), "ll": dict(tokens=128, hidden=7168, topk=8,
                                                                                  experts=256)}
@@ -158,8 +157,7 @@ def main(argv=None) -> int:
     results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
-    print("\n| world | shape | mode | host µs / pair (median, p10) | wall µs / pair | device µs / pair | wall - device |")
-    print("|---|---|---|---|---|---|---|")
+    lines = []
     for shape in args["shapes"]:
         for mode in args["modes"]:
             mine = [r for r in rows if r["shape"] == shape and r["mode"] == mode]
@@ -170,12 +168,10 @@ def main(argv=None) -> int:
             wall = max(r["wall_us"] for r in mine)
             dev = max(r["device_us"] for r in mine)
             host_s = "—" if host is None else f"{host:.1f}, {p10:.1f}"
-            print(f"| {a.world} | {shape} | {mode} | {host_s} | {wall:.1f} | {dev:.1f} | {wall - dev:.1f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
+            lines.append([a.world, shape, mode, host_s, f"{wall:.1f}", f"{dev:.1f}", f"{wall - dev:.1f}"])
+    print()
+    return report(["world", "shape", "mode", "host µs / pair (median, p10)", "wall µs / pair", "device µs / pair",
+                   "wall - device"], lines, rows, a.out)
 
 if __name__ == "__main__":
     sys.exit(main())

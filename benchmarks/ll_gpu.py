@@ -21,10 +21,9 @@ processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from host_timing import device_us, host_times, pin_cpu, quantile
+from host_timing import device_us, host_times, pin_cpu, quantile, report
 
 BASE = dict(tokens=128, hidden=7168, topk=8, experts=288, slots=1)
 VARIANTS = {"base": {}, "2x experts": dict(experts=576), "2x slots": dict(slots=2)}
@@ -121,19 +120,14 @@ def main(argv=None) -> int:
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}")
-    print("| world | variant | op | device µs | host µs (median) | GPU launches |")
-    print("|---|---|---|---|---|---|")
+    lines = []
     for name in args["variants"]:
         for op in dict.fromkeys(r["op"] for r in rows):
             mine = [r for r in rows if r["variant"] == name and r["op"] == op]
             if mine:
-                print(f"| {a.world} | {name} | {op} | {max(r['device_us'] for r in mine):.1f} | "
-                      f"{max(r['host_us'] for r in mine):.1f} | {max(r['launches'] for r in mine):.1f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
+                lines.append([a.world, name, op, f"{max(r['device_us'] for r in mine):.1f}",
+                              f"{max(r['host_us'] for r in mine):.1f}", f"{max(r['launches'] for r in mine):.1f}"])
+    return report(["world", "variant", "op", "device µs", "host µs (median)", "GPU launches"], lines, rows, a.out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,10 +17,9 @@ F=2048, softmax routing, capacity factor 1.25, bf16 parameters and activations. 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from host_timing import pin_cpu
+from host_timing import pin_cpu, report
 
 SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, capacity_factor=1.25)
 def add_shape_args(parser) -> None:
@@ -175,20 +174,12 @@ def main(argv=None) -> int:
     results = run_ranks(rank_main, a.world, args=(args,), timeout=580, env={"OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}; {shape}")
-    print("| backend | step ms (fwd+bwd) | tokens/s per rank | ep µs | gemm µs | other µs | idle µs | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for backend in args["backends"]:
-        mine = [r for r in rows if r["backend"] == backend]
-        worst = max(mine, key=lambda r: r["wall_us"])
-        print(f"| {backend} | {worst['wall_us'] / 1e3:.2f} | {min(r['tokens_per_s'] for r in mine):.0f} | "
-              f"{max(r['ep_us'] for r in mine):.0f} | {max(r['gemm_us'] for r in mine):.0f} | "
-              f"{max(r['other_us'] for r in mine):.0f} | {max(r['wall_us'] - r['all_us'] for r in mine):.0f} | "
-              f"{max(r['peak_gib'] for r in mine):.1f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
+    # One line per rank (a column-wise worst would mix the ranks' splits).
+    lines = [[r["backend"], r["rank"], f"{r['wall_us'] / 1e3:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['ep_us']:.0f}",
+              f"{r['gemm_us']:.0f}", f"{r['other_us']:.0f}", f"{r['wall_us'] - r['all_us']:.0f}", f"{r['peak_gib']:.1f}"]
+             for r in sorted(rows, key=lambda r: (args["backends"].index(r["backend"]), r["rank"]))]
+    return report(["backend", "rank", "step ms (fwd+bwd)", "tokens/s per rank", "ep µs", "gemm µs", "other µs",
+                   "idle µs", "peak GiB"], lines, rows, a.out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,12 +12,12 @@ over ``--iters``, and tokens/s per rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 from moe_layer_gpu import add_shape_args, shape_of  # the torch layer's benchmark: the same shape
+from host_timing import report
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
@@ -91,17 +91,10 @@ def main(argv=None) -> int:
                           env={"OMNIEP_CHECKS": "default", "JAX_PLATFORMS": "cpu" if a.cpu else "cuda,cpu",
                                "XLA_FLAGS": "--xla_force_host_platform_device_count=1" if a.cpu else ""})
     print(f"\n{a.world} JAX process(es), one GPU each; {shape}")
-    print("| backend | step ms (fwd+bwd, jit) | tokens/s per rank | peak GiB |")
-    print("|---|---|---|---|")
-    for backend in a.backends.split(","):
-        mine = [r for r in rows if r["backend"] == backend]
-        print(f"| {backend} | {max(r['wall_us'] for r in mine) / 1e3:.2f} | {min(r['tokens_per_s'] for r in mine):.0f} "
-              f"| {max(r['peak_gib'] for r in mine):.1f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
+    backends = a.backends.split(",")
+    lines = [[r["backend"], r["rank"], f"{r['wall_us'] / 1e3:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_gib']:.1f}"]
+             for r in sorted(rows, key=lambda r: (backends.index(r["backend"]), r["rank"]))]
+    return report(["backend", "rank", "step ms (fwd+bwd, jit)", "tokens/s per rank", "peak GiB"], lines, rows, a.out)
 
 if __name__ == "__main__":
     sys.exit(main())
