@@ -84,7 +84,8 @@ class MoE(nn.Module):
         if c_send is not None and c_send < tokens.shape[0]:
             topk_idx, topk_weights = drop_over_capacity(topk_idx, topk_weights, c_send, cfg.num_experts)
         d = ep.dispatch(tokens, topk_idx, topk_weights, num_experts=cfg.num_experts, group=self.group,
-                        capacity=slots, layout="expert_major", backend=self.backend, zero_padding=True)
+                        capacity=slots, expert_alignment=cfg.expert_alignment, layout="expert_major",
+                        backend=self.backend, zero_padding=True)
         y = swiglu_experts(d.recv_x, self.w_gate_up, self.w_down)
         # Weighted here, by the weight that travelled with each copy (its gradient returns through
         # dispatch exactly: bitwise the same on every backend); padding slots zero, so that no gradient
