@@ -2,7 +2,7 @@
 # libraries so that they keep compiling -- the kernels as csrc/kernels/instantiate_all.cu instantiates
 # them for the HIP build, the C ABI as host-only C++ (it must not need CUDA headers), and the NCCL EP
 # library's ABI pins (csrc/backends/nccl_ep_lib_abi.cpp) where nccl_ep.h and nccl.h are found. The HIP
-# side of the check is scripts/check_hip_compile.sh (Debian's hipcc is no ROCm >= 6.2 for cmake/hip.cmake).
+# side of the check is cmake/hip_compile_check.cmake.
 if(NOT OMNIEP_COMPILE_CHECK)
   return()
 endif()

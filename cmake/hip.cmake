@@ -9,7 +9,7 @@
 #
 # Built and run status: this file has NOT been configured against a ROCm >= 6.2 install (none on the
 # project's machines). What CI checks is that the same sources compile with Debian's hipcc 5.2.3 for
-# gfx90a / gfx940 (scripts/check_hip_compile.sh). Nothing has run on AMD hardware.
+# gfx90a / gfx940 (cmake/hip_compile_check.cmake). Nothing has run on AMD hardware.
 #
 # Optional: with rocSHMEM >= 3.0 found (-DROCSHMEM_DIR=<prefix> or $ROCSHMEM_DIR, holding
 # include/rocshmem/rocshmem.hpp and lib/librocshmem.a) the target omniep_rocshmem_check compiles every
@@ -38,6 +38,10 @@ macro(omniep_no_hip reason)
   set(OMNIEP_INFO_gpu "none")
   return()
 endmacro()
+# Older hip-config.cmake files (Debian's HIP 5.2) ask for a CMake policy level CMake 4 no longer has.
+if(NOT DEFINED CMAKE_POLICY_VERSION_MINIMUM)
+  set(CMAKE_POLICY_VERSION_MINIMUM 3.5)
+endif()
 find_package(hip CONFIG QUIET)
 if(NOT hip_FOUND)
   omniep_no_hip("no ROCm >= ${OMNIEP_HIP_MIN_ROCM} found (hip-config.cmake under ROCM_PATH=${_omniep_rocm})")

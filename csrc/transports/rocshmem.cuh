@@ -4,7 +4,7 @@
 // (no ROCm there either), so this file has not been through a compiler. It is written against the
 // rocSHMEM >= 3.0 device API (namespace rocshmem, <rocshmem/rocshmem.hpp>) as documented, and is
 // compiled only by cmake/hip.cmake when rocSHMEM is found (ROCSHMEM_DIR), through
-// csrc/transports/rocshmem_compile_check.hip. scripts/check_hip_compile.sh leaves it out.
+// csrc/transports/rocshmem_compile_check.hip. cmake/hip_compile_check.cmake leaves it out.
 //
 // The twin of transports/nvshmem.cuh, with the same members (the Transport concept of
 // omniep/transport.h, remote path included). A PerRank<T> table needs only entry [me]: my address of

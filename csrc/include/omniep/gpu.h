@@ -2,7 +2,7 @@
 //
 // Kernels include this header and never spell a CUDA or HIP intrinsic directly, so that one kernel
 // source builds for NVIDIA (nvcc) and AMD (hipcc). Both mappings are compile-checked in CI:
-// the CMake project under OMNIEP_COMPILE_CHECK=ON (nvcc, sm_90) and scripts/check_hip_compile.sh (Debian's hipcc 5.2.3 /
+// the CMake project under OMNIEP_COMPILE_CHECK=ON (nvcc, sm_90) and cmake/hip_compile_check.cmake (Debian's hipcc 5.2.3 /
 // clang-15, gfx90a and gfx940). The HIP mapping has NOT run on AMD hardware yet.
 //
 // Vendor differences kept here (kernels use only the names below):

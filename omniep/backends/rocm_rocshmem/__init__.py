@@ -5,7 +5,7 @@ Transport today: the p2p transport over HIP IPC peer pointers (xGMI inside a nod
 ``omniep._native_hip`` (``make native OMNIEP_GPU=HIP``; ROCm >= 6.2, cmake/hip.cmake). The rocSHMEM
 transport (csrc/transports/rocshmem.cuh) is written but has no launcher or module yet and has never
 been compiled. NOTHING HERE HAS RUN ON AMD HARDWARE: the kernels and the HIP IPC launcher are
-compile-checked for gfx90a / gfx940 with Debian's hipcc 5.2.3 (scripts/check_hip_compile.sh).
+compile-checked for gfx90a / gfx940 with Debian's hipcc 5.2.3 (cmake/hip_compile_check.cmake).
 """
 
 # What has not run on the hardware it is for (``omniep info`` prints it).

@@ -1,0 +1,42 @@
+# OMNIEP_COMPILE_CHECK=ON with a hipcc found (HIPCC, PATH or /opt/rocm/bin) and no HIP build in this
+# configure: the kernels compile for AMD from the SAME sources -- every kernel as
+# csrc/kernels/instantiate_all.cu instantiates and launches it (cooperative launch included) and the
+# one-rank-per-process launcher over HIP IPC (csrc/backends/ipc_rank.cu), for each arch of
+# OMNIEP_HIP_CHECK_ARCHS (default gfx90a;gfx940), compile only, warnings as errors; and the pybind
+# source of omniep._native_hip as host C++ (-DOMNIEP_HIP_HOST). CI runs it with Debian's hipcc 5.2.3
+# (clang-15: no gfx942, no ROCm >= 6.2 layout for CMake's HIP language, hence hipcc as a command
+# rather than cmake/hip.cmake's real build). Left out: the virtual-rank launchers, NVSHMEM and csrc/ffi
+# (CUDA only), csrc/transports/rocshmem.cuh (needs rocSHMEM: cmake/hip.cmake's omniep_rocshmem_check).
+find_program(OMNIEP_HIPCC hipcc HINTS ENV HIPCC /opt/rocm/bin NO_CACHE)
+if(NOT OMNIEP_HIPCC)
+  omniep_part(check_hip skipped "no hipcc found (apt-get install hipcc, or ROCm; HIPCC=<path>)")
+  return()
+endif()
+set(OMNIEP_HIP_CHECK_ARCHS "gfx90a;gfx940" CACHE STRING "AMD targets of the HIP compile check")
+file(GLOB_RECURSE _headers "${PROJECT_SOURCE_DIR}/csrc/*.h" "${PROJECT_SOURCE_DIR}/csrc/*.cuh")
+set(_outs "")
+foreach(arch IN LISTS OMNIEP_HIP_CHECK_ARCHS)
+  foreach(src csrc/kernels/instantiate_all.cu csrc/backends/ipc_rank.cu)
+    get_filename_component(_name "${src}" NAME)
+    set(_out "${PROJECT_BINARY_DIR}/hip_check/${_name}.${arch}.o")
+    add_custom_command(
+      OUTPUT "${_out}"
+      # Debian's hipcc picks the NVIDIA platform when it finds nvcc: force AMD.
+      COMMAND "${CMAKE_COMMAND}" -E env HIP_PLATFORM=amd "${OMNIEP_HIPCC}" --offload-arch=${arch} -x hip -std=c++17
+              -O3 -Wall -Wextra -Werror -I${PROJECT_SOURCE_DIR}/csrc -I${PROJECT_SOURCE_DIR}/csrc/include
+              -c "${PROJECT_SOURCE_DIR}/${src}" -o "${_out}"
+      DEPENDS "${PROJECT_SOURCE_DIR}/${src}" ${_headers}
+      COMMENT "hipcc --offload-arch=${arch} ${src} (HIP compile check)"
+      VERBATIM)
+    list(APPEND _outs "${_out}")
+  endforeach()
+endforeach()
+add_custom_target(omniep_check_hip ALL DEPENDS ${_outs})
+
+# The HIP build's pybind module as host C++ (no HIP headers; the stream type is hipStream_t there).
+add_library(omniep_check_hip_module OBJECT csrc/python/module_mp.cpp)
+target_compile_definitions(omniep_check_hip_module PRIVATE OMNIEP_HIP_HOST=1)
+target_include_directories(omniep_check_hip_module PRIVATE csrc csrc/include)
+target_link_libraries(omniep_check_hip_module PRIVATE pybind11::module)
+target_compile_options(omniep_check_hip_module PRIVATE ${OMNIEP_CXX_WERROR})
+omniep_part(check_hip built "compile only: every kernel and the HIP IPC launcher for ${OMNIEP_HIP_CHECK_ARCHS} with ${OMNIEP_HIPCC}, and _native_hip's module source")
