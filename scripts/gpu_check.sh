@@ -22,7 +22,7 @@ PART="${PART:-all}"
 build_all
 if [[ "$PART" != bench ]]; then
   # shellcheck disable=SC2086
-  step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -q -rfEs --timeout=400 \
+  step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rfEs --timeout=400 \
     -p no:cacheprovider
 fi
 if [[ "$PART" != tests ]]; then
