@@ -101,3 +101,75 @@ def fault_rank(rank: int, world: int, ports: tuple, victim: int, how: str, when:
     res["fds"] = [fds_before, _fds()]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
+
+
+def data_faults(rank: int, world: int, port: int) -> dict:
+    """Faults in the data and in the order of calls, on a healthy group (every rank runs this):
+
+    * ``nan_weights``: one routing weight of token 0 on rank 1 is NaN. Expert-major combine applies the
+      weights, so rank 1's row 0 turns NaN and nothing else may change: every other output must have the
+      bits of the same ops with clean weights.
+    * ``nan_rows``: rank 0's token 1 holds a NaN in x (rank-major): dispatch and combine move it as data;
+      only the received rows and outputs that carry that token may differ from the clean run.
+    * ``destroyed``: ``omniep.torch.destroy()`` between a dispatch and its combine: the combine raises
+      ``DestroyedError`` on every rank (no hang, no crash), and the next dispatch on the group works.
+    Returned as plain data: per case, what differed, and the error seen."""
+    import numpy as np
+    import torch
+
+    from omniep import torch as ep
+    from omniep.ep_core.errors import OmniEPError
+
+    _group(rank, world, port)
+    E, T, K, H = 2 * world, 6, 2, 8
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=gen)
+    out = {}
+    try:
+        def em_pair(weights):
+            d = ep.dispatch(x, idx, weights, num_experts=E, layout="expert_major")
+            return ep.combine(d.recv_x * 2.0, d.handle).numpy()
+
+        clean = em_pair(w)
+        bad_w = w.clone()
+        if rank == 1:
+            bad_w[0, 0] = float("nan")
+        dirty = em_pair(bad_w)
+        nan_rows = np.isnan(dirty).any(axis=1)
+        same = np.array_equal(clean[~nan_rows].view(np.int32), dirty[~nan_rows].view(np.int32))
+        out["nan_weights"] = dict(nan_rows=np.flatnonzero(nan_rows).tolist(), others_bitwise=bool(same),
+                                  all_nan=bool(np.isnan(dirty[nan_rows]).all()))
+
+        def rm_pair(rows):
+            d = ep.dispatch(rows, idx, w, num_experts=E)
+            return d.recv_x.numpy(), ep.combine(d.recv_x, d.handle).numpy()
+
+        clean_recv, clean_out = rm_pair(x)
+        bad_x = x.clone()
+        if rank == 0:
+            bad_x[1, 3] = float("nan")
+        dirty_recv, dirty_out = rm_pair(bad_x)
+        recv_nan = np.isnan(dirty_recv).any(axis=1)
+        out_nan = np.isnan(dirty_out).any(axis=1)
+        out["nan_rows"] = dict(
+            recv_nan_rows=int(recv_nan.sum()), out_nan_rows=np.flatnonzero(out_nan).tolist(),
+            recv_others_bitwise=bool(np.array_equal(clean_recv[~recv_nan].view(np.int32),
+                                                    dirty_recv[~recv_nan].view(np.int32))),
+            out_others_bitwise=bool(np.array_equal(clean_out[~out_nan].view(np.int32),
+                                                   dirty_out[~out_nan].view(np.int32))))
+
+        d = ep.dispatch(x, idx, w, num_experts=E)
+        ep.destroy()
+        try:
+            ep.combine(d.recv_x, d.handle)
+            out["destroyed"] = dict(error=None)
+        except OmniEPError as exc:
+            out["destroyed"] = dict(error=type(exc).__name__, message=str(exc))
+        again = ep.dispatch(x, idx, w, num_experts=E)  # a new context of the same group
+        back = ep.combine(again.recv_x, again.handle).numpy()
+        out["destroyed"]["after"] = bool(np.array_equal(back.view(np.int32), clean_out.view(np.int32)))
+    finally:
+        _teardown()
+    return out
