@@ -20,3 +20,15 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("thorough", max_examples=300, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("OMNIEP_HYPOTHESIS", "ci"))
+
+
+@pytest.fixture
+def record_golden():
+    """``record_golden(backend, framework, names, device="cpu")``: note on this machine that ``backend``
+    reproduced those golden sets bit for bit (call it after the assertions; ``omniep info`` lists them)."""
+    from omniep.tools.golden_record import record
+
+    def _record(backend: str, framework: str, names, device: str = "cpu") -> None:
+        record(backend, framework, list(names), device)
+
+    return _record

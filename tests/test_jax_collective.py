@@ -34,7 +34,7 @@ def cat(per_rank):
 # ---- golden vectors: the cross-vendor check ----------------------------------------------------------
 
 @pytest.mark.parametrize("path", golden.golden_files(), ids=lambda p: p.stem)
-def test_golden_vectors_bit_for_bit(path):
+def test_golden_vectors_bit_for_bit(path, record_golden):
     g = golden.load(path)
     inputs = {k: g.inputs[k] for k in ("y", "g_recv_x", "g_recv_w", "g_out")}
     inputs["biases"] = [(b,) for b in g.inputs["bias"]]
@@ -42,6 +42,7 @@ def test_golden_vectors_bit_for_bit(path):
         got = jw.run_case(mesh(g.case.num_ranks), g.case, golden.static_capacity(g.case), inputs)
     checked = jw.compare(got, g.expected, names=golden.EXPECTED, label=f"{path.stem}: ")
     assert checked == list(range(g.case.num_ranks))
+    record_golden("collective", "jax", [path.stem])
 
 
 def test_there_are_golden_vectors():

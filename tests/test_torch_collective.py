@@ -249,7 +249,7 @@ def test_case_mix_covers_the_contract(session):
     assert any((np.concatenate([i.ravel() for i in c.topk_idx]) == -1).any() for c in cases)
 
 
-def test_golden_vectors_bit_for_bit(session):
+def test_golden_vectors_bit_for_bit(session, record_golden):
     world, jobs, results = session
     assert jobs["golden"], f"no golden file for {world} ranks"
     for g_i, (path, via_frontend) in enumerate(jobs["golden"]):
@@ -263,6 +263,7 @@ def test_golden_vectors_bit_for_bit(session):
                     want = g.expected[key][r]
                     got = res[key] if key not in ("num_recv", "dropped") else np.array(res[key], np.int32)
                     assert_bits(got, want, f"golden {g.name} rank {r} {how} {key}")
+    record_golden("collective", "torch", [golden.load(path).name for path, _ in jobs["golden"]])
 
 
 def test_opcheck_dispatch_and_combine(session):

@@ -92,6 +92,8 @@ VARIABLES = {v.name: v for v in (
              "do it inside the communication kernel (one launch fewer)", number="bytes"),
     Variable("OMNIEP_LAYER_COMPILE", "1", "1: the torch MoE layer's elementwise work on a GPU (SwiGLU, weighting) "
              "runs through torch.compile, fused; 0: eager kernels", number="flag"),
+    Variable("OMNIEP_CACHE_DIR", "", "where omniep keeps what it learns on this machine (the golden sets each "
+             "backend passed, `omniep info`); unset: ~/.cache/omniep", number="path"),
     Variable("OMNIEP_NCCL_EP_LIB", "", "nccl_ep_lib: NVIDIA's libnccl_ep.so (the file or its folder); unset: "
              "the installed nccl-extensions package's ep/lib/cu13, then cu12", number="path"),
 )}

@@ -34,9 +34,17 @@ def info_data() -> dict:
         "environment": env.report(),
         "backends": {name: {fw: {"available": bool(a), "reason": a.reason} for fw, a in per_fw.items()}
                      for name, per_fw in report.items()},
+        "golden_passed": _golden_passed(),
         "not_run_on_hardware": {name: note for name in report
                                 if (note := getattr(importlib.import_module(f"omniep.backends.{name}"), "NOT_RUN", ""))},
     }
+
+
+def _golden_passed() -> dict:
+    """``{backend: {framework: [set names]}}`` reproduced bit for bit on this machine (tools/golden_record)."""
+    from .golden_record import load
+
+    return {backend: {fw: sorted(sets) for fw, sets in per_fw.items()} for backend, per_fw in sorted(load().items())}
 
 
 def build_lines(build: dict) -> list[str]:
@@ -62,6 +70,12 @@ def info_lines(data: dict) -> list[str]:
         for fw, avail in per_fw.items():
             state = "available" if avail["available"] else "unavailable"
             lines.append(f"  {name:<14} {fw:<6} {state:<12} {avail['reason']}")
+    lines.append("golden sets reproduced bit for bit on this machine (by its test suites):")
+    for name, per_fw in data["golden_passed"].items():
+        for fw, sets in per_fw.items():
+            lines.append(f"  {name:<14} {fw:<6} {len(sets)}: {', '.join(sets)}")
+    if not data["golden_passed"]:
+        lines.append("  none recorded yet (make test, pytest -m gpu)")
     lines.append("not run on the hardware it is for:")
     for name, note in data["not_run_on_hardware"].items():
         lines.append(f"  {name:<14} {note}")

@@ -16,6 +16,7 @@ import pytest
 
 from harness.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
 from omniep.testing.procs import gpu_count, run_ranks
+from omniep.tools.platform import gpu_names
 
 pytestmark = pytest.mark.gpu
 jax = pytest.importorskip("jax")
@@ -36,7 +37,7 @@ if gpu_count() < 1:
 
 
 @pytest.mark.parametrize("per_gpu", [False, True], ids=["same_gpu", "per_gpu"])
-def test_two_jax_processes_match_reference_bitwise(per_gpu):
+def test_two_jax_processes_match_reference_bitwise(per_gpu, record_golden):
     from harness.jax_mp_workers import jax_native_session
 
     if per_gpu and gpu_count() < WORLD:
@@ -47,9 +48,10 @@ def test_two_jax_processes_match_reference_bitwise(per_gpu):
                         env=gpu_session_env("cuda_nvshmem"))
     assert len(results) == WORLD
     check_session_results(results, WORLD, cases, names, "CUDA IPC")
+    record_golden("cuda_nvshmem", "jax", names, device=(gpu_names() or ["gpu"])[0])
 
 
-def test_single_controller_two_gpus_bitwise():
+def test_single_controller_two_gpus_bitwise(record_golden):
     """ONE process, jit(shard_map) over both GPUs: the p2p transport over peer access (no IPC)."""
     from harness.jax_mp_workers import jax_single_controller_session
 
@@ -60,3 +62,4 @@ def test_single_controller_two_gpus_bitwise():
                         env=gpu_session_env("cuda_nvshmem"))
     assert len(results) == 1
     check_session_results(results, WORLD, cases, names, "one process driving its 2 GPUs")
+    record_golden("cuda_nvshmem", "jax", names, device=(gpu_names() or ["gpu"])[0])

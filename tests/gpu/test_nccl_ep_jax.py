@@ -21,6 +21,7 @@ import pytest
 
 from harness.jax_mp_workers import check_session_results, golden_names, gpu_session_env, session_cases
 from omniep.testing.procs import gpu_count, run_ranks
+from omniep.tools.platform import gpu_names
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("jax")
@@ -34,19 +35,21 @@ if gpu_count() < WORLD:
     pytest.skip(f"nccl_ep needs {WORLD} GPUs (NCCL refuses two ranks on one GPU)", allow_module_level=True)
 
 
-def test_single_controller_two_gpus_bitwise():
+def test_single_controller_two_gpus_bitwise(record_golden):
     from harness.jax_mp_workers import jax_single_controller_session
 
     cases, names = session_cases(WORLD), golden_names(WORLD)
     results = run_ranks(jax_single_controller_session, 1, args=(cases, names, WORLD), timeout=300, env=ENV)
     assert len(results) == 1
     check_session_results(results, WORLD, cases, names, "NCCL", "driving its 2 GPUs")
+    record_golden("nccl_ep", "jax", names, device=(gpu_names() or ["gpu"])[0])
 
 
-def test_one_process_per_gpu_bitwise():
+def test_one_process_per_gpu_bitwise(record_golden):
     from harness.jax_mp_workers import jax_native_session
 
     cases, names = session_cases(WORLD), golden_names(WORLD)
     results = run_ranks(jax_native_session, WORLD, args=(cases, names, True), timeout=300, env=ENV)
     assert len(results) == WORLD
     check_session_results(results, WORLD, cases, names, "NCCL", "one GPU each")
+    record_golden("nccl_ep", "jax", names, device=(gpu_names() or ["gpu"])[0])

@@ -141,7 +141,8 @@ def run_session(world: int, per_gpu: bool, env: dict, *, on_cpu: bool = False, p
 
     n = 12 if world == 2 else 4
     cases = [c for c in draw_cases(world, n) + edge_cases(world) if c.layout in layouts]
-    jobs = dict(layouts=tuple(layouts), frontend=[make_job(c, i, i % 3) for i, c in enumerate(cases)])
+    jobs = dict(layouts=tuple(layouts), frontend=[make_job(c, i, i % 3) for i, c in enumerate(cases)],
+                backend_name=env.get("OMNIEP_BACKEND", "auto"), on_cpu=on_cpu)
     statics = [c for c in cases if c.capacity is not None]
     statics.append(make_case(40, num_ranks=world, num_experts=world, num_topk=2, hidden=16, num_tokens=6,
                              skew="one_rank", capacity=5, dtype="float16"))  # overflows: rows dropped
@@ -214,6 +215,11 @@ def check_golden_vectors(session) -> None:
                     if key == "recv_x":  # expert-major padding: unspecified (DESIGN §2)
                         got = golden.counted_rows(got, want["recv_topk_idx"][r])
                     assert_bits(got, want[key][r], f"golden {job['name']} rank {r} {how} {key}")
+    from omniep.tools.golden_record import record
+    from omniep.tools.platform import gpu_names
+
+    device = "cpu" if jobs["on_cpu"] else (gpu_names() or ["gpu"])[0]
+    record(jobs["backend_name"], "torch", [job["name"] for job in jobs["golden"]], device)
 
 
 def check_missing_peer(session) -> None:
