@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from omniep.tools import golden_record
 
 
@@ -31,3 +33,11 @@ def test_an_unreadable_record_is_an_empty_one(tmp_path, monkeypatch):
     assert golden_record.load() == {}
     golden_record.record("collective", "torch", ["rm_r4_fp32_int64"], "cpu")  # replaces it
     assert list(golden_record.load()["collective"]["torch"]) == ["rm_r4_fp32_int64"]
+
+
+def test_an_unwritable_folder_is_a_warning_not_an_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("OMNIEP_CACHE_DIR", str(blocker / "below-a-file"))
+    with pytest.warns(UserWarning, match="cannot record golden sets"):
+        assert golden_record.record("collective", "jax", ["rm_r2_bf16"], "cpu") is False

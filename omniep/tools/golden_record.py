@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import tempfile
+import warnings
 
 from .. import __version__
 from ..ep_core import env
@@ -31,17 +32,23 @@ def load() -> dict:
         return {}
 
 
-def record(backend: str, framework: str, names, device: str) -> None:
+def record(backend: str, framework: str, names, device: str) -> bool:
     """Note that ``backend`` on ``framework`` reproduced the golden sets ``names`` on ``device`` today
-    (merged into the record; written whole, by rename, so a reader never sees half a file)."""
+    (merged into the record; written whole, by rename, so a reader never sees half a file). Returns
+    False, with a warning, where the folder cannot be written (a read-only home must not fail a test)."""
     data = load()
     today = datetime.date.today().isoformat()
     sets = data.setdefault(backend, {}).setdefault(framework, {})
     for name in names:
         sets[name] = {"date": today, "device": device, "version": __version__}
     target = path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".golden-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".golden-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, target)
+    except OSError as exc:
+        warnings.warn(f"omniep: cannot record golden sets in {target} ({exc}); set OMNIEP_CACHE_DIR", stacklevel=2)
+        return False
+    return True
