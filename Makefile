@@ -9,14 +9,21 @@ STAMP       := $(VENV)/.omniep-deps
 .PHONY: demo test info bench native check clean
 
 # The project itself is built without build isolation so that CMake sees this venv's torch and jax
-# (cmake/torch.cmake, cmake/jax_ffi.cmake); its build tools are installed first for that reason.
-# Where nvcc is found this compiles the native modules (minutes; OMNIEP_GPU=NONE skips them).
-$(STAMP): pyproject.toml CMakeLists.txt
+# (cmake/torch.cmake, cmake/jax_ffi.cmake): its build tools and its dependencies (the extras', read from
+# pyproject.toml) are installed first. Where nvcc is found this compiles the native modules (minutes;
+# OMNIEP_GPU=NONE skips them); a change to the native sources rebuilds them (incrementally).
+NATIVE_SRC  := CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
+EXTRAS      := jax torch test bench
+
+$(STAMP): pyproject.toml $(NATIVE_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "cmake>=3.24" ninja
+	$(PY) -c "import tomllib" 2>/dev/null || $(PY) -m pip install -q tomli
+	$(PY) scripts/requirements.py $(EXTRAS) > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	@echo "omniep: installing (CMake builds the native modules this machine can build; omniep info lists them)"
-	$(PY) -m pip install -q --no-build-isolation -e ".[jax,torch,test,bench]"
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m omniep.cli info --build
 	touch $(STAMP)
 

@@ -2,7 +2,7 @@
 # one-rank-per-process launcher (csrc/backends/ipc_rank.cu: p2p transport over hipIpcGetMemHandle /
 # hipIpcOpenMemHandle, xGMI peers) compiled with hipcc. Included from CMakeLists.txt when OMNIEP_GPU is
 # HIP, or AUTO on a machine without nvcc (then no CUDA toolchain is needed or used):
-#   pip install --no-build-isolation .    (or: make native OMNIEP_HIP=1; -DOMNIEP_HIP_ARCH="gfx942;gfx90a",
+#   pip install --no-build-isolation .    (or: make native OMNIEP_GPU=HIP; -DOMNIEP_HIP_ARCH="gfx942;gfx90a",
 #                                          -DROCSHMEM_DIR=/opt/rocshmem)
 # Needs ROCm >= 6.2 (find_package(hip), CMake's HIP language). Default target gfx942 (MI300X/MI325X).
 # Without it: skipped with the reason under AUTO, a configure error under OMNIEP_GPU=HIP.
@@ -31,13 +31,18 @@ endif()
 list(APPEND CMAKE_PREFIX_PATH "${_omniep_rocm}" "${_omniep_rocm}/lib/cmake")
 
 macro(omniep_no_hip reason)
-  if(OMNIEP_GPU STREQUAL "HIP")
-    message(FATAL_ERROR "omniep: OMNIEP_GPU=HIP but ${reason}")
+  if(OMNIEP_GPU STREQUAL "HIP" OR OMNIEP_NVSHMEM STREQUAL "ON" OR OMNIEP_NCCL STREQUAL "ON")
+    message(FATAL_ERROR "omniep: OMNIEP_GPU=${OMNIEP_GPU}, OMNIEP_NVSHMEM=${OMNIEP_NVSHMEM}, OMNIEP_NCCL="
+                        "${OMNIEP_NCCL} ask for native modules, but there is no nvcc (CUDA), and ${reason}")
   endif()
   omniep_skip_gpu_parts("no nvcc (CUDA), and ${reason}")
   set(OMNIEP_INFO_gpu "none")
   return()
 endmacro()
+if(OMNIEP_NVSHMEM STREQUAL "ON" OR OMNIEP_NCCL STREQUAL "ON")
+  message(FATAL_ERROR "omniep: OMNIEP_NVSHMEM / OMNIEP_NCCL=ON need a CUDA build; this one is for HIP (no nvcc found, "
+                      "or OMNIEP_GPU=HIP)")
+endif()
 # Older hip-config.cmake files (Debian's HIP 5.2) ask for a CMake policy level CMake 4 no longer has.
 if(NOT DEFINED CMAKE_POLICY_VERSION_MINIMUM)
   set(CMAKE_POLICY_VERSION_MINIMUM 3.5)

@@ -7,7 +7,11 @@
 # (clang-15: no gfx942, no ROCm >= 6.2 layout for CMake's HIP language, hence hipcc as a command
 # rather than cmake/hip.cmake's real build). Left out: the virtual-rank launchers, NVSHMEM and csrc/ffi
 # (CUDA only), csrc/transports/rocshmem.cuh (needs rocSHMEM: cmake/hip.cmake's omniep_rocshmem_check).
-find_program(OMNIEP_HIPCC hipcc HINTS ENV HIPCC /opt/rocm/bin NO_CACHE)
+if(DEFINED ENV{HIPCC} AND EXISTS "$ENV{HIPCC}")  # the compiler itself, as hipcc's own scripts use it
+  set(OMNIEP_HIPCC "$ENV{HIPCC}")
+else()
+  find_program(OMNIEP_HIPCC hipcc HINTS /opt/rocm/bin NO_CACHE)
+endif()
 if(NOT OMNIEP_HIPCC)
   omniep_part(check_hip skipped "no hipcc found (apt-get install hipcc, or ROCm; HIPCC=<path>)")
   return()

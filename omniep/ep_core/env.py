@@ -6,7 +6,7 @@ clear error naming it).
 :class:`InputError` naming the variable, the value and what it accepts. :func:`report` is what
 ``omniep info`` prints: every variable with the value in force and a verdict. The build's own
 variables (``OMNIEP_GPU``, ``OMNIEP_NVSHMEM``, ``OMNIEP_NCCL``, ``OMNIEP_COMPILE_CHECK``, the ``*_ROOT``
-folders; CMakeLists.txt) and the scripts' (``OMNIEP_HIP_ARCHS``) are read at build time, not here.
+folders, the cache entry ``OMNIEP_HIP_CHECK_ARCHS``; CMakeLists.txt) are read at build time, not here.
 """
 
 from __future__ import annotations

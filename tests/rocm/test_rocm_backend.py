@@ -2,7 +2,7 @@
 the reference (``omniep.ep_core.reference``) and the rank-major golden vectors.
 
 Marked ``rocm`` (deselected by default; ``pytest -m rocm tests/rocm``). Needs an AMD GPU, torch's ROCm
-build, hip-python and ``omniep._native_hip`` (``make native OMNIEP_HIP=1``); skipped with the backend's
+build, hip-python and ``omniep._native_hip`` (``make native OMNIEP_GPU=HIP``); skipped with the backend's
 own reason otherwise. The same cases and checks as tests/gpu/test_native_multiprocess.py
 (:mod:`harness.mp_suite`), with OMNIEP_BACKEND=rocm_rocshmem: R = 2 and R = 4 processes sharing GPU 0
 (HIP IPC to the same device), R = 2 with one process per GPU when two are visible (HIP IPC over xGMI);
