@@ -88,7 +88,7 @@ struct DispatchArgs {
 };
 
 // The scalars of every combine-like op: combine and dispatch_bwd of both layouts (CombineArgs,
-// EMCombineArgs in kernels/em_args.h).
+// EMCombineArgs in kernels/em_args.h) and the expert-major combine_bwd (EMCombineBwdArgs, no bias).
 struct CombineScalars {
   int num_tokens[kMaxRanks];
   int hidden;

@@ -113,7 +113,7 @@ struct EMCombineArgs : CombineScalars {
 
 // combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) pushed to the copy's slot, and (with_topk_grad)
 // g_topk_weights[t, k] = <g_out[t], y[l, c]> in fp32.
-struct EMCombineBwdArgs {
+struct EMCombineBwdArgs : CombineScalars {  // num_bias / bias_dtype unused
   PerRank<const void> g_out;                  // [T, H] in `dtype`
   PerRank<const void> y;                      // sym [L, C, H] in `dtype` (with_topk_grad)
   PerRank<const int32_t> topk_idx32;          // [T, K]
@@ -122,14 +122,6 @@ struct EMCombineBwdArgs {
   PerRank<const int32_t> recv_expert_count;   // [L]
   PerRank<void> g_y;                          // sym out [L, C, H] in `dtype`, padding zeroed
   PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
-  int num_tokens[kMaxRanks];
-  int hidden;
-  int num_topk;
-  int num_experts;
-  int capacity;
-  int dtype;
-  int with_topk_grad;
-  OpDesc desc[kMaxRanks];
 };
 
 }  // namespace omniep
