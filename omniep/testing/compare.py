@@ -5,17 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def counted_rows(recv_x, recv_topk_idx) -> np.ndarray:
-    """``recv_x`` with its expert-major padding slots (``recv_topk_idx[l, c] == -1``) zeroed, for
-    comparisons: DESIGN §2 leaves those rows unspecified (``zero_padding=False``), the reference zeroes
-    them. A rank-major ``recv_x`` (2-D) comes back unchanged."""
-    x = np.array(recv_x, copy=True)
-    idx = np.asarray(recv_topk_idx)
-    if x.ndim == 3 and idx.shape == x.shape[:2]:
-        x[idx < 0] = 0
-    return x
-
-
 def assert_bitwise_equal(actual, expected, what: str = "") -> None:
     """Raise AssertionError unless two arrays have the same shape, dtype and bits (NaN-safe)."""
     actual, expected = np.asarray(actual), np.asarray(expected)

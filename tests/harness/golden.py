@@ -20,9 +20,9 @@ import numpy as np
 from omniep.ep_core import reference as ref
 from omniep.ep_core.types import Layout
 from omniep.testing.cases import Case, make_case, np_dtype
-from omniep.testing.compare import assert_bitwise_equal, counted_rows, raw_bits
+from omniep.testing.compare import assert_bitwise_equal, raw_bits
 
-# The comparisons come along: the suites call them as golden.counted_rows / golden.assert_bitwise_equal.
+# The library's comparison comes along: the suites call it as golden.assert_bitwise_equal.
 __all__ = ["GOLDEN_DIR", "GOLDEN_CASES", "INPUTS", "EXPECTED", "Golden", "static_capacity", "compute",
            "reference_results", "save", "load", "golden_files", "write_all", "assert_bitwise_equal", "counted_rows"]
 
@@ -115,6 +115,17 @@ def reference_results(case: Case, inputs: dict, capacity: int | None = None) -> 
         "out": out, "g_x": g_x, "g_w": g_w, "g_y": g_y, "g_w_combine": g_wc,
         "g_bias": [tuple(g.astype(b.dtype) for b in bs) for g, bs in zip(inputs["g_out"], biases)],
     }
+
+
+def counted_rows(recv_x, recv_topk_idx) -> np.ndarray:
+    """``recv_x`` with its expert-major padding slots (``recv_topk_idx[l, c] == -1``) zeroed, for
+    comparisons: DESIGN §2 leaves those rows unspecified (``zero_padding=False``), the reference zeroes
+    them. A rank-major ``recv_x`` (2-D) comes back unchanged."""
+    x = np.array(recv_x, copy=True)
+    idx = np.asarray(recv_topk_idx)
+    if x.ndim == 3 and idx.shape == x.shape[:2]:
+        x[idx < 0] = 0
+    return x
 
 
 def save(path: pathlib.Path, case: Case, inputs: dict, expected: dict) -> None:
