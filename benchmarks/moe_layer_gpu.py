@@ -72,11 +72,11 @@ def _split(prof) -> dict:
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key not in inside:
             others[e.key] = others.get(e.key, 0.0) + e.device_time_total
-    stray_gemms = sum(t for name, t in others.items() if GEMM_KERNELS.search(name))
+    stray = {name for name in others if GEMM_KERNELS.search(name)}
+    stray_gemms = sum(others[name] for name in stray)
     totals["gemm"] += stray_gemms
     totals["other"] = max(0.0, totals["other"] - stray_gemms)
-    totals["top_other"] = sorted(((k, t) for k, t in others.items() if not GEMM_KERNELS.search(k)),
-                                 key=lambda kv: -kv[1])[:8]
+    totals["top_other"] = sorted(((k, t) for k, t in others.items() if k not in stray), key=lambda kv: -kv[1])[:8]
     return totals
 
 

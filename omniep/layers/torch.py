@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import torch as ep
+from ..ep_core import env
 from ..ep_core.errors import InputError
 from .config import MoEConfig, capacities
 
@@ -181,8 +182,6 @@ def _elementwise(fn, like: torch.Tensor):
     elementwise passes over the ``[L, C, H]`` buffers, forward and backward, into one kernel each; the
     same formula, so every backend of a device type runs the same kernels and stays bitwise equal).
     ``OMNIEP_LAYER_COMPILE=0`` keeps the eager kernels everywhere."""
-    from ..ep_core import env
-
     if like.device.type == "cpu" or not env.get("OMNIEP_LAYER_COMPILE"):
         return fn
     if fn not in _COMPILED:
