@@ -5,6 +5,9 @@ PY          := $(VENV)/bin/python
 # On the project's machines this pin takes a local CPU build; elsewhere pip fetches it from PyPI.
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.omniep-deps
+# omniep itself through its CMake project (then what it built): no isolation, so that CMake sees this
+# venv's torch and jax; no dependencies (installed before it).
+BUILD_SELF  = $(PY) -m pip install $(1) --no-build-isolation --no-deps -e . && $(PY) -m omniep.cli info --build
 
 .PHONY: demo test info bench native check clean
 
@@ -23,8 +26,7 @@ $(STAMP): pyproject.toml $(NATIVE_SRC)
 	$(PY) scripts/requirements.py $(EXTRAS) > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	@echo "omniep: installing (CMake builds the native modules this machine can build; omniep info lists them)"
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PY) -m omniep.cli info --build
+	$(call BUILD_SELF,-q)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -43,14 +45,12 @@ bench: $(STAMP)
 # environment variables (CMakeLists.txt): OMNIEP_GPU=AUTO|CUDA|HIP|NONE, OMNIEP_NVSHMEM / OMNIEP_NCCL =
 # AUTO|ON|OFF, OMNIEP_COMPILE_CHECK=ON; e.g. `make native OMNIEP_GPU=HIP` on a ROCm >= 6.2 machine.
 native: $(STAMP)
-	$(PY) -m pip install -v --no-build-isolation --no-deps -e .
-	$(PY) -m omniep.cli info --build
+	$(call BUILD_SELF,-v)
 
 # CI's compile check: the same CMake project with OMNIEP_COMPILE_CHECK=ON -- warnings are errors, the
 # sources no module links here compile as objects, and with a hipcc the kernels compile for AMD too.
 check: $(STAMP)
-	OMNIEP_COMPILE_CHECK=ON $(PY) -m pip install -v --no-build-isolation --no-deps -e .
-	$(PY) -m omniep.cli info --build
+	OMNIEP_COMPILE_CHECK=ON $(call BUILD_SELF,-v)
 
 clean:
 	rm -rf $(VENV) build bench_out .pytest_cache omniep/_native*.so omniep/_build_info.py
