@@ -26,12 +26,13 @@ import operator
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from ..backends.torch_group import default_group
 from ..ep_core import registry
 from ..ep_core.errors import InputError, OmniEPError, UnsupportedError
 from ..ep_core.types import Dispatched, DispatchConfig, Layout, frozen_new
-from . import torch_ops  # noqa: F401  (defines the ops)
+from . import torch_ops  # defines the ops
 
 __all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "destroy", "context", "Dispatched",
            "Handle"]
@@ -39,6 +40,7 @@ __all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "de
 _LAYOUTS = {"rank_major": Layout.RANK_MAJOR, "expert_major": Layout.EXPERT_MAJOR,
             Layout.RANK_MAJOR: Layout.RANK_MAJOR, Layout.EXPERT_MAJOR: Layout.EXPERT_MAJOR}
 _LAYOUT_CODE = {Layout.RANK_MAJOR: 0, Layout.EXPERT_MAJOR: 1}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _CONFIGS: dict = {}  # (num_experts, ranks, layout, capacity, alignment) -> DispatchConfig (frozen, shared)
 
 
@@ -92,6 +94,9 @@ def _open(group, backend, device: str):
     ctx = _BY_GROUP.get((resolved, cls.name))
     if ctx is None or not ctx.alive:
         ctx = _BY_GROUP[(resolved, cls.name)] = cls.open(resolved)
+        # Backends written in Python: their kernels called straight, not through the dispatcher, in eager
+        # use (the native ops are one C++ call either way).
+        ctx.eager_ops = torch_ops.EAGER if ctx.ops is torch.ops.omniep else ctx.ops
     _CONTEXTS[(group, backend, device)] = ctx
     return ctx
 
@@ -225,9 +230,9 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
             raise InputError("use_fp8: fp8 rows carry no gradient, but x requires grad (pass x.detach())")
     try:
         if use_fp8:
-            out = ctx.ops.dispatch_fp8(x, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+            out = _ops(ctx, x).dispatch_fp8(x, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
         else:
-            out = ctx.ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+            out = _ops(ctx, x).dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
         raise ctx.translate(exc) from None
     key = (experts, ctx.world, lay, cap, align)
@@ -244,6 +249,17 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
                              "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
                              "handle": handle, "status": None})
+
+
+def _ops(ctx, x):
+    """The ops to call: the ``torch.ops`` namespace while anything traces (torch.compile, a dispatch mode
+    such as make_fx's or FakeTensorMode, a tensor subclass): it sees the schemas and fake kernels;
+    otherwise the context's eager entry points (:data:`torch_ops.EAGER` for backends written in Python)."""
+    if torch.compiler.is_compiling():  # first: Dynamo folds it and traces nothing after
+        return ctx.ops
+    if type(x) in _PLAIN and _dispatch_mode() is None:
+        return ctx.eager_ops
+    return ctx.ops
 
 
 def _zero_padding(held: torch.Tensor, recv_x):
@@ -303,7 +319,7 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True
             tensors = (tensors[0], (tensors[0] >= 0).to(torch.float32), *tensors[2:])
     ctx = handle.context
     try:
-        return ctx.ops.combine(y, weights, b0, b1, list(tensors), *config)
+        return _ops(ctx, y).combine(y, weights, b0, b1, list(tensors), *config)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
 
@@ -321,7 +337,7 @@ def cached_dispatch(x, handle: Handle):
         x_scales = None
     ctx = handle.context
     try:
-        recv_x, recv_scales = ctx.ops.cached_dispatch(x, x_scales, list(handle.tensors), *config)
+        recv_x, recv_scales = _ops(ctx, x).cached_dispatch(x, x_scales, list(handle.tensors), *config)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
     return (recv_x, recv_scales) if x_scales is not None else recv_x

@@ -102,36 +102,74 @@ for _name, _fake in FAKES.items():
 
 
 # ---- omniep::* — backends written in Python --------------------------------------------------------
+# Defined with ``torch.library.Library`` (a kernel for every device, the shared fakes) and an autograd
+# kernel of our own: ``torch.library.custom_op`` / ``register_autograd`` wrap each call in generic
+# argument handling (pytree flattening, default filling) that costs ~110 µs per op with a
+# grad-requiring input on our CPU hosts, an ``autograd.Function`` ~20 µs (benchmarks/RESULTS.md).
 
-def _python_op(name: str):
-    """Define ``omniep::<name>`` whose kernel is the context's ``op_<name>`` method."""
+_lib = torch.library.Library("omniep", "DEF")
+
+
+def _python_kernel(name: str):
+    """``omniep::<name>``'s kernel on every device: the context's ``op_<name>`` method."""
     method = "op_" + name
 
     def kernel(*args):
         *tensors, ctx, num_experts, layout, capacity, expert_alignment = args
         return getattr(context_of(ctx), method)(*tensors, num_experts, layout, capacity, expert_alignment)
-
-    op = torch.library.custom_op(f"omniep::{name}", kernel, mutates_args=(), schema=SCHEMAS[name])
-    op.register_fake(FAKES[name])
-    return op
+    return kernel
 
 
-dispatch_op = _python_op("dispatch")
-dispatch_fp8_op = _python_op("dispatch_fp8")  # no autograd: fp8 rows carry no gradient (DeepEP's decode path)
-cached_dispatch_op = _python_op("cached_dispatch")
-combine_op = _python_op("combine")
-dispatch_bwd_op = _python_op("dispatch_bwd")
-combine_bwd_op = _python_op("combine_bwd")
+for _name in SCHEMAS:
+    _lib.define(_name + SCHEMAS[_name])
+    _lib.impl(_name, _python_kernel(_name), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"omniep::{_name}", FAKES[_name], lib=_lib)
+
+
+def _autograd(name: str, setup, backward):
+    """Give ``omniep::<name>`` its autograd kernel and its eager entry point (``EAGER``): two
+    ``autograd.Function``s with the same ``setup(ctx, inputs, output)`` (saves what ``backward`` needs)
+    and ``backward(ctx, *grads)`` (a gradient per input; None for the ``Tensor[]`` handle, whose
+    tensors autograd does not track). The kernel's forward is the op below autograd, so fake tensors
+    and functionalization (torch.compile, make_fx, opcheck) get their turn; the eager one calls the
+    Python kernel itself, sparing the dispatcher's two boxed Python calls per op."""
+    op = getattr(torch.ops.omniep, name).default
+
+    def below(*inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*inputs)
+
+    def function(call, role: str):
+        def forward(ctx, *inputs):
+            output = call(*inputs)
+            setup(ctx, inputs, output)
+            return output
+        return type(f"_{name}_{role}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    _lib.impl(name, function(below, "autograd").apply, "Autograd")
+    setattr(EAGER, name, function(_python_kernel(name), "eager").apply)
+
+
+class EAGER:
+    """The ``omniep::*`` ops as plain calls for eager use on real tensors (the torch frontend's fast
+    path; the ops themselves serve tracing): same schemas' arguments and results, same autograd."""
+
+    dispatch_fp8 = staticmethod(_python_kernel("dispatch_fp8"))  # no gradient (fp8 rows)
+    dispatch_bwd = staticmethod(_python_kernel("dispatch_bwd"))
+    combine_bwd = staticmethod(_python_kernel("combine_bwd"))
+
 
 # Autograd: dispatch's adjoint is dispatch_bwd (a combine that reads back the weight gradients),
 # combine's is combine_bwd (a cached dispatch; expert-major also gives the weights' gradient), a cached
 # dispatch's is an unweighted combine. The C++ kernels of omniep_native implement the same formulas.
+# dispatch_fp8 has none (fp8 rows carry no gradient: DeepEP's decode path), nor have the two backward ops.
 
 
 def _dispatch_setup(ctx, inputs, output):
     ctx.config = tuple(inputs[4:])
     ctx.x_is_float = inputs[0].is_floating_point() and inputs[1] is None
-    ctx.mark_non_differentiable(output[1], output[2], output[4], output[5], output[6], *output[7])
+    ctx.mark_non_differentiable(output[1], output[2], output[4], output[5], output[6])
     ctx.save_for_backward(output[2], output[3], *output[7])
 
 
@@ -141,7 +179,7 @@ def _dispatch_backward(ctx, g_recv_x, _g_scales, _g_idx, g_recv_w, _n, _pe, _d, 
     return (g_x if ctx.x_is_float else None, None, None, g_w) + (None,) * 5
 
 
-dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_autograd("dispatch", _dispatch_setup, _dispatch_backward)
 
 
 def _combine_setup(ctx, inputs, output):
@@ -159,10 +197,10 @@ def _combine_backward(ctx, g_out):
     handle, topk_weights, y = list(saved[:ctx.n_handle]), saved[ctx.n_handle], saved[ctx.n_handle + 1]
     g_y, g_w = torch.ops.omniep.combine_bwd(g_out.contiguous(), topk_weights, y, handle, *ctx.config)
     g_bias = tuple(None if dt is None else g_out.to(dt) for dt in ctx.bias_dtypes)
-    return (g_y, g_w if ctx.expert_major else None, *g_bias, [None] * ctx.n_handle) + (None,) * 5
+    return (g_y, g_w if ctx.expert_major else None, *g_bias, None) + (None,) * 5
 
 
-combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_autograd("combine", _combine_setup, _combine_backward)
 
 
 def _cached_setup(ctx, inputs, output):
@@ -175,7 +213,7 @@ def _cached_setup(ctx, inputs, output):
 
 def _cached_backward(ctx, g_recv_x, _g_scales):
     g_x = torch.ops.omniep.combine(g_recv_x.contiguous(), None, None, None, list(ctx.saved_tensors), *ctx.config)
-    return (g_x if ctx.x_is_float else None, None, [None] * ctx.n_handle) + (None,) * 5
+    return (g_x if ctx.x_is_float else None, None, None) + (None,) * 5
 
 
-cached_dispatch_op.register_autograd(_cached_backward, setup_context=_cached_setup)
+_autograd("cached_dispatch", _cached_setup, _cached_backward)

@@ -217,7 +217,7 @@ def compile_job(rank: int, job: dict) -> dict:
     def run(fn):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         out, recv_x = fn(x, idx, w)
-        (out * torch.arange(H, dtype=out.dtype)).sum().backward()
+        (out * torch.arange(H, dtype=out.dtype, device=out.device)).sum().backward()
         return out.detach(), recv_x.detach(), x.grad, w.grad
 
     eager = run(moe)
