@@ -193,6 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=1,
+                   help="fresh process groups timed one after another; the table shows each and their median "
+                        "(on a shared 2-vCPU host one run's ratio swings by ±0.2)")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0's api pairs after timing")
     p.add_argument("--descriptor", action="store_true",
                    help="after timing, the µs per op the op descriptor costs (headers; combine's copy behind them)")
@@ -203,21 +206,32 @@ def main(argv=None) -> int:
 
     print(f"host overhead: {a.ranks} gloo ranks, H={a.hidden}, top-{a.topk} of {a.experts} experts, {a.dtype}, "
           f"collective backend, rank-major exact", file=sys.stderr, flush=True)
-    res = run_ranks(rank_main, a.ranks, args=(vars(a),), timeout=1800, env={"OMNIEP_CHECKS": "default"})
-    print("| T | api pair (µs) | minimal (µs) | ratio | ratio of adjacent pairs | dispatch (µs) | combine (µs) "
+    runs = []
+    for i in range(a.repeats):
+        runs.append(run_ranks(rank_main, a.ranks, args=(vars(a),), timeout=1800, env={"OMNIEP_CHECKS": "default"}))
+        if a.repeats > 1:
+            print(f"  run {i + 1}/{a.repeats} done", file=sys.stderr, flush=True)
+    res = runs[-1]
+    print("| T | run | api pair (µs) | minimal (µs) | ratio | ratio of adjacent pairs | dispatch (µs) | combine (µs) "
           "| host: dispatch / combine (µs) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in a.tokens:
-        per = [r[T] for r in res]
+        ratios = []
+        for i, run in enumerate(runs):
+            per = [r[T] for r in run]
 
-        def mean(key):
-            return sum(q[key] for q in per) / len(per)
+            def mean(key):
+                return sum(q[key] for q in per) / len(per)
 
-        api = " / ".join(f"{q['api']:.0f}" for q in per)
-        minimal = " / ".join(f"{q['minimal']:.0f}" for q in per)
-        print(f"| {T} | {api} | {minimal} | {mean('api') / mean('minimal'):.2f}x | {mean('pair_ratio'):.2f}x "
-              f"| {mean('dispatch'):.0f} | {mean('combine'):.0f} | {mean('host_dispatch'):.0f} / "
-              f"{mean('host_combine'):.0f} |")
+            api = " / ".join(f"{q['api']:.0f}" for q in per)
+            minimal = " / ".join(f"{q['minimal']:.0f}" for q in per)
+            ratios.append((mean('api') / mean('minimal'), mean('pair_ratio')))
+            print(f"| {T} | {i + 1} | {api} | {minimal} | {ratios[-1][0]:.2f}x | {ratios[-1][1]:.2f}x "
+                  f"| {mean('dispatch'):.0f} | {mean('combine'):.0f} | {mean('host_dispatch'):.0f} / "
+                  f"{mean('host_combine'):.0f} |")
+        if len(runs) > 1:
+            print(f"| {T} | median of {len(runs)} | | | {statistics.median(r[0] for r in ratios):.2f}x "
+                  f"| {statistics.median(r[1] for r in ratios):.2f}x | | | |")
     if a.descriptor:
         print("\n| T | dispatch: headers (µs, % of the op) | combine: headers | combine: rows copied behind them |")
         print("|---|---|---|---|")

@@ -702,15 +702,17 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         """``omniep::combine``: ``out [T, H]`` in ``y``'s dtype."""
         if layout == EXPERT_MAJOR:
             acc, _ = self._return_copies(OpKind.COMBINE, y, None, handle, num_experts, topk_weights, problem)
-        else:
-            acc, _ = self._return_rows(OpKind.COMBINE, y, None, handle, num_experts, problem)
-        return _rounded(acc, (bias0, bias1), y.dtype)
+            return _rounded(acc, (bias0, bias1), y.dtype, True)
+        acc, _, from_zero = self._return_rows(OpKind.COMBINE, y, None, handle, num_experts, problem)
+        return _rounded(acc, (bias0, bias1), y.dtype, from_zero)
 
     def _return_rows(self, op: OpKind, y, w_rows, handle, num_experts, problem):
         """Rank-major way back: the rows of ``y`` (and ``w_rows [rows, K]`` f32, the dispatch_bwd weight
         gradients) go back to their sources, which sum them over ranks in ascending order. Returns
-        ``(acc [T, H], w back [S, K] destination-major or None)``: ``acc`` is the sum in the accumulator
-        dtype *without* the reference's leading ``+0.0`` (see :func:`_rounded`, which adds it last).
+        ``(acc [T, H], w back [S, K] destination-major or None, from_zero)``: ``acc`` is the sum in the
+        accumulator dtype, begun with the reference's leading ``+0.0`` where ``from_zero`` (the first
+        contribution written as ``+0.0 + c``: the pass a copy would take), else without it (see
+        :func:`_rounded`, which then adds it last).
         Bulk rows go as they are, after the header (and the weight gradients)."""
         R, me = self.world, self.rank
         y = y.contiguous()
@@ -745,13 +747,13 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                     buf[o:o + n * kw].view(torch.float32).view(n, K).copy_(w_rows[back[s]:back[s] + n])
 
         def own():
-            acc.copy_(y[back[me]:back[me] + T])
+            torch.add(y[back[me]:back[me] + T], 0.0, out=acc)
 
         sizes = [[_up(n * Wy) + _up(n * kw) for n in counts] for counts in (recv_n, send_n)]
         go, buf, offsets = self._handle_op(op, handle, info, num_experts, RANK_MAJOR, H, y.dtype, problem, sizes[0],
                                            write, sizes[1], y.device, own if own_early and not bulk else None)
         if not go:
-            return acc.zero_(), (w_rows.new_zeros((0, K)) if kw else None)
+            return acc.zero_(), (w_rows.new_zeros((0, K)) if kw else None), True
         w_back = [] if kw else None
         if kw:
             for d in range(R):
@@ -765,14 +767,14 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         if bulk:  # the rows now: straight from y into a workspace, this rank's own start meanwhile
             buf, offsets = self._blocks_exchange(yb, back, recv_n, send_n, own if own_early else _nothing)
         sel = _selector(handle[SENT], send_n, T)
-        ready, pending = own_early, None
+        ready, pending, from_zero = own_early, None, True
         for d in range(R):
             n = send_n[d]
             if not n or (d == me and own_early):
                 continue
             rows = y[back[me]:back[me] + n] if d == me else buf[offsets[d]:offsets[d] + n * W].view(y.dtype).view(n, H)
             if n == T:  # every token, in token order
-                if own_second:
+                if own_second:  # c1 + (+0.0 + c2) is (+0.0 + c1) + c2, bit for bit (NaN payloads included)
                     torch.add(rows, acc, out=acc)
                     own_second = False
                 elif ready:
@@ -780,25 +782,26 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                 elif pending is not None:  # two whole contributions: one pass unless rows need converting
                     if rows.dtype == at:
                         torch.add(pending, rows, out=acc)
+                        from_zero = False
                     else:
-                        acc.copy_(pending)
+                        torch.add(pending, 0.0, out=acc)
                         acc.add_(rows)
                     ready, pending = True, None
                 else:
                     pending = rows
             else:
                 if pending is not None:
-                    acc.copy_(pending)
+                    torch.add(pending, 0.0, out=acc)
                     ready, pending = True, None
                 if not ready:
                     acc.zero_()
                     ready = True
                 acc.index_add_(0, sel(d), rows.to(at))
         if pending is not None:
-            acc.copy_(pending)
+            torch.add(pending, 0.0, out=acc)
         elif not ready:
             acc.zero_()
-        return acc, w_back
+        return acc, w_back, from_zero
 
     def _blocks_exchange(self, src: torch.Tensor, starts: list, send_n: list, recv_n: list, meanwhile):
         """Rows ``src[starts[d]:starts[d] + send_n[d]]`` (byte rows, blocks in rank order) to every peer d,
@@ -888,8 +891,8 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         g_w_rows = g_recv_topk_weights.to(torch.float32).contiguous()
         if layout == EXPERT_MAJOR:
             acc, g_w = self._return_copies(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None, None)
-            return _rounded(acc, (), g_recv_x.dtype), g_w
-        acc, w_back = self._return_rows(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None)
+            return _rounded(acc, (), g_recv_x.dtype, True), g_w
+        acc, w_back, from_zero = self._return_rows(OpKind.DISPATCH_BWD, g_recv_x, g_w_rows, handle, num_experts, None)
         idx32, sent = handle[IDX32], handle[SENT]
         T, K = idx32.shape
         R, dev = self.world, idx32.device
@@ -901,7 +904,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         row = at.gather(1, owner)
         picked = w_back[row.clamp(min=0), torch.arange(K, device=dev)] if w_back.shape[0] \
             else torch.zeros((T, K), dtype=torch.float32, device=dev)
-        return _rounded(acc, (), g_recv_x.dtype), torch.where(row >= 0, picked, torch.zeros_like(picked))
+        return _rounded(acc, (), g_recv_x.dtype, from_zero), torch.where(row >= 0, picked, torch.zeros_like(picked))
 
     def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):
         return self.combine_bwd(g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment)
@@ -1081,14 +1084,16 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8).view(t.shape[0], width)
 
 
-def _rounded(acc: torch.Tensor, biases: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """The reference's ``round(((+0.0 + c1) + c2 + ...) + b1 + b2)`` from ``acc = (c1 + c2 + ...)``: the
-    two differ only where every term is -0.0 (-0.0 here, +0.0 there), so one ``+0.0`` at the end, after
-    the biases, makes them equal bit for bit (NaN payloads included); then one rounding to ``dtype``."""
+def _rounded(acc: torch.Tensor, biases: tuple, dtype: torch.dtype, from_zero: bool) -> torch.Tensor:
+    """The reference's ``round(((+0.0 + c1) + c2 + ...) + b1 + b2)`` from ``acc``: ``(+0.0 + c1) + c2 +
+    ...`` where ``from_zero``, else ``c1 + c2 + ...``. The two differ only where every term is -0.0
+    (-0.0 there, +0.0 here), so one ``+0.0`` after the biases makes the latter equal bit for bit (NaN
+    payloads included); then one rounding to ``dtype``."""
     for b in biases:
         if b is not None:
             acc.add_(b)
-    acc.add_(0.0)
+    if not from_zero:
+        acc.add_(0.0)
     return acc if acc.dtype == dtype else acc.to(dtype)
 
 
