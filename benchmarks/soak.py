@@ -5,10 +5,14 @@ Every rank draws the same sequence of ops from ``--seed``: T, H, K, E, layout, d
 pair, and whether it carries a fault — an expert id out of range on one rank (``InputError`` on every
 rank), a capacity too small (``CapacityError``), ranks that disagree on H (``RankMismatchError``; the
 group is then destroyed and reopened, as a job would). Reports ops/s, faults injected vs raised as
-expected, wrong results, unexpected errors, and the resident set (RSS) at the start, after the first
-tenth of the ops (imports and caches in place) and at the end: growth after the tenth is a leak.
+expected, wrong results, unexpected errors, and the resident set (RSS) — and on a GPU the memory torch
+holds (``torch.cuda.memory_allocated``) — at the start, after the first tenth of the ops (imports and
+caches in place) and at the end: growth after the tenth is a leak. Runs with ``OMNIEP_CHECKS=sync``
+(each fault raised by the op that carries it).
 
     python benchmarks/soak.py [--world 2] [--ops 100000] [--fault-rate 0.01] [--out soak.json]
+    python benchmarks/soak.py --backend cuda_nvshmem --device cuda [--per-gpu] [--max-seconds 480]
+        # native: the ranks share GPU 0 (CUDA IPC), or one GPU each with --per-gpu
 """
 
 from __future__ import annotations
@@ -58,14 +62,27 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     from omniep.testing.cases import make_case
     from omniep.testing.torch_bits import to_numpy, to_torch
 
+    device = args["device"]
+    if device == "cuda":
+        torch.cuda.set_device(rank if args["per_gpu"] else 0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+
+    def gpu_mib() -> float:
+        return torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0
+
     rng = np.random.default_rng(args["seed"])
     stats = dict(ops=0, checked=0, wrong=0, injected={f: 0 for f in FAULTS}, raised={f: 0 for f in FAULTS},
                  missed=[], unexpected=[])
-    rss0, start, last = _rss_mib(), time.perf_counter(), time.perf_counter()
+    rss0, gpu0, start, last = _rss_mib(), gpu_mib(), time.perf_counter(), time.perf_counter()
     try:
         for i in range(args["ops"]):
+            # every rank stops at the same op: the first to pass the time limit tells the others
+            if args["max_seconds"] and i % 100 == 0:
+                late = torch.tensor([int(time.perf_counter() - start > args["max_seconds"])])
+                dist.all_reduce(late, op=dist.ReduceOp.MAX)
+                if late.item():
+                    break
             op = _draw(rng, world, args["fault_rate"])
             E = world * op["L"]
             layout = Layout.EXPERT_MAJOR if op["layout"] == "expert_major" else Layout.RANK_MAJOR
@@ -73,7 +90,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
                              num_tokens=op["T"], dtype=op["dtype"], layout=layout)
             cfg = case.config()
             cap = cfg.capacity if op["static"] or layout == Layout.EXPERT_MAJOR else None
-            x, idx, w = (to_torch(a[rank]) for a in (case.x, case.topk_idx, case.topk_weights))
+            x, idx, w = (to_torch(a[rank], device) for a in (case.x, case.topk_idx, case.topk_weights))
             fault = op["fault"]
             if fault == "bad_id" and rank == op["culprit"]:
                 idx = idx.clone()
@@ -103,7 +120,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
                                        topk_weights=case.topk_weights if layout == Layout.EXPERT_MAJOR else None)
                 got_x = d.recv_x
                 if layout == Layout.EXPERT_MAJOR:  # padding slots are unspecified: compare the counted ones
-                    got_x = torch.where(d.recv_topk_idx.unsqueeze(-1) >= 0, got_x, torch.zeros((), dtype=got_x.dtype))
+                    got_x = torch.where(d.recv_topk_idx.unsqueeze(-1) >= 0, got_x,
+                                        torch.zeros((), dtype=got_x.dtype, device=got_x.device))
                 same = all(to_numpy(a).dtype == b.dtype and to_numpy(a).tobytes() == b.tobytes()
                            for a, b in ((got_x, np.asarray(want[rank].recv_x)), (out, np.asarray(want_out[rank]))))
                 stats["checked"] += 1
@@ -123,6 +141,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
                 stats["ops"] += 1
                 if stats["ops"] == max(1, args["ops"] // 10):
                     stats["rss_warm_mib"] = _rss_mib()  # after the first tenth: caches and imports are in
+                    stats["gpu_warm_mib"] = gpu_mib()
             if rank == 0 and time.perf_counter() - last > 10:
                 last = time.perf_counter()
                 print(f"soak: {i + 1}/{args['ops']} ops, {stats['checked']} checked, {stats['wrong']} wrong, "
@@ -131,7 +150,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         ep.destroy()
     finally:
         dist.destroy_process_group()
-    stats.update(seconds=time.perf_counter() - start, rss_start_mib=rss0, rss_end_mib=_rss_mib())
+    stats.update(seconds=time.perf_counter() - start, rss_start_mib=rss0, rss_end_mib=_rss_mib(), gpu_start_mib=gpu0,
+                 gpu_end_mib=gpu_mib())
+    stats.setdefault("rss_warm_mib", stats["rss_end_mib"])
+    stats.setdefault("gpu_warm_mib", stats["gpu_end_mib"])
     return stats
 
 
@@ -141,20 +163,30 @@ def main(argv=None) -> int:
     p.add_argument("--ops", type=int, default=100_000)
     p.add_argument("--fault-rate", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="collective", help="OMNIEP_BACKEND of the ranks")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--per-gpu", action="store_true", help="one GPU per rank (else every rank on GPU 0)")
+    p.add_argument("--max-seconds", type=float, default=0, help="stop every rank at the same op after this long")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
-    results = run_ranks(rank_main, a.world, args=(dict(ops=a.ops, fault_rate=a.fault_rate, seed=a.seed),),
-                        timeout=24 * 3600, env={"OMNIEP_BACKEND": "collective", "OMNIEP_CHECKS": "sync"})
+    args = dict(ops=a.ops, fault_rate=a.fault_rate, seed=a.seed, device=a.device, per_gpu=a.per_gpu,
+                max_seconds=a.max_seconds)
+    print(f"soak: {a.world} ranks, backend {a.backend} on {a.device}, {a.ops} dispatch+combine pairs, fault rate "
+          f"{a.fault_rate}, seed {a.seed}", flush=True)
+    results = run_ranks(rank_main, a.world, args=(args,), timeout=24 * 3600,
+                        env={"OMNIEP_BACKEND": a.backend, "OMNIEP_CHECKS": "sync"})
     for r, s in enumerate(results):
         print(f"rank {r}: {s['ops']} ops in {s['seconds']:.1f} s ({s['ops'] / s['seconds']:.0f} ops/s), "
               f"{s['checked']} checked bitwise, {s['wrong']} wrong; faults raised/injected "
               + ", ".join(f"{f} {s['raised'][f]}/{s['injected'][f]}" for f in FAULTS)
               + f"; missed {len(s['missed'])}, unexpected {len(s['unexpected'])}; "
               f"RSS {s['rss_start_mib']:.0f} MiB at start, {s['rss_warm_mib']:.0f} after a tenth of the ops, "
-              f"{s['rss_end_mib']:.0f} at the end")
+              f"{s['rss_end_mib']:.0f} at the end"
+              + (f"; GPU memory {s['gpu_start_mib']:.1f} / {s['gpu_warm_mib']:.1f} / {s['gpu_end_mib']:.1f} MiB"
+                 if a.device == "cuda" else ""))
         for u in s["unexpected"][:5]:
             print("  unexpected:", u)
         for m in s["missed"][:5]:

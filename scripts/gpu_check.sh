@@ -7,6 +7,8 @@
 #   scripts/gpu_check.sh                                   # everything (~9 minutes)
 #   GPU_TESTS="tests/gpu/test_hot_path.py" scripts/gpu_check.sh   # a subset of the tests
 #   PART=tests | PART=bench scripts/gpu_check.sh           # build + only one of the two
+#   PART=soak SOAK_S=480 scripts/gpu_check.sh              # build + the fault-injecting soak (issue 15):
+#                                                          # two ranks on GPU 0, cuda_nvshmem over CUDA IPC
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh  # env, $OUT, $PY, step()
@@ -20,6 +22,13 @@ PART="${PART:-all}"
 } 2>&1 | tee "$OUT/env.log"
 
 build_all
+if [[ "$PART" == soak ]]; then
+  SOAK_S="${SOAK_S:-480}"
+  step soak $((SOAK_S + 60)) "$PY" benchmarks/soak.py --backend cuda_nvshmem --device cuda --ops 100000 \
+    --fault-rate 0.01 --seed 2 --max-seconds "$SOAK_S" --out "$OUT/soak.json"
+  echo "gpu_check: exit $status; logs in $OUT"
+  exit $status
+fi
 if [[ "$PART" != bench ]]; then
   # shellcheck disable=SC2086
   step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rfEs --timeout=400 \
