@@ -25,19 +25,40 @@ from host_timing import pin_cpu, report
 SHAPE = dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, capacity_factor=1.25)
 def add_shape_args(parser) -> None:
     """``--tokens``, ``--hidden``, ... for every key of SHAPE (the torch and JAX layer benchmarks share it:
-    their comparison needs the same shape)."""
+    their comparison needs the same shape; ``--capacity-factor 0``: dropless), and ``--grouped-gemm`` (the
+    layer's rank-major path with grouped GEMMs over the routed copies, MoEConfig.grouped_gemm)."""
     for key, value in SHAPE.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--grouped-gemm", action="store_true")
 
 
 def shape_of(args) -> dict:
-    return {k: getattr(args, k) for k in SHAPE}
+    return {k: getattr(args, k) for k in list(SHAPE) + ["grouped_gemm"]}
 
 
-GEMMS = ("aten::bmm", "aten::mm", "aten::addmm", "aten::matmul")
+def layer_config(shape: dict):
+    """The layer's MoEConfig for a shape of :func:`shape_of`."""
+    from omniep.layers import MoEConfig
+
+    return MoEConfig(hidden=shape["hidden"], ffn=shape["ffn"], num_experts=shape["experts"], top_k=shape["topk"],
+                     capacity_factor=shape["capacity_factor"] or None, aux_loss_coef=0.001,
+                     grouped_gemm=shape["grouped_gemm"])
+
+
+GEMMS = ("aten::bmm", "aten::mm", "aten::addmm", "aten::matmul", "aten::_grouped_mm")
 # GEMM kernels by name (cuBLAS's nvjet / xmma, CUTLASS): those launched outside an op of GEMMS (seen: a
 # batched nvjet GEMM of the backward, 5 ms per step) are moved from "other" to "gemm".
 GEMM_KERNELS = re.compile(r"nvjet|xmma|cutlass|gemm", re.IGNORECASE)
+
+
+def _kernel_names(ev) -> set:
+    """Names of the kernels ``ev`` and every op under it launched (a matmul's come from its child mm)."""
+    names, todo = set(), [ev]
+    while todo:
+        e = todo.pop()
+        names.update(k.name for k in e.kernels)
+        todo.extend(e.cpu_children)
+    return names
 
 
 def _split(prof) -> dict:
@@ -60,7 +81,7 @@ def _split(prof) -> dict:
         if not nested and ev.id not in charged:
             charged.add(ev.id)
             totals[kind] += ev.device_time_total
-            inside.update(k.name for k in ev.kernels)
+            inside.update(_kernel_names(ev))
     everything = sum(e.device_time_total for e in prof.events()
                      if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None)
     if everything == 0.0:
@@ -87,7 +108,6 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     import torch.distributed as dist
 
     from omniep import torch as ep
-    from omniep.layers import MoEConfig
     from omniep.layers.torch import MoE
 
     pin_cpu(rank)
@@ -100,8 +120,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     # Host barriers over gloo: an NCCL barrier's kernel would time the wait for the later rank.
     cpu_group = dist.new_group(backend="gloo")
     s = args["shape"]
-    cfg = MoEConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=s["experts"], top_k=s["topk"],
-                    capacity_factor=s["capacity_factor"], aux_loss_coef=0.001)
+    cfg = layer_config(s)
     rows = []
     try:
         for backend in args["backends"]:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from moe_layer_gpu import add_shape_args, shape_of  # the torch layer's benchmark: the same shape
+from moe_layer_gpu import add_shape_args, layer_config, shape_of  # the torch layer's benchmark: the same shape
 from host_timing import report
 
 
@@ -34,12 +34,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from omniep.layers import MoEConfig
     from omniep.layers import jax as lj
 
     s = args["shape"]
-    cfg = MoEConfig(hidden=s["hidden"], ffn=s["ffn"], num_experts=s["experts"], top_k=s["topk"],
-                    capacity_factor=s["capacity_factor"], aux_loss_coef=0.001)
+    cfg = layer_config(s)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
     model = lj.MoE(cfg, rngs=nnx.Rngs(params=1), mesh=mesh, param_dtype=jnp.bfloat16)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -44,6 +44,11 @@ if [[ "$PART" != tests ]]; then
   want layer_eager && step bench_layer_eager 150 env OMNIEP_LAYER_COMPILE=0 "$PY" benchmarks/moe_layer_gpu.py --world 2 \
     --per-gpu --backends cuda_nvshmem --out "$OUT/layer_eager.json"
   want layer_jax && step bench_layer_jax 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 --out "$OUT/layer_jax.json"
+  # ... both on the layer's grouped-GEMM path (rank-major dispatch, grouped GEMMs over the routed copies)
+  want layer_grouped && step bench_layer_grouped 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu \
+    --grouped-gemm --out "$OUT/layer_grouped.json"
+  want layer_jax_grouped && step bench_layer_jax_grouped 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 \
+    --grouped-gemm --out "$OUT/layer_jax_grouped.json"
 fi
 echo "gpu_check_multi: exit $status; logs in $OUT"
 exit $status

@@ -112,6 +112,14 @@ CASES = {
                        2, 2, False, 6, True, True),
     "mesh_4x2_fsdp": (dict(num_experts=8, top_k=2, num_groups=2, topk_groups=1, shared_ffn=4, aux_loss_coef=0.05),
                       4, 2, True, 4, False, False),
+    # the grouped-GEMM path (steps 6'-8'): drops with skew, DeepSeek-V3-like routing, a 2-D mesh with FSDP
+    "grouped_skew_drops_R4": (dict(num_experts=8, top_k=2, capacity_factor=0.5, aux_loss_coef=0.1, grouped_gemm=True),
+                              4, 1, False, 8, True, True),
+    "grouped_sigmoid_bias_shared_R2": (
+        dict(num_experts=8, top_k=3, score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+             expert_bias=True, shared_ffn=6, aux_loss_coef=0.01, grouped_gemm=True), 2, 1, False, 8, False, False),
+    "grouped_mesh_2x2_fsdp": (dict(num_experts=4, top_k=2, shared_ffn=4, grouped_gemm=True), 2, 2, True, 6, False,
+                              False),
 }
 
 
@@ -135,13 +143,15 @@ def configs(draw):
     G = draw(st.sampled_from([g for g in (1, 2) if E % g == 0]))
     topk_groups = draw(st.integers(1, G))
     K = draw(st.integers(1, min(3, topk_groups * (E // G))))
+    grouped = draw(st.booleans())
     cfg = MoEConfig(
         hidden=draw(st.sampled_from([4, 8])), ffn=draw(st.sampled_from([2, 4])), num_experts=E, top_k=K,
         score_func=draw(st.sampled_from(["softmax", "sigmoid"])), num_groups=G, topk_groups=topk_groups,
         norm_topk_prob=draw(st.booleans()), aux_loss_coef=draw(st.sampled_from([0.0, 0.02])),
         z_loss_coef=draw(st.sampled_from([0.0, 0.001])),
         capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 1.5])),
-        expert_alignment=draw(st.sampled_from([1, 2, 4])), shared_ffn=draw(st.sampled_from([0, 4])))
+        expert_alignment=1 if grouped else draw(st.sampled_from([1, 2, 4])), shared_ffn=draw(st.sampled_from([0, 4])),
+        grouped_gemm=grouped)
     return cfg, R, draw(st.integers(1, 6)), draw(st.booleans()), draw(st.integers(0, 2 ** 16))
 
 

@@ -27,13 +27,14 @@ def problem_strategy():
         topk_groups = draw(st.integers(1, groups))
         top_k = draw(st.integers(1, min(3, topk_groups * experts // groups)))
         cf = draw(st.sampled_from([None, 0.5, 1.0, 1.5]))
+        grouped = draw(st.booleans())
         cfg = MoEConfig(hidden=draw(st.sampled_from([4, 8])), ffn=draw(st.sampled_from([2, 6])), num_experts=experts,
                         top_k=top_k, score_func=draw(st.sampled_from(["softmax", "sigmoid"])), num_groups=groups,
                         topk_groups=topk_groups, norm_topk_prob=draw(st.booleans()),
                         routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
                         aux_loss_coef=draw(st.sampled_from([0.0, 0.01])), z_loss_coef=draw(st.sampled_from([0.0, 1e-3])),
-                        capacity_factor=cf, expert_alignment=draw(st.sampled_from([1, 4])),
-                        shared_ffn=draw(st.sampled_from([0, 4])))
+                        capacity_factor=cf, expert_alignment=1 if grouped else draw(st.sampled_from([1, 4])),
+                        shared_ffn=draw(st.sampled_from([0, 4])), grouped_gemm=grouped)
         return cfg, draw(st.integers(0, 9)), draw(st.integers(0, 2**16)), draw(st.sampled_from([0.0, 0.0, 3.0]))
     return problem()
 
@@ -95,6 +96,10 @@ def test_initial_parameters_do_not_depend_on_the_group_size(ep_dp, ep2):
 
 
 def test_config_errors_name_the_field():
+    with pytest.raises(InputError, match="expert_alignment"):
+        MoEConfig(hidden=4, ffn=4, num_experts=4, top_k=1, expert_alignment=8, grouped_gemm=True)
+    with pytest.raises(InputError, match="grouped_gemm"):
+        MoEConfig(hidden=4, ffn=4, num_experts=4, top_k=1, grouped_gemm=1)
     with pytest.raises(InputError, match="top_k"):
         MoEConfig(hidden=4, ffn=4, num_experts=4, top_k=5)
     with pytest.raises(InputError, match="num_groups"):

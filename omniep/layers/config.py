@@ -41,6 +41,26 @@ every rank), ``E`` experts of which this rank holds ``L = E / R`` (``e // L`` is
 9. **Shared expert** (``shared_ffn > 0``, DeepSeek): ``out += swiglu(x; shared_gate_up[H, 2S],
    shared_down[S, H])`` in ``x``'s dtype.
 
+**Grouped GEMMs** (``grouped_gemm=True``: TransformerEngine's and MaxText's dropless path; memory and
+work grow with the copies routed, not with ``L·C`` slots) replaces steps 6–8:
+
+6'. **Dispatch** (rank-major, DESIGN §2): ``recv_x[N, H]``, one row per (source rank, token) that chose
+   one of this rank's experts, with its local ids ``recv_topk_idx[N, K]`` (-1 elsewhere) and weights.
+   torch: exactly the N rows that arrive (the dispatch's one host wait); JAX: static shapes, ``R·T`` rows
+   (the most that can arrive), padding rows naming no expert.
+7'. **Experts**: the copies — every ``(row, k)`` with a local id — ordered by (local expert, row, k), each
+   expert's a contiguous group; SwiGLU as in step 7 by grouped GEMMs over the groups
+   (``torch._grouped_mm`` / ``jax.lax.ragged_dot``; per-group GEMMs where the former does not serve the
+   device and dtype); each copy scaled by its weight, ``y · w`` in fp32 rounded to ``x``'s dtype.
+8'. **Per row, then combine**: ``row = Σ_k y[copy (row, k)]`` over its local copies in k order, in fp32
+   from +0.0, rounded to ``x``'s dtype (padding rows 0); then ``combine`` (rank-major, unweighted):
+   ``out[t] = Σ_r row_r(t)`` over the ranks holding t's experts, ascending, in fp32, rounded once. So a
+   token's copies on one rank are summed before they travel back (one row per rank, not one per copy:
+   DeepEP's HT practice); in bf16 that is one rounding more than step 8.
+   The permutations' gradients are gathers in the same orders (deterministic: no scatter-add), so loss
+   and gradients stay bitwise the same on every backend. ``expert_alignment`` must be 1 here (group
+   padding for quantized grouped GEMMs is not offered on this path).
+
 The module returns ``(out[T, H], aux_loss)``. Parameters: ``router[H, E]``, ``w_gate_up[E, H, 2F]`` and
 ``w_down[E, F, H]`` (each rank holds its ``L`` experts' slices), optionally ``shared_gate_up[H, 2S]``,
 ``shared_down[S, H]`` and the buffer ``expert_bias[E]``. Initial values do not depend on ``R``: expert
@@ -78,6 +98,7 @@ class MoEConfig:
     capacity_factor: Optional[float] = None
     expert_alignment: int = 1
     shared_ffn: int = 0           # S: the shared expert's width (0 = none)
+    grouped_gemm: bool = False    # steps 6'-8': rank-major dispatch + grouped GEMMs over the routed copies
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "num_experts", "top_k", "num_groups", "topk_groups", "expert_alignment"):
@@ -97,6 +118,11 @@ class MoEConfig:
         if self.num_groups > 1 and self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
             raise InputError(f"MoEConfig.top_k={self.top_k} exceeds the experts of topk_groups={self.topk_groups} "
                              f"groups of {self.num_experts // self.num_groups}")
+        if not isinstance(self.grouped_gemm, bool):
+            raise InputError(f"MoEConfig.grouped_gemm must be a bool, got {self.grouped_gemm!r}")
+        if self.grouped_gemm and self.expert_alignment != 1:
+            raise InputError(f"MoEConfig.expert_alignment={self.expert_alignment} needs grouped_gemm=False: the "
+                             f"grouped path does not pad the experts' groups")
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < math.inf):
             raise InputError(f"MoEConfig.capacity_factor must be a positive finite number or None, got {cf!r}")

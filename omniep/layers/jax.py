@@ -23,7 +23,7 @@ from .. import jax as ep
 from ..ep_core.errors import InputError
 from .config import MoEConfig, capacities
 
-__all__ = ["MoE", "ExpertBias", "moe_shard", "route", "init_params", "to_linen"]
+__all__ = ["MoE", "ExpertBias", "moe_shard", "route", "init_params", "to_linen", "grouped_swiglu_rows"]
 
 
 class ExpertBias(nnx.Variable):
@@ -136,6 +136,16 @@ def moe_shard(params: dict, x, config: MoEConfig, *, axis_name, backend: Optiona
     c_send, C = capacities(config, R, T)
     topk_idx, topk_w = drop_over_capacity(topk_idx, topk_w, E, c_send)
 
+    if config.grouped_gemm:  # steps 6'-8': R * T rows hold every token that can arrive
+        d = ep.dispatch(x, topk_idx, topk_w, num_experts=E, axis_name=axis_name, capacity=R * T, backend=backend)
+        rows = grouped_swiglu_rows(d.recv_x, d.recv_topk_idx, d.recv_topk_weights,
+                                   params["w_gate_up"].astype(dtype), params["w_down"].astype(dtype))
+        out = ep.combine(rows, d.handle)
+        if config.shared_ffn > 0:
+            out = out + _swiglu(x, params["shared_gate_up"].astype(dtype), params["shared_down"].astype(dtype),
+                                "th,hf->tf", "tf,fh->th")
+        return out, aux
+
     # C = R * c_send holds every copy that survived the sender's drop, so dispatch never overflows.
     d = ep.dispatch(x, topk_idx, topk_w, num_experts=E, axis_name=axis_name, capacity=C,
                     expert_alignment=config.expert_alignment, layout="expert_major", backend=backend,
@@ -154,6 +164,76 @@ def moe_shard(params: dict, x, config: MoEConfig, *, axis_name, backend: Optiona
         out = out + _swiglu(x, params["shared_gate_up"].astype(dtype), params["shared_down"].astype(dtype),
                             "th,hf->tf", "tf,fh->th")
     return out, aux
+
+
+def grouped_swiglu_rows(recv_x, recv_topk_idx, recv_topk_weights, w_gate_up, w_down):
+    """Steps 7'-8' of :mod:`omniep.layers.config` over rank-major rows: ``recv_x[N, H]``,
+    ``recv_topk_idx[N, K]`` local ids (-1: none), ``recv_topk_weights[N, K]`` fp32, ``w_gate_up[L, H,
+    2F]`` and ``w_down[L, F, H]`` in ``recv_x``'s dtype → ``[N, H]`` in that dtype. The ``N·K`` (row, k)
+    slots sorted by (local expert, row, k) with the empty ones last; ``jax.lax.ragged_dot`` over the
+    experts' groups; the slots past the copies are zero and carry no gradient."""
+    N, K = recv_topk_idx.shape
+    L, dt = w_gate_up.shape[0], recv_x.dtype
+    key = jnp.where(recv_topk_idx >= 0, recv_topk_idx, L).reshape(-1)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)             # copies by (expert, row, k)
+    counts = jnp.bincount(key, length=L + 1)[:L].astype(jnp.int32)
+    held = key[order] < L                                              # sorted slot holds a copy
+    position = jnp.zeros((N * K,), jnp.int32).at[order].set(jnp.arange(N * K, dtype=jnp.int32))
+    slot = jnp.where(key < L, position, -1).reshape(N, K)              # (row, k) -> its copy, or -1
+    rows = order // K
+    h = jax.lax.ragged_dot(_to_copies(recv_x, rows, slot), w_gate_up, counts)
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, counts)
+    # fp32 product rounded once, as step 7; the slots past the copies zero
+    scaled = (y.astype(jnp.float32) * recv_topk_weights.reshape(-1)[order][:, None]).astype(dt)
+    scaled = jnp.where(held[:, None], scaled, jnp.zeros((), dt))
+    return _to_rows(scaled, rows, slot).astype(dt)
+
+
+def _gather_sum(src, slot):
+    """``out[n] = Σ_k src[slot[n, k]]`` over ``slot[n, k] >= 0``, k ascending, fp32 from +0.0: a row's
+    copies summed, and the gradient of gathering rows into copies (gathers only: deterministic)."""
+    acc = jnp.zeros((slot.shape[0], src.shape[1]), jnp.float32)
+    for k in range(slot.shape[1]):
+        at = slot[:, k]
+        acc = acc + jnp.where((at >= 0)[:, None], src[jnp.maximum(at, 0)].astype(jnp.float32), 0.0)
+    return acc
+
+
+@jax.custom_vjp
+def _to_copies(x, rows, slot):
+    """``x[N, H]`` → ``x[rows]``; its transpose sums each row's copies' cotangents in k order."""
+    return x[rows]
+
+
+def _to_copies_fwd(x, rows, slot):
+    return x[rows], (slot, jnp.zeros((), x.dtype))
+
+
+def _to_copies_bwd(res, g):
+    slot, like = res
+    return _gather_sum(g, slot).astype(like.dtype), None, None
+
+
+_to_copies.defvjp(_to_copies_fwd, _to_copies_bwd)
+
+
+@jax.custom_vjp
+def _to_rows(y, rows, slot):
+    """Copies ``y[M, H]`` → per row the fp32 sum of its copies in k order; its transpose gathers."""
+    return _gather_sum(y, slot)
+
+
+def _to_rows_fwd(y, rows, slot):
+    return _gather_sum(y, slot), (rows, jnp.zeros((), y.dtype))
+
+
+def _to_rows_bwd(res, g):
+    rows, like = res
+    return g[rows].astype(like.dtype), None, None
+
+
+_to_rows.defvjp(_to_rows_fwd, _to_rows_bwd)
 
 
 # ---- parameters ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from ..ep_core import env
 from ..ep_core.errors import InputError
 from .config import MoEConfig, capacities
 
-__all__ = ["MoE", "route", "drop_over_capacity", "swiglu_experts"]
+__all__ = ["MoE", "route", "drop_over_capacity", "swiglu_experts", "grouped_swiglu_rows"]
 
 # Seed streams (see _normal): expert e uses _EXPERT_STREAM + e, so an expert's initial weights do not
 # depend on how many ranks share the experts.
@@ -84,15 +84,21 @@ class MoE(nn.Module):
         c_send, slots = capacities(cfg, self.num_ranks, tokens.shape[0])
         if c_send is not None and c_send < tokens.shape[0]:
             topk_idx, topk_weights = drop_over_capacity(topk_idx, topk_weights, c_send, cfg.num_experts)
-        d = ep.dispatch(tokens, topk_idx, topk_weights, num_experts=cfg.num_experts, group=self.group,
-                        capacity=slots, expert_alignment=cfg.expert_alignment, layout="expert_major",
-                        backend=self.backend, zero_padding=True)
-        y = swiglu_experts(d.recv_x, self.w_gate_up, self.w_down)
-        # Weighted here, by the weight that travelled with each copy (its gradient returns through
-        # dispatch exactly: bitwise the same on every backend); padding slots zero, so that no gradient
-        # reaches the expert weights through them.
-        y = _elementwise(_weigh_held, y)(y, d.recv_topk_weights, d.recv_topk_idx)
-        out = ep.combine(y, d.handle, weighted=False)
+        if cfg.grouped_gemm:  # steps 6'-8': exactly the rows that arrive, the routed copies' grouped GEMMs
+            d = ep.dispatch(tokens, topk_idx, topk_weights, num_experts=cfg.num_experts, group=self.group,
+                            backend=self.backend)
+            rows = grouped_swiglu_rows(d.recv_x, d.recv_topk_idx, d.recv_topk_weights, self.w_gate_up, self.w_down)
+            out = ep.combine(rows, d.handle)
+        else:
+            d = ep.dispatch(tokens, topk_idx, topk_weights, num_experts=cfg.num_experts, group=self.group,
+                            capacity=slots, expert_alignment=cfg.expert_alignment, layout="expert_major",
+                            backend=self.backend, zero_padding=True)
+            y = swiglu_experts(d.recv_x, self.w_gate_up, self.w_down)
+            # Weighted here, by the weight that travelled with each copy (its gradient returns through
+            # dispatch exactly: bitwise the same on every backend); padding slots zero, so that no gradient
+            # reaches the expert weights through them.
+            y = _elementwise(_weigh_held, y)(y, d.recv_topk_weights, d.recv_topk_idx)
+            out = ep.combine(y, d.handle, weighted=False)
         if self.shared_gate_up is not None:
             out = out + _swiglu(tokens, self.shared_gate_up.to(tokens.dtype), self.shared_down.to(tokens.dtype))
         return out.view(x.shape), aux_loss
@@ -154,6 +160,97 @@ def swiglu_experts(recv_x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
     gate and up together, one for down."""
     dt = recv_x.dtype
     return _swiglu(recv_x, w_gate_up.to(dt), w_down.to(dt))
+
+
+def grouped_swiglu_rows(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,
+                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Steps 7'-8' over rank-major rows: ``recv_x[N, H]``, ``recv_topk_idx[N, K]`` local ids (-1: none),
+    ``recv_topk_weights[N, K]`` fp32, ``w_gate_up[L, H, 2F]``, ``w_down[L, F, H]`` → ``[N, H]`` in
+    ``recv_x``'s dtype: each row's copies through their experts by grouped GEMMs, weighted, summed in k
+    order. Waits on the host once (the number of copies)."""
+    N, K = recv_topk_idx.shape
+    L, dt, dev = w_gate_up.shape[0], recv_x.dtype, recv_x.device
+    key = torch.where(recv_topk_idx >= 0, recv_topk_idx.long(), L).reshape(-1)  # L: no copy, sorted last
+    order = torch.argsort(key, stable=True)  # copies by (expert, row, k)
+    counts = torch.bincount(key, minlength=L + 1)[:L]
+    M = N * K - int((key == L).sum())
+    order = order[:M]
+    slot = torch.full((N * K,), -1, dtype=torch.long, device=dev)  # (row, k) -> its copy's position, or -1
+    slot[order] = torch.arange(M, device=dev)
+    slot, rows = slot.view(N, K), order // K
+    xs = _ToCopies.apply(recv_x, rows, slot)
+    h = _grouped_mm(xs, w_gate_up.to(dt), counts)
+    ys = _grouped_mm(_elementwise(_silu_mul, h)(h), w_down.to(dt), counts)
+    # fp32 product rounded once (type promotion), as step 7
+    scaled = (ys * recv_topk_weights.reshape(-1)[order].unsqueeze(-1)).to(dt)
+    return _ToRows.apply(scaled, rows, slot).to(dt)
+
+
+def _gather_sum(src: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``out[n] = Σ_k src[slot[n, k]]`` over ``slot[n, k] >= 0``, k ascending, fp32 from +0.0 (the sum
+    of a row's copies, and the gradient of gathering rows into copies: no scatter, so deterministic)."""
+    acc = src.new_zeros((slot.shape[0], src.shape[1]), dtype=torch.float32)
+    for k in range(slot.shape[1]):
+        at = slot[:, k]
+        acc = acc + torch.where((at >= 0).unsqueeze(-1), src[at.clamp(min=0)].float(),
+                                torch.zeros((), dtype=torch.float32, device=src.device))
+    return acc
+
+
+class _ToCopies(torch.autograd.Function):
+    """``x[N, H]`` → its copies ``x[rows]`` (``[M, H]``); the backward sums each row's copies' gradients
+    in k order (``slot``), rounded to x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, rows, slot):
+        ctx.save_for_backward(slot)
+        ctx.dtype = x.dtype
+        return x[rows]
+
+    @staticmethod
+    def backward(ctx, g):
+        (slot,) = ctx.saved_tensors
+        return _gather_sum(g, slot).to(ctx.dtype), None, None
+
+
+class _ToRows(torch.autograd.Function):
+    """Copies ``y[M, H]`` → per row the fp32 sum of its copies in k order (``[N, H]``); the backward
+    gathers each copy's row gradient, in y's dtype."""
+
+    @staticmethod
+    def forward(ctx, y, rows, slot):
+        ctx.save_for_backward(rows)
+        ctx.dtype = y.dtype
+        return _gather_sum(y, slot)
+
+    @staticmethod
+    def backward(ctx, g):
+        (rows,) = ctx.saved_tensors
+        return g[rows].to(ctx.dtype), None, None
+
+
+_GROUPED_MM: dict = {}  # (device type, dtype, inner, outer) -> whether torch._grouped_mm serves it
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``a[M, I]`` in consecutive groups of ``counts[g]`` rows times ``b[G, I, O]`` → ``[M, O]``:
+    ``torch._grouped_mm`` where it serves the device, dtype and shape (found out once per kind), else one
+    GEMM per group."""
+    kind = (a.device.type, a.dtype, a.shape[1], b.shape[2])
+    if a.shape[0] and _GROUPED_MM.get(kind, True) and hasattr(torch, "_grouped_mm"):
+        try:
+            out = torch._grouped_mm(a, b, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+            _GROUPED_MM[kind] = True
+            return out
+        except (RuntimeError, NotImplementedError):
+            if kind in _GROUPED_MM:
+                raise
+            _GROUPED_MM[kind] = False
+    parts, at = [], 0
+    for g, n in enumerate(counts.tolist()):  # every group, empty ones too: each b[g] gets a gradient
+        parts.append(a[at:at + n] @ b[g])
+        at += n
+    return torch.cat(parts)
 
 
 def _swiglu(x, w_gate_up, w_down):

@@ -56,8 +56,9 @@ def test_native_and_collective_layers_are_bitwise_equal(dtype):
 
 
 @two_gpus
+@pytest.mark.parametrize("grouped_gemm", [False, True], ids=["batched", "grouped"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_layer_native_and_collective_are_bitwise_equal(dtype):
+def test_jax_layer_native_and_collective_are_bitwise_equal(dtype, grouped_gemm):
     """The Flax layer under jit: cuda_nvshmem and collective (XLA all-to-all) give identical outputs,
     aux loss and gradients — two jax.distributed processes, one GPU each."""
     pytest.importorskip("flax")
@@ -69,9 +70,9 @@ def test_jax_layer_native_and_collective_are_bitwise_equal(dtype):
     # need the rounding as written.
     env = {"JAX_PLATFORMS": "cuda,cpu", "OMNIEP_CHECKS": "default",
            "XLA_FLAGS": "--xla_allow_excess_precision=false"}
-    runs = {b: run_ranks(gpu_layer_run, 2, args=(b, dtype), timeout=300, env=env)[0]
+    runs = {b: run_ranks(gpu_layer_run, 2, args=(b, dtype, grouped_gemm), timeout=300, env=env)[0]
             for b in (NATIVE, "collective")}
     native, coll = runs[NATIVE], runs["collective"]
     assert native.keys() == coll.keys() and "g_w_gate_up" in native
     for key in native:
-        np.testing.assert_array_equal(native[key], coll[key], err_msg=f"{dtype} {key}")
+        np.testing.assert_array_equal(native[key], coll[key], err_msg=f"{dtype} grouped={grouped_gemm} {key}")

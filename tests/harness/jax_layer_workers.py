@@ -98,10 +98,11 @@ def mp_layer_cases(rank: int, world: int, port: int) -> dict:
     return {"process": jax.process_index(), "num_devices": n, "checked": checked}
 
 
-def gpu_layer_run(rank: int, world: int, port: int, backend: str, dtype: str) -> dict:
+def gpu_layer_run(rank: int, world: int, port: int, backend: str, dtype: str, grouped_gemm: bool = False) -> dict:
     """One ``jax.distributed`` process (on GPU ``rank``: XLA's NCCL refuses two ranks on one) of a 1-D expert mesh over
     all processes: the Flax layer's output, aux loss and every gradient under ``jit`` on ``backend``,
-    gathered to numpy (the same arrays in every process), for a drop-heavy sigmoid grouped config."""
+    gathered to numpy (the same arrays in every process), for a drop-heavy sigmoid grouped config
+    (``grouped_gemm``: on the layer's grouped-GEMM path)."""
     import os
 
     os.environ["OMNIEP_BACKEND"] = backend
@@ -124,7 +125,7 @@ def gpu_layer_run(rank: int, world: int, port: int, backend: str, dtype: str) ->
 
     cfg = MoEConfig(hidden=64, ffn=32, num_experts=4 * world, top_k=3, score_func="sigmoid", num_groups=2,
                     topk_groups=1, routed_scaling_factor=2.5, capacity_factor=0.75, shared_ffn=16,
-                    aux_loss_coef=0.01, z_loss_coef=1e-3)
+                    aux_loss_coef=0.01, z_loss_coef=1e-3, grouped_gemm=grouped_gemm)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
     model = lj.MoE(cfg, rngs=nnx.Rngs(params=3), mesh=mesh, param_dtype=getattr(jnp, dtype))
     rng = np.random.default_rng(5)  # the same global arrays in every process

@@ -147,7 +147,8 @@ def check_results(cfg: MoEConfig, jobs_by_rank: list, res: list, ep_size: int) -
 
 def edge_problems() -> list:
     """Hand-picked: heavy skew with a small capacity factor (drops certain), DeepSeek-V3-like sigmoid grouped
-    routing with scaling and a shared expert, exact capacity with alignment, one token per rank."""
+    routing with scaling and a shared expert, exact capacity with alignment, one token per rank; some of
+    them again on the grouped-GEMM path."""
     base = dict(hidden=8, ffn=4, num_experts=8, top_k=2)
     return [
         (MoEConfig(**base, capacity_factor=0.25, aux_loss_coef=0.01), 8, 11, 4.0),
@@ -156,6 +157,12 @@ def edge_problems() -> list:
         (MoEConfig(**base, expert_alignment=8), 5, 13, 1.0),
         (MoEConfig(**base, capacity_factor=0.5), 1, 14, 0.0),
         (MoEConfig(**base, expert_bias=True, score_func="sigmoid", capacity_factor=2.0), 6, 15, 0.0),
+        # the grouped-GEMM path (steps 6'-8'): heavy skew with drops (experts with no copy), DeepSeek-V3-like
+        # routing with a shared expert, dropless, one token per rank
+        (MoEConfig(**base, capacity_factor=0.25, aux_loss_coef=0.01, grouped_gemm=True), 8, 16, 4.0),
+        (MoEConfig(**base, score_func="sigmoid", num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
+                   shared_ffn=6, z_loss_coef=1e-3, grouped_gemm=True), 7, 17, 0.0),
+        (MoEConfig(**base, grouped_gemm=True), 1, 18, 0.0),
     ]
 
 
