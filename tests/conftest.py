@@ -32,3 +32,14 @@ def record_golden():
         record(backend, framework, list(names), device)
 
     return _record
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    """A torch.distributed gloo group of this process alone (rank 0 of 1), for the module's tests."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -31,14 +31,6 @@ def test_not_initialized_is_a_clear_error():
         ep.dispatch(torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1), num_experts=1)
 
 
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _routing(T=4, K=2, E=4):
     idx = torch.arange(T * K).reshape(T, K) % E
     return torch.randn(T, 8), idx, torch.rand(T, K)

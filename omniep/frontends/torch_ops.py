@@ -148,16 +148,29 @@ def _autograd(name: str, setup, backward):
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     _lib.impl(name, function(below, "autograd").apply, "Autograd")
-    setattr(EAGER, name, function(_python_kernel(name), "eager").apply)
+    setattr(EAGER, name, function(_profiled(name, _python_kernel(name)), "eager").apply)
+
+
+def _profiled(name: str, kernel):
+    """``kernel`` named ``omniep::<name>`` in a running profiler's trace, as the dispatcher names the op
+    (one cheap check when no profiler runs)."""
+    label = f"omniep::{name}"
+
+    def call(*args):
+        if torch.autograd._profiler_enabled():
+            with torch.autograd.profiler.record_function(label):
+                return kernel(*args)
+        return kernel(*args)
+    return call
 
 
 class EAGER:
     """The ``omniep::*`` ops as plain calls for eager use on real tensors (the torch frontend's fast
     path; the ops themselves serve tracing): same schemas' arguments and results, same autograd."""
 
-    dispatch_fp8 = staticmethod(_python_kernel("dispatch_fp8"))  # no gradient (fp8 rows)
-    dispatch_bwd = staticmethod(_python_kernel("dispatch_bwd"))
-    combine_bwd = staticmethod(_python_kernel("combine_bwd"))
+    dispatch_fp8 = staticmethod(_profiled("dispatch_fp8", _python_kernel("dispatch_fp8")))  # no gradient (fp8 rows)
+    dispatch_bwd = staticmethod(_profiled("dispatch_bwd", _python_kernel("dispatch_bwd")))
+    combine_bwd = staticmethod(_profiled("combine_bwd", _python_kernel("combine_bwd")))
 
 
 # Autograd: dispatch's adjoint is dispatch_bwd (a combine that reads back the weight gradients),

@@ -1,0 +1,94 @@
+"""How ``omniep.torch`` enters a backend written in Python (the collective backend; DESIGN §5): eagerly
+through ``torch_ops.EAGER`` — no dispatcher boxing, our own autograd — and through the ``omniep::*`` ops
+whenever something traces (torch.compile, a dispatch mode). Both give the same bits, gradients
+included, and a profiler sees the ops by name either way."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ep = pytest.importorskip("omniep.torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+E = 4
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 8, generator=gen)
+    idx = torch.randint(-1, E, (6, 2), generator=gen)
+    return x, idx, torch.rand(6, 2, generator=gen)
+
+
+def _pair(x, idx, w, layout):
+    """dispatch -> (recv_x * 3) -> combine, the loss's gradients: (out, recv_x, g_x, g_w)."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    d = ep.dispatch(x, idx, w, num_experts=E, layout=layout, capacity=None if layout == "rank_major" else 12,
+                    backend="collective")
+    out = ep.combine(d.recv_x * 3.0, d.handle)
+    (out * torch.arange(8.0)).sum().backward()
+    return out.detach(), d.recv_x.detach(), x.grad, w.grad
+
+
+class _SeenOps(TorchDispatchMode):
+    """Records the names of the ops that reach the dispatcher's Python modes."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_eager_and_dispatcher_paths_agree_bitwise(world_of_one, layout):
+    eager = _pair(*_inputs(), layout)
+    mode = _SeenOps()
+    with mode:  # a dispatch mode is active: the frontend goes through torch.ops.omniep
+        traced = _pair(*_inputs(), layout)
+    assert "omniep.dispatch.default" in mode.names and "omniep.combine.default" in mode.names, mode.names
+    for a, b, what in zip(eager, traced, ("out", "recv_x", "g_x", "g_w")):
+        assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                           b.view(torch.int32) if b.dtype == torch.float32 else b), what
+
+
+def test_eager_path_skips_the_dispatcher(world_of_one):
+    """Eagerly, with grad, the pair never calls the context's ``torch.ops`` namespace (a recorder stands in
+    for it); under a dispatch mode the same pair does."""
+    from omniep.frontends import torch_ops
+
+    ctx = ep.context(backend="collective", device="cpu")
+    assert ctx.eager_ops is torch_ops.EAGER
+    calls, real = [], ctx.ops
+
+    class Recorder:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    ctx.ops = Recorder()
+    try:
+        _pair(*_inputs(), "rank_major")
+        assert calls == []
+        with _SeenOps():
+            _pair(*_inputs(), "rank_major")
+        assert calls == ["dispatch", "combine"]
+    finally:
+        ctx.ops = real
+
+
+def test_a_profiler_sees_the_eager_ops_by_name(world_of_one):
+    from torch.profiler import ProfilerActivity, profile
+
+    x, idx, w = _inputs()
+    x.requires_grad_()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        d = ep.dispatch(x, idx, w, num_experts=E, backend="collective")
+        ep.combine(d.recv_x * 2.0, d.handle).sum().backward()
+    names = {e.name for e in prof.events()}
+    for op in ("dispatch", "combine", "dispatch_bwd"):
+        assert f"omniep::{op}" in names, (op, sorted(n for n in names if "omniep" in n))
