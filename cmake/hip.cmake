@@ -77,6 +77,21 @@ foreach(part _native _native_mp _native_jax _native_torch _native_nvshmem _nativ
 endforeach()
 omniep_part(_native_hip built "one rank per process over HIP IPC (${OMNIEP_INFO_gpu})")
 
+# The rocm_rocshmem JAX backend's XLA FFI handlers: the CUDA build's sources (csrc/ffi/jax_handlers.cpp,
+# csrc/python/module_jax.cpp) through hipcc, one rank per process over hipIpc* peers or every local GPU
+# of one process by peer access, registered with XLA for the ROCM platform.
+if(OMNIEP_XLA_FFI_INCLUDE)
+  set_source_files_properties(csrc/ffi/jax_handlers.cpp PROPERTIES LANGUAGE HIP)
+  pybind11_add_module(_native_hip_jax MODULE NO_EXTRAS csrc/python/module_jax.cpp csrc/ffi/jax_handlers.cpp)
+  target_compile_definitions(_native_hip_jax PRIVATE OMNIEP_HIP_HOST=1 OMNIEP_JAX_MODULE=_native_hip_jax)
+  target_include_directories(_native_hip_jax SYSTEM PRIVATE "${OMNIEP_XLA_FFI_INCLUDE}")
+  target_link_libraries(_native_hip_jax PRIVATE omniep_hip_ipc)
+  omniep_module(_native_hip_jax)
+  omniep_part(_native_hip_jax built "XLA FFI handlers of the JAX frontend for AMD GPUs (${OMNIEP_INFO_gpu})")
+else()
+  omniep_part(_native_hip_jax skipped "${OMNIEP_XLA_FFI_WHY}")
+endif()
+
 # ---- optional: the rocshmem transport (GPU-initiated RDMA), only where rocSHMEM is found ----
 if(NOT ROCSHMEM_DIR AND DEFINED ENV{ROCSHMEM_DIR})
   set(ROCSHMEM_DIR "$ENV{ROCSHMEM_DIR}")

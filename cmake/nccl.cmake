@@ -34,7 +34,7 @@ target_link_libraries(omniep_nccl PUBLIC "${_nccl_lib}/libnccl.so.2" CUDA::cudar
 pybind11_add_module(_native_nccl MODULE csrc/python/module_nccl.cpp)
 target_link_libraries(_native_nccl PRIVATE omniep_nccl)
 set(_with "")
-if(OMNIEP_XLA_FFI_INCLUDE)  # set by cmake/jax_ffi.cmake where jax is importable
+if(OMNIEP_XLA_FFI_INCLUDE)  # set by cmake/xla_ffi.cmake where jax is importable
   target_sources(_native_nccl PRIVATE csrc/ffi/jax_nccl_handlers.cpp)
   target_include_directories(_native_nccl SYSTEM PRIVATE "${OMNIEP_XLA_FFI_INCLUDE}")
   target_compile_definitions(_native_nccl PRIVATE OMNIEP_WITH_JAX_FFI=1)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["_native", "_native_mp", "_native_jax", "_native_torch", "_native_nvshmem", "_native_nccl", "_native_hip"]
+MODULES = ["_native", "_native_mp", "_native_jax", "_native_torch", "_native_nvshmem", "_native_nccl", "_native_hip",
+           "_native_hip_jax"]
 
 
 def _cmake():

@@ -17,10 +17,50 @@ MISSING = ("hip-python not installed", "libamdhip64 not found", "no AMD GPU",
            "omniep native module omniep._native", "torch is not a ROCm build")
 
 
-def test_registered_for_torch_only():
+def test_registered_for_torch_and_jax():
     assert registry.get_backend_class("rocm_rocshmem", "torch") is tb.RocmRocshmemTorch
-    with pytest.raises(BackendUnavailableError, match="not implemented for jax"):
-        registry.get_backend_class("rocm_rocshmem", "jax")
+    pytest.importorskip("jax")
+    from omniep.backends.rocm_rocshmem.jax_backend import RocmRocshmemJax
+
+    assert registry.get_backend_class("rocm_rocshmem", "jax") is RocmRocshmemJax
+
+
+def test_jax_side_unavailable_here_with_the_exact_reason():
+    """The JAX handlers' module (omniep._native_hip_jax) is built only by a ROCm build; without it, or
+    with it but no AMD GPU in jax, the reason says which — and selecting the backend raises it."""
+    jax = pytest.importorskip("jax")
+    from omniep.backends.cuda_nvshmem.jax_backend import jax_gpu_reason
+    from omniep.backends.rocm_rocshmem.jax_backend import RocmRocshmemJax
+
+    avail = RocmRocshmemJax.availability()
+    if avail:
+        pytest.skip("jax sees AMD GPUs and omniep._native_hip_jax is built")
+    try:
+        import omniep._native_hip_jax  # noqa: F401
+    except ImportError:
+        assert avail.reason.startswith("omniep._native_hip_jax (JAX FFI handlers) not built: build omniep with "
+                                       "ROCm >= 6.2"), avail.reason
+    else:
+        assert avail.reason == jax_gpu_reason("rocm")
+    if jax.default_backend() == "cpu":
+        assert jax_gpu_reason("rocm") == ("jax has no GPU (default backend: cpu); install jax with ROCm "
+                                          "(pip install jax[rocm])")
+    assert registry.availability("rocm_rocshmem", "jax").reason == avail.reason
+    with pytest.raises(BackendUnavailableError, match="rocm_rocshmem"):
+        registry.select_backend("jax", "rocm_rocshmem")
+
+
+def test_jax_side_registers_its_handlers_for_rocm():
+    """The same handler table as cuda_nvshmem, from the HIP module, registered for XLA's ROCM platform."""
+    pytest.importorskip("jax")
+    from omniep.backends.cuda_nvshmem.jax_backend import CudaNvshmemJax
+    from omniep.backends.rocm_rocshmem.jax_backend import RocmRocshmemJax
+
+    assert (RocmRocshmemJax._module, RocmRocshmemJax._platform) == ("omniep._native_hip_jax", "ROCM")
+    assert (CudaNvshmemJax._module, CudaNvshmemJax._platform) == ("omniep._native_jax", "CUDA")
+    assert RocmRocshmemJax._prefix == CudaNvshmemJax._prefix
+    caps = RocmRocshmemJax.capabilities()
+    assert caps.frameworks == ("jax",) and caps.layouts == (Layout.RANK_MAJOR, Layout.EXPERT_MAJOR)
 
 
 def test_capabilities():

@@ -19,7 +19,7 @@ JaxRank::JaxRank(int rank, int num_ranks, int device, uint64_t timeout_ns) : dev
 JaxRank::~JaxRank() {
   group_.retire();
   if (impl_) {
-    cudaSetDevice(device_);
+    (void)cudaSetDevice(device_);  // a destructor: nothing to do about a failure here
     impl_.reset();
   }
 }
@@ -79,7 +79,7 @@ void JaxLocalIpcGroup::destroy() {
     r->close_peer_workspaces();
   }
   for (auto& r : owned_) {  // ~IpcRank frees on the current device: make it the rank's
-    cudaSetDevice(r->device());
+    (void)cudaSetDevice(r->device());
     r.reset();
   }
   owned_.clear();

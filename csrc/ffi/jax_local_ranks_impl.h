@@ -3,7 +3,11 @@
 // JaxLocalRanks<Rank>;`) for the pybind module it is linked into.
 #pragma once
 
-#include <cuda_runtime.h>
+#if defined(__HIPCC__)
+#include "omniep/runtime.h"  // the CUDA runtime names below, mapped to their HIP twins (rocm_rocshmem's build)
+#else
+#include <cuda_runtime.h>  // host C++ of the CUDA build
+#endif
 
 #include "ffi/jax_local_ranks.h"
 #include "ffi/jax_ops.h"  // jax_ffi::check_runtime

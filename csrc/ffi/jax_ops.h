@@ -17,7 +17,11 @@
 // ffi/jax_handlers.h).
 #pragma once
 
-#include <cuda_runtime.h>
+#if defined(__HIPCC__)
+#include "omniep/runtime.h"  // the CUDA runtime names below, mapped to their HIP twins (rocm_rocshmem's build)
+#else
+#include <cuda_runtime.h>  // host C++ of the CUDA build
+#endif
 
 #include <exception>
 #include <stdexcept>

@@ -17,8 +17,14 @@
 namespace py = pybind11;
 using omniep::JaxRank;
 
-PYBIND11_MODULE(_native_jax, m) {
-  m.doc() = "omniep native core for JAX: XLA FFI handlers over the p2p transport (CUDA IPC peers, or peer access in one process)";
+// The module's name: omniep._native_jax (CUDA), omniep._native_hip_jax (the HIP build: the same source
+// compiled by hipcc, hipIpc* peers, HIP streams; cmake/hip.cmake).
+#ifndef OMNIEP_JAX_MODULE
+#define OMNIEP_JAX_MODULE _native_jax
+#endif
+
+PYBIND11_MODULE(OMNIEP_JAX_MODULE, m) {
+  m.doc() = "omniep native core for JAX: XLA FFI handlers over the p2p transport (GPU IPC peers, or peer access in one process)";
   m.attr("MAX_RANKS") = omniep::kMaxRanks;
   omniep_py::def_ffi_targets(m, OMNIEP_JAX_HANDLER_TABLE(omniep_jax));
 

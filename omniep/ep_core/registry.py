@@ -26,7 +26,10 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "jax": "omniep.backends.nccl_ep.jax_backend:NcclEpJax",
         "torch": "omniep.backends.nccl_ep.torch_backend:NcclEpTorch",
     },
-    "rocm_rocshmem": {"torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch"},
+    "rocm_rocshmem": {
+        "jax": "omniep.backends.rocm_rocshmem.jax_backend:RocmRocshmemJax",
+        "torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch",
+    },
     # NVIDIA's NCCL EP library (nccl-extensions): registered so that `omniep info` says why it cannot run;
     # no adapter yet, so it is never available.
     "nccl_ep_lib": {

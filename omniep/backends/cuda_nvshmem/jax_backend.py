@@ -96,15 +96,27 @@ def _regions(capacity: int, row_bytes: list) -> int:
     return regions(capacity, row_bytes)[1]
 
 
-def jax_gpu_reason() -> str:
-    """Why JAX cannot run the native kernels here ("" when it can): no usable backend, no GPU, or a GPU
-    older than the sm_90 the modules are built for."""
+_VENDOR = {"cuda": ("NVIDIA (CUDA)", "cuda_nvshmem", "jax[cuda13]"),
+           "rocm": ("AMD (ROCm)", "rocm_rocshmem", "jax with ROCm (pip install jax[rocm])")}
+
+
+def jax_gpu_reason(platform: str = "cuda") -> str:
+    """Why JAX cannot run the native kernels of ``platform`` ("cuda" or "rocm") here ("" when it can): no
+    usable backend, no GPU, the other vendor's GPUs, or (CUDA) a GPU older than the sm_90 the modules
+    are built for."""
     try:
         backend = jax.default_backend()
     except RuntimeError as exc:
         return f"jax has no usable backend: {exc}"
+    vendor, _, install = _VENDOR[platform]
     if backend != "gpu":
-        return f"jax has no GPU (default backend: {backend}); install jax[cuda13]"
+        return f"jax has no GPU (default backend: {backend}); install {install}"
+    theirs = str(getattr(jax.local_devices()[0].client, "platform", platform)).lower()
+    if theirs != platform and theirs in _VENDOR:
+        other, name, _ = _VENDOR[theirs]
+        return f"jax's GPUs are {other}, not {vendor}: use the {name} backend"
+    if platform != "cuda":
+        return ""
     cc = getattr(jax.local_devices()[0], "compute_capability", None)
     if cc is not None:
         major, minor = (int(v) for v in str(cc).split(".")[:2])
@@ -119,12 +131,13 @@ def _native_biases(bias: tuple) -> tuple:
     return tuple(b if jnp.dtype(b.dtype).name in native else b.astype(jnp.float32) for b in bias)
 
 
-def register_targets(module: str) -> None:
-    """Register the FFI handlers of native module ``module`` with XLA (once per module)."""
+def register_targets(module: str, platform: str = "CUDA") -> None:
+    """Register the FFI handlers of native module ``module`` with XLA for ``platform`` ("CUDA", "ROCM";
+    once per module)."""
     if module not in _registered:
         native = importlib.import_module(module)
         for name, capsule in native.ffi_targets().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
         _registered.add(module)
 
 
@@ -144,36 +157,38 @@ class CudaNvshmemJax(EPBackend):
     """``group`` is the ``shard_map`` axis name of the EP group (one device per process, or every local
     device of a single process).
 
-    Subclasses over another native module (``nccl_ep``) change ``_module`` / ``_prefix`` (where the FFI
-    handlers live and their name prefix, csrc/ffi/jax_handlers.h) and ``_make_state``."""
+    Subclasses over another native module change ``_module`` / ``_prefix`` (where the FFI handlers live
+    and their name prefix, csrc/ffi/jax_handlers.h), ``_platform`` (the XLA platform they are registered
+    for: ``rocm_rocshmem``) and, for other states, ``_make_state`` (``nccl_ep``)."""
 
     name = "cuda_nvshmem"
     framework = "jax"
     _module = "omniep._native_jax"
     _prefix = "omniep_jax"
+    _platform = "CUDA"
+    _build_hint = "run `make native` with jax installed"
 
     @classmethod
     def availability(cls) -> Availability:
         try:
-            importlib.import_module("omniep._native_jax")
+            importlib.import_module(cls._module)
         except ImportError as exc:
-            return Availability(False, f"omniep._native_jax (JAX FFI handlers) not built: run `make native` "
-                                       f"with jax installed ({exc})")
-        why = jax_gpu_reason()
+            return Availability(False, f"{cls._module} (JAX FFI handlers) not built: {cls._build_hint} ({exc})")
+        why = jax_gpu_reason(cls._platform.lower())
         if why:
             return Availability(False, why)
         n = jax.local_device_count()
         if jax.process_count() == 1 and n >= 2:
             return Availability(True, f"native kernels over peer access (p2p), one process driving its {n} GPUs")
         if kv_client() is None:
-            return Availability(False, "one process with one GPU and no jax.distributed: cuda_nvshmem runs one "
+            return Availability(False, f"one process with one GPU and no jax.distributed: {cls.name} runs one "
                                        "process per GPU (jax.distributed.initialize(..., local_device_ids=[i])) "
                                        "or one process over several GPUs")
         if n != 1:
-            return Availability(False, f"{jax.process_count()} processes with {n} local devices each; cuda_nvshmem "
+            return Availability(False, f"{jax.process_count()} processes with {n} local devices each; {cls.name} "
                                        f"serves one process per GPU (jax.distributed.initialize(..., "
                                        f"local_device_ids=[i])) or a single process driving every GPU")
-        return Availability(True, f"native kernels over CUDA IPC peers (p2p), process {jax.process_index()} of "
+        return Availability(True, f"native kernels over GPU IPC peers (p2p), process {jax.process_index()} of "
                                   f"{jax.process_count()}, one GPU each")
 
     @classmethod
@@ -196,14 +211,15 @@ class CudaNvshmemJax(EPBackend):
         R = self.num_ranks()
         key = (self.name, self.group, R)
         if key not in _STATES:
-            register_targets(self._module)
+            register_targets(self._module, self._platform)
             _STATES[key] = self._make_state(R, f"{self.group}-{R}-{len(_STATES)}",
                                             env.get("OMNIEP_TIMEOUT_S"))
         return _STATES[key]
 
     def _make_state(self, num_ranks: int, group_key: str, timeout_s: float):
         if jax.process_count() == 1:
-            return local_group_state(self._local_devices(num_ranks), timeout_s=timeout_s)
+            return local_group_state(self._local_devices(num_ranks), timeout_s=timeout_s, module=self._module,
+                                     backend=self.name)
         if num_ranks != jax.process_count() or jax.local_device_count() != 1:
             raise UnsupportedError(
                 self.name, f"an EP axis of {num_ranks} devices over {jax.process_count()} processes with "
@@ -211,7 +227,8 @@ class CudaNvshmemJax(EPBackend):
                            f"the EP axis spanning every process in process order)", ["collective"])
         device = jax.local_devices()[0]
         return JaxRankState(group_key, jax.process_index(), num_ranks,
-                            int(getattr(device, "local_hardware_id", None) or 0), timeout_s=timeout_s)
+                            int(getattr(device, "local_hardware_id", None) or 0), timeout_s=timeout_s,
+                            module=self._module, backend=self.name)
 
     def _num_invalid(self, topk_idx, num_experts: int):
         """Expert ids outside ``[-1, E)`` (the kernels treat them as -1; they count in ``dropped``)."""

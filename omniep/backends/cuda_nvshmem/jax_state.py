@@ -3,7 +3,8 @@
 One process driving every local GPU: :func:`local_group_state` (``JaxLocalIpcGroup``: the ranks'
 buffers linked by device pointers with peer access, nothing to exchange).
 
-One process per GPU: :class:`JaxRankState` wraps ``omniep._native_jax.JaxRank``: the rank's workspace
+One process per GPU: :class:`JaxRankState` wraps ``omniep._native_jax.JaxRank`` (``_native_hip_jax`` for
+``rocm_rocshmem``: the same class built by hipcc, hipIpc handles): the rank's workspace
 and symmetric data buffer (CUDA IPC, as :mod:`omniep.native.ipc_rank` for torch) whose address the XLA FFI handlers get
 as the attribute ``state``. It is created ONCE per (process, EP group), while the first ``omniep.jax``
 call of that group is traced, and bootstrapped through JAX's distributed key-value store: every
@@ -31,17 +32,17 @@ class JaxRankState(LocalJaxState):
     destroying are collective exchanges of IPC handles here (the rest is :class:`LocalJaxState`'s)."""
 
     def __init__(self, group_key: str, rank: int, num_ranks: int, device: int, *, timeout_s: float = 30.0,
-                 bootstrap_timeout_s: float = 120.0, blocks: int = 0):
+                 bootstrap_timeout_s: float = 120.0, blocks: int = 0, module: str = "omniep._native_jax",
+                 backend: str = "cuda_nvshmem"):
         self.group_key, self.rank, self.num_ranks, self.device = group_key, rank, num_ranks, device
         client = kv_client()
         if client is None:
-            raise BackendUnavailableError("cuda_nvshmem", "jax.distributed is not initialized: call "
-                                                          "jax.distributed.initialize(...) first")
-        self._kv = KvExchange(client, group_key, rank, num_ranks, timeout_s=bootstrap_timeout_s,
-                              backend="cuda_nvshmem")
-        native = importlib.import_module("omniep._native_jax")
+            raise BackendUnavailableError(backend, "jax.distributed is not initialized: call "
+                                                   "jax.distributed.initialize(...) first")
+        self._kv = KvExchange(client, group_key, rank, num_ranks, timeout_s=bootstrap_timeout_s, backend=backend)
+        native = importlib.import_module(module)
         impl = native.JaxRank(rank, num_ranks, device, int(float(timeout_s) * 1e9))
-        super().__init__(impl, backend="cuda_nvshmem", timeout_s=timeout_s, blocks=blocks)
+        super().__init__(impl, backend=backend, timeout_s=timeout_s, blocks=blocks)
         impl.open_workspaces(self._kv.all_gather("workspace", impl.workspace_handle()))
 
     def reserve(self, nbytes: int) -> None:
@@ -69,9 +70,10 @@ class JaxRankState(LocalJaxState):
         super().destroy()
 
 
-def local_group_state(devices, *, timeout_s: float = 30.0, blocks: int = 0) -> LocalJaxState:
-    """Every rank in this process (single controller): rank i on CUDA device ``devices[i]``, the p2p
-    transport over peer access (``omniep._native_jax.JaxLocalIpcGroup``, no IPC handles)."""
-    native = importlib.import_module("omniep._native_jax")
+def local_group_state(devices, *, timeout_s: float = 30.0, blocks: int = 0, module: str = "omniep._native_jax",
+                      backend: str = "cuda_nvshmem") -> LocalJaxState:
+    """Every rank in this process (single controller): rank i on GPU ``devices[i]``, the p2p transport
+    over peer access (``<module>.JaxLocalIpcGroup``, no IPC handles)."""
+    native = importlib.import_module(module)
     impl = native.JaxLocalIpcGroup([int(d) for d in devices], int(float(timeout_s) * 1e9))
-    return LocalJaxState(impl, backend="cuda_nvshmem", timeout_s=timeout_s, blocks=blocks)
+    return LocalJaxState(impl, backend=backend, timeout_s=timeout_s, blocks=blocks)
