@@ -41,18 +41,28 @@ class _FakeState:
         self.reserved.append(nbytes)
 
 
+def _backend(name: str):
+    if name == "rocm_rocshmem":  # the same plumbing over the HIP-built handlers (registered for ROCM)
+        from omniep.backends.rocm_rocshmem.jax_backend import RocmRocshmemJax
+
+        return RocmRocshmemJax
+    return jb.CudaNvshmemJax
+
+
+@pytest.mark.parametrize("backend", ["cuda_nvshmem", "rocm_rocshmem"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_traces_and_lowers_forward_and_both_backward_passes(monkeypatch, fp8):
+def test_traces_and_lowers_forward_and_both_backward_passes(monkeypatch, fp8, backend):
     from omniep.frontends import jax as fe
 
+    cls = _backend(backend)
     state = _FakeState()
-    monkeypatch.setattr(jb.CudaNvshmemJax, "_state", lambda self: state)
+    monkeypatch.setattr(cls, "_state", lambda self: state)
     R, T, H, K, E = 4, 6, 256, 2, 8
     cap = R * T
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:R]), ("ep",))
     config = DispatchConfig(E, R, Layout.RANK_MAJOR, cap, 2)
-    disp = fe._dispatch_fn(jb.CudaNvshmemJax, "ep", config, False)
-    comb = fe._combine_fn(jb.CudaNvshmemJax, "ep", config, ("bfloat16",), False)
+    disp = fe._dispatch_fn(cls, "ep", config, False)
+    comb = fe._combine_fn(cls, "ep", config, ("bfloat16",), False)
 
     def body(x, idx, w, b):
         if fp8:

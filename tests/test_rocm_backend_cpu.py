@@ -13,6 +13,7 @@ from omniep.ep_core.types import Layout, ProcessModel
 
 torch = pytest.importorskip("torch")
 
+from omniep.backends.rocm_rocshmem import hip as hip_discovery  # noqa: E402
 from omniep.backends.rocm_rocshmem import torch_backend as tb  # noqa: E402
 
 MISSING = ("hip-python not installed", "libamdhip64 not found", "no AMD GPU",
@@ -101,11 +102,11 @@ def test_reasons_name_each_missing_piece(monkeypatch):
         def hipGetDeviceCount():
             return 100, 0  # hipErrorNoDevice
 
-    monkeypatch.setattr(tb, "_hip", no_hip_python)
+    monkeypatch.setattr(hip_discovery, "_hip", no_hip_python)
     assert "hip-python not installed" in tb.RocmRocshmemTorch.availability().reason
-    monkeypatch.setattr(tb, "_hip", no_libamdhip64)
+    monkeypatch.setattr(hip_discovery, "_hip", no_libamdhip64)
     assert "libamdhip64 not found" in tb.RocmRocshmemTorch.availability().reason
-    monkeypatch.setattr(tb, "_hip", lambda: FakeHip)
+    monkeypatch.setattr(hip_discovery, "_hip", lambda: FakeHip)
     assert "no AMD GPU (hipGetDeviceCount" in tb.RocmRocshmemTorch.availability().reason
 
 

@@ -59,7 +59,10 @@ work grow with the copies routed, not with ``L·C`` slots) replaces steps 6–8:
    DeepEP's HT practice); in bf16 that is one rounding more than step 8.
    The permutations' gradients are gathers in the same orders (deterministic: no scatter-add), so loss
    and gradients stay bitwise the same on every backend. ``expert_alignment`` must be 1 here (group
-   padding for quantized grouped GEMMs is not offered on this path).
+   padding for quantized grouped GEMMs is not offered on this path). JAX on GPUs: XLA lowers
+   ``ragged_dot``'s weight gradient (a contraction over the ragged dimension) to dense GEMMs over every
+   local expert × every copy — at DeepSeek-V3's shape, 112 GiB buffers (benchmarks/RESULTS.md,
+   2026-11-26); fine on CPU and at small shapes.
 
 The module returns ``(out[T, H], aux_loss)``. Parameters: ``router[H, E]``, ``w_gate_up[E, H, 2F]`` and
 ``w_down[E, F, H]`` (each rank holds its ``L`` experts' slices), optionally ``shared_gate_up[H, 2S]``,

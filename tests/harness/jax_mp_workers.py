@@ -74,11 +74,12 @@ def golden_names(R: int) -> list:
     return names
 
 
-def gpu_session_env(backend: str) -> dict:
-    """Environment of the children of a JAX GPU session over ``backend``."""
+def gpu_session_env(backend: str, platform: str = "cuda") -> dict:
+    """Environment of the children of a JAX GPU session over ``backend`` on JAX's ``platform`` ("cuda",
+    "rocm")."""
     return {"OMNIEP_BACKEND": backend, "OMNIEP_TIMEOUT_S": "20", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3",
             # cpu: OMNIEP_CHECKS=sync checks statuses in host callbacks, which need JAX's CPU platform
-            "JAX_PLATFORMS": "cuda,cpu"}
+            "JAX_PLATFORMS": f"{platform},cpu"}
 
 
 def check_session_results(results: list, world: int, cases: list, names: list, *availability: str) -> None:

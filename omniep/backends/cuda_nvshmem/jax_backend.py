@@ -166,6 +166,7 @@ class CudaNvshmemJax(EPBackend):
     _module = "omniep._native_jax"
     _prefix = "omniep_jax"
     _platform = "CUDA"
+    _ipc = "CUDA IPC"
     _build_hint = "run `make native` with jax installed"
 
     @classmethod
@@ -188,7 +189,7 @@ class CudaNvshmemJax(EPBackend):
             return Availability(False, f"{jax.process_count()} processes with {n} local devices each; {cls.name} "
                                        f"serves one process per GPU (jax.distributed.initialize(..., "
                                        f"local_device_ids=[i])) or a single process driving every GPU")
-        return Availability(True, f"native kernels over GPU IPC peers (p2p), process {jax.process_index()} of "
+        return Availability(True, f"native kernels over {cls._ipc} peers (p2p), process {jax.process_index()} of "
                                   f"{jax.process_count()}, one GPU each")
 
     @classmethod

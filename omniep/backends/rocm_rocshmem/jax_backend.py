@@ -27,6 +27,7 @@ class RocmRocshmemJax(CudaNvshmemJax):
     name = "rocm_rocshmem"
     _module = NATIVE_MODULE
     _platform = "ROCM"
+    _ipc = "HIP IPC"
     _build_hint = "build omniep with ROCm >= 6.2 and jax installed (OMNIEP_GPU=HIP pip install --no-build-isolation .)"
 
     @classmethod

@@ -12,13 +12,13 @@ Status: compile-checked only (gfx90a / gfx940, hipcc 5.2.3). It has NOT run on A
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
 
 from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
 from ..cuda_nvshmem.torch_backend import TORCH_OPS_MODULE, CudaNvshmemTorch
 from ..torch_group import destroy_contexts
+from .hip import amd_gpus, libamdhip64_found
 
 NATIVE_MODULE = "omniep._native_hip"
 BUILD_HINT = "make native OMNIEP_GPU=HIP"
@@ -27,49 +27,6 @@ BUILD_HINT = "make native OMNIEP_GPU=HIP"
 def destroy_states() -> None:
     """Release every group's native buffers. Collective: every rank calls it."""
     destroy_contexts(RocmRocshmemTorch)
-
-
-def _hip():
-    """``hip.hip`` of hip-python, or raise ImportError / OSError saying why it cannot be loaded."""
-    from hip import hip  # noqa: PLC0415  (lazy: hip-python loads libamdhip64 at import)
-
-    return hip
-
-
-def _hip_ok(err) -> bool:
-    name = getattr(err, "name", None)
-    return name == "hipSuccess" if name is not None else int(err) == 0
-
-
-def amd_gpus() -> tuple[list, str]:
-    """``(names, why)``: the AMD GPUs hip-python sees (``gcnArchName`` of each), or ``[]`` and the reason."""
-    try:
-        hip = _hip()
-    except ImportError:
-        return [], "hip-python not installed (pip install hip-python)"
-    except OSError as exc:
-        return [], f"libamdhip64 not found ({exc})"
-    res = hip.hipGetDeviceCount()
-    err, count = res[0], res[1]
-    if not _hip_ok(err) or count < 1:
-        return [], f"no AMD GPU (hipGetDeviceCount: {getattr(err, 'name', err)}, {count} devices)"
-    names = []
-    for d in range(count):
-        props = hip.hipDeviceProp_t()
-        if _hip_ok(hip.hipGetDeviceProperties(props, d)[0]):
-            arch = props.gcnArchName
-            names.append(arch.decode() if isinstance(arch, bytes) else str(arch))
-    return names, f"{count} AMD GPU(s)"
-
-
-def _libamdhip64() -> bool:
-    for name in ("libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"):
-        try:
-            ctypes.CDLL(name)
-            return True
-        except OSError:
-            continue
-    return False
 
 
 class RocmRocshmemTorch(CudaNvshmemTorch):
@@ -86,7 +43,7 @@ class RocmRocshmemTorch(CudaNvshmemTorch):
         if not gpus:
             out.append(why)
             if why.startswith("hip-python"):  # say what else is missing, without hip-python
-                if not _libamdhip64():
+                if not libamdhip64_found():
                     out.append("libamdhip64 not found")
                 if not os.path.exists("/dev/kfd"):
                     out.append("no AMD GPU (/dev/kfd absent)")
