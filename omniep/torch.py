@@ -10,7 +10,7 @@ require_framework("torch", "PyTorch", "pip install 'omniep[torch]' (or the torch
 
 from .frontends.torch import (Dispatched, Handle, cached_dispatch, check, combine, context, destroy, dispatch,
                               synchronize)
-from .frontends.torch_buffer import Buffer, Config, EventOverlap
+from .frontends.torch_buffer import Buffer, Config, EventOverlap, topk_idx_t
 
 __all__ = ["dispatch", "combine", "cached_dispatch", "check", "synchronize", "destroy", "context", "Buffer",
-           "Config", "EventOverlap", "Dispatched", "Handle"]
+           "Config", "EventOverlap", "Dispatched", "Handle", "topk_idx_t"]

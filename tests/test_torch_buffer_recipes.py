@@ -76,3 +76,22 @@ def test_deepep_readme_recipes_run_unchanged_and_match_omniep():
     results = run_ranks(deepep_recipes.session, 2, args=(12, 64, 8, 3), timeout=120,
                         env={"OMNIEP_BACKEND": "collective"})
     deepep_recipes.check_recipes(results, device_events=False)
+
+
+def test_deep_ep_shim_is_omniep():
+    """The ``deep_ep`` package DeepEP's own tests import (scripts/deepep_tests.sh) is omniep.torch's API."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import omniep.torch as ep
+
+    sys.path.insert(0, str(Path(__file__).parent / "deepep_shim"))
+    try:
+        deep_ep = importlib.import_module("deep_ep")
+    finally:
+        sys.path.pop(0)
+    assert (deep_ep.Buffer, deep_ep.Config, deep_ep.EventOverlap) == (ep.Buffer, ep.Config, ep.EventOverlap)
+    assert deep_ep.topk_idx_t is torch.int64 and deep_ep.Buffer.is_sm90_compiled() is True

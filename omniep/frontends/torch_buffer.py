@@ -40,6 +40,10 @@ from ..ep_core.types import Layout
 from .torch import Handle, cached_dispatch, combine, context, dispatch
 
 
+# DeepEP's ``deep_ep.topk_idx_t``: the dtype its recipes cast ``topk_idx`` to (omniep takes int32 or int64).
+topk_idx_t = torch.int64
+
+
 class Config:
     """DeepEP's tuning config of the normal-mode kernels: SMs, and tokens per NVLink / RDMA chunk sent and
     received. Kept for API compatibility: omniep's kernels schedule themselves and take none of it; the
@@ -244,6 +248,12 @@ class Buffer:
     def get_combine_config(num_ranks: int) -> Config:
         """DeepEP's recommended combine :class:`Config` for ``num_ranks``."""
         return _config_for(_COMBINE_CONFIGS, num_ranks, "combine")
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """DeepEP's gate for its FP8 (sm_90) paths: True — every omniep backend moves fp8 rows with their
+        scales (the native kernels are built for sm_90; the collective backend moves bytes)."""
+        return True
 
     @staticmethod
     def capture() -> EventOverlap:
