@@ -5,14 +5,7 @@ no process is left behind and no file descriptor leaks."""
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
-import os
-import time
-
 import pytest
-
-from omniep.testing.procs import CHILD_ENV, free_port
 
 harness = pytest.importorskip("harness.faults")
 pytest.importorskip("torch")
@@ -21,32 +14,9 @@ WORLD, TIMEOUT_S, STALL_S = 3, 3.0, 8.0
 
 
 def _run(victim: int, how: str, when: str, tmp_path) -> dict:
-    """Start the group, let it fail, and return what every rank that lived wrote; fail if any hangs."""
-    env = dict(CHILD_ENV, OMNIEP_TIMEOUT_S=str(TIMEOUT_S), OMNIEP_CHECKS="sync", OMNIEP_BACKEND="collective",
+    env = dict(OMNIEP_TIMEOUT_S=str(TIMEOUT_S), OMNIEP_CHECKS="sync", OMNIEP_BACKEND="collective",
                FAULT_STALL_S=str(STALL_S))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit the parent's environment at start
-    ctx, ports = mp.get_context("spawn"), (free_port(), free_port())
-    try:
-        procs = [ctx.Process(target=harness.fault_rank, args=(r, WORLD, ports, victim, how, when, str(tmp_path)))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    deadline = time.monotonic() + 90
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} did not finish: a hang"
-    assert not mp.active_children()
-    return {r: json.loads((tmp_path / f"rank{r}.json").read_text())
-            for r in range(WORLD) if (tmp_path / f"rank{r}.json").exists()}
+    return harness.run_fault_group(WORLD, victim, how, when, tmp_path, env)
 
 
 @pytest.mark.parametrize("when", ["dispatch", "combine"])

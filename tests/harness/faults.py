@@ -1,12 +1,15 @@
-"""Worker side of tests/faults/: one gloo rank of a group in which one rank fails on purpose — it dies
-(``os._exit``) or stalls (sleeps with its sockets open) before a dispatch or before a combine — and
-what the other ranks saw: the error, whom it names, how long it took, whether the next op raised at
-once, and the process's open file descriptors before the group and after its teardown."""
+"""Worker side of tests/faults/ (and tests/gpu/test_native_faults.py): one rank of a group (gloo process
+group; tensors on the CPU, or on GPU 0 for the native backends) in which one rank fails on purpose — it
+dies (``os._exit``) or stalls (sleeps with its sockets open) before a dispatch or before a combine —
+and what the other ranks saw: the error, whom it names, how long it took, whether the next op raised
+at once, and the process's open file descriptors (and, on a GPU, the memory torch holds) before the
+group and after its teardown."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing as mp
 import os
 import time
 
@@ -33,6 +36,15 @@ def _teardown() -> None:
     except OmniEPError:
         pass  # (raised before, where the test saw it)
     dist.destroy_process_group()
+
+
+def _gpu_bytes() -> int:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
 
 
 def _faulty_ops(rank: int, world: int, args: tuple, victim: int, how: str, when: str) -> dict:
@@ -70,12 +82,14 @@ def _faulty_ops(rank: int, world: int, args: tuple, victim: int, how: str, when:
     return res
 
 
-def fault_rank(rank: int, world: int, ports: tuple, victim: int, how: str, when: str, out_dir: str) -> None:
+def fault_rank(rank: int, world: int, ports: tuple, victim: int, how: str, when: str, out_dir: str,
+               device: str = "cpu") -> None:
     """A healthy group on ``ports[0]`` (dispatch + combine, torn down: the file descriptors after it are
     the baseline — the first use of torch.distributed and omniep opens some for good), then a group on
     ``ports[1]`` in which rank ``victim`` fails (``how``: "kill" or "stall") ``when`` ("dispatch": before
     its dispatch; "combine": after it, before its combine). Every rank writes ``rank{r}.json`` unless
-    killed; ``fds`` = [after the healthy group, after the faulty one], results released both times."""
+    killed; ``fds`` = [after the healthy group, after the faulty one], results released both times, and
+    ``gpu_bytes`` likewise (``device="cuda"``: every rank on GPU 0; 0 on the CPU)."""
     import gc
 
     import torch
@@ -83,15 +97,16 @@ def fault_rank(rank: int, world: int, ports: tuple, victim: int, how: str, when:
     from omniep import torch as ep
 
     gen = torch.Generator().manual_seed(rank)
-    args = (torch.randn(4, 8, generator=gen), torch.randint(0, 2 * world, (4, 2), generator=gen),
-            torch.rand(4, 2, generator=gen))
+    args = tuple(t.to(device) for t in (torch.randn(4, 8, generator=gen),
+                                        torch.randint(0, 2 * world, (4, 2), generator=gen),
+                                        torch.rand(4, 2, generator=gen)))
     _group(rank, world, ports[0])
     d = ep.dispatch(*args, num_experts=2 * world)
     ep.combine(d.recv_x, d.handle)
     del d
     _teardown()
     gc.collect()
-    fds_before = _fds()
+    fds_before, gpu_before = _fds(), _gpu_bytes()
     _group(rank, world, ports[1])
     try:
         res = _faulty_ops(rank, world, args, victim, how, when)
@@ -99,6 +114,7 @@ def fault_rank(rank: int, world: int, ports: tuple, victim: int, how: str, when:
         _teardown()
     gc.collect()
     res["fds"] = [fds_before, _fds()]
+    res["gpu_bytes"] = [gpu_before, _gpu_bytes()]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
@@ -172,4 +188,42 @@ def data_faults(rank: int, world: int, port: int) -> dict:
         out["destroyed"]["after"] = bool(np.array_equal(back.view(np.int32), clean_out.view(np.int32)))
     finally:
         _teardown()
+    return out
+
+
+def run_fault_group(world: int, victim: int, how: str, when: str, out_dir, env: dict, device: str = "cpu",
+                    hang_s: float = 90.0) -> dict:
+    """Parent side: ``world`` spawned :func:`fault_rank` processes with ``env`` added to their environment;
+    returns what every rank that lived wrote, by rank. Fails if any is still alive after ``hang_s``
+    (a hang) or a child process is left behind."""
+    from omniep.testing.procs import CHILD_ENV, free_port
+
+    env = dict(CHILD_ENV, **env)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # spawned children inherit the parent's environment at start
+    ctx, ports = mp.get_context("spawn"), (free_port(), free_port())
+    try:
+        procs = [ctx.Process(target=fault_rank, args=(r, world, ports, victim, how, when, str(out_dir), device))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    deadline = time.monotonic() + hang_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} did not finish: a hang"
+    assert not mp.active_children()
+    out = {}
+    for r in range(world):
+        path = os.path.join(str(out_dir), f"rank{r}.json")
+        if os.path.exists(path):  # a killed rank wrote nothing
+            with open(path) as f:
+                out[r] = json.load(f)
     return out
