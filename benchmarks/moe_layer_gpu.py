@@ -64,7 +64,7 @@ def _kernel_names(ev) -> set:
 def _split(prof) -> dict:
     """Device µs of the profiled steps by category: every CUDA activity is charged to its outermost
     CPU op that is an omniep op (ep) or a GEMM (gemm), else to other."""
-    totals = dict(ep=0.0, gemm=0.0, other=0.0)
+    totals = dict(ep=0.0, gemm=0.0, other=0.0, ep_ops=0.0)
     charged, inside = set(), set()
     for ev in prof.events():
         if ev.device_type.name != "CPU":
@@ -81,6 +81,7 @@ def _split(prof) -> dict:
         if not nested and ev.id not in charged:
             charged.add(ev.id)
             totals[kind] += ev.device_time_total
+            totals["ep_ops"] += kind == "ep"
             inside.update(_kernel_names(ev))
     everything = sum(e.device_time_total for e in prof.events()
                      if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None)
@@ -166,11 +167,13 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             split = _split(prof)
             top = split.pop("top_other")
             split = {k: v / n for k, v in split.items()}
+            ops = split.pop("ep_ops")  # omniep ops per step (outermost)
             if rank == 0:
                 print(f"rank 0 {backend}: other's costliest kernels (µs per step): "
                       + "; ".join(f"{name[:60]} {us / n:.0f}" for name, us in top), flush=True)
             row = dict(rank=rank, world=world, backend=backend, wall_us=wall, tokens_per_s=s["tokens"] / wall * 1e6,
-                       **{f"{k}_us": v for k, v in split.items()}, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                       **{f"{k}_us": v for k, v in split.items()}, ep_ops=ops,
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             rows.append(row)
             print(f"rank {rank} {backend}: step {wall / 1e3:.2f} ms, {row['tokens_per_s']:.0f} tok/s, ep "
                   f"{split['ep']:.0f} µs, gemm {split['gemm']:.0f}, other {split['other']:.0f}, idle "
@@ -202,11 +205,16 @@ def main(argv=None) -> int:
     rows = [row for rank_rows in results for row in rank_rows]
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}; {shape}")
     # One line per rank (a column-wise worst would mix the ranks' splits).
+    # Issue 17's bound on the EP ops' share of the step: their device time plus 30 µs per op. The share
+    # is the step less the device time of everything else (ep + idle): an upper bound, since all of the
+    # step's idle time is charged to the EP ops.
     lines = [[r["backend"], r["rank"], f"{r['wall_us'] / 1e3:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['ep_us']:.0f}",
-              f"{r['gemm_us']:.0f}", f"{r['other_us']:.0f}", f"{r['wall_us'] - r['all_us']:.0f}", f"{r['peak_gib']:.1f}"]
+              f"{r['gemm_us']:.0f}", f"{r['other_us']:.0f}", f"{r['wall_us'] - r['all_us']:.0f}",
+              f"{r['ep_ops']:.0f}", f"{r['wall_us'] - r['gemm_us'] - r['other_us']:.0f}",
+              f"{r['ep_us'] + 30 * r['ep_ops']:.0f}", f"{r['peak_gib']:.1f}"]
              for r in sorted(rows, key=lambda r: (args["backends"].index(r["backend"]), r["rank"]))]
     return report(["backend", "rank", "step ms (fwd+bwd)", "tokens/s per rank", "ep µs", "gemm µs", "other µs",
-                   "idle µs", "peak GiB"], lines, rows, a.out)
+                   "idle µs", "ep ops", "ep share µs", "bound µs", "peak GiB"], lines, rows, a.out)
 
 if __name__ == "__main__":
     sys.exit(main())
