@@ -120,9 +120,10 @@ def _python_kernel(name: str):
     return kernel
 
 
+_KERNELS = {name: _python_kernel(name) for name in SCHEMAS}  # registered below, and called by EAGER
 for _name in SCHEMAS:
     _lib.define(_name + SCHEMAS[_name])
-    _lib.impl(_name, _python_kernel(_name), "CompositeExplicitAutograd")
+    _lib.impl(_name, _KERNELS[_name], "CompositeExplicitAutograd")
     torch.library.register_fake(f"omniep::{_name}", FAKES[_name], lib=_lib)
 
 
@@ -148,7 +149,7 @@ def _autograd(name: str, setup, backward):
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     _lib.impl(name, function(below, "autograd").apply, "Autograd")
-    setattr(EAGER, name, function(_profiled(name, _python_kernel(name)), "eager").apply)
+    setattr(EAGER, name, function(_profiled(name, _KERNELS[name]), "eager").apply)
 
 
 def _profiled(name: str, kernel):
@@ -168,9 +169,9 @@ class EAGER:
     """The ``omniep::*`` ops as plain calls for eager use on real tensors (the torch frontend's fast
     path; the ops themselves serve tracing): same schemas' arguments and results, same autograd."""
 
-    dispatch_fp8 = staticmethod(_profiled("dispatch_fp8", _python_kernel("dispatch_fp8")))  # no gradient (fp8 rows)
-    dispatch_bwd = staticmethod(_profiled("dispatch_bwd", _python_kernel("dispatch_bwd")))
-    combine_bwd = staticmethod(_profiled("combine_bwd", _python_kernel("combine_bwd")))
+    dispatch_fp8 = staticmethod(_profiled("dispatch_fp8", _KERNELS["dispatch_fp8"]))  # no gradient (fp8 rows)
+    dispatch_bwd = staticmethod(_profiled("dispatch_bwd", _KERNELS["dispatch_bwd"]))
+    combine_bwd = staticmethod(_profiled("combine_bwd", _KERNELS["combine_bwd"]))
 
 
 # Autograd: dispatch's adjoint is dispatch_bwd (a combine that reads back the weight gradients),

@@ -141,25 +141,21 @@ def moe_shard(params: dict, x, config: MoEConfig, *, axis_name, backend: Optiona
         rows = grouped_swiglu_rows(d.recv_x, d.recv_topk_idx, d.recv_topk_weights,
                                    params["w_gate_up"].astype(dtype), params["w_down"].astype(dtype))
         out = ep.combine(rows, d.handle)
-        if config.shared_ffn > 0:
-            out = out + _swiglu(x, params["shared_gate_up"].astype(dtype), params["shared_down"].astype(dtype),
-                                "th,hf->tf", "tf,fh->th")
-        return out, aux
-
-    # C = R * c_send holds every copy that survived the sender's drop, so dispatch never overflows.
-    d = ep.dispatch(x, topk_idx, topk_w, num_experts=E, axis_name=axis_name, capacity=C,
-                    expert_alignment=config.expert_alignment, layout="expert_major", backend=backend,
-                    zero_padding=True)
-    # The expert-major buffer is [L, C, H]: every local expert owns exactly C rows (padding zero), so the
-    # grouped GEMM over experts is a batched matmul with no group sizes, one for [gate | up], one for down.
-    y = _swiglu(d.recv_x, params["w_gate_up"].astype(dtype), params["w_down"].astype(dtype),
-                "lch,lhf->lcf", "lcf,lfh->lch")
-    # Each copy is scaled by the weight that travelled with it (fp32, rounded once) and the combine is
-    # unweighted: the weights' gradient then returns through dispatch, read back exactly, so it is the
-    # same bits on every backend. Padding slots carry no copy: zero there, so no gradient flows through.
-    scaled = (y.astype(jnp.float32) * d.recv_topk_weights[..., None]).astype(dtype)
-    y = jnp.where((d.recv_topk_idx >= 0)[..., None], scaled, jnp.zeros((), dtype))
-    out = ep.combine(y, d.handle, weighted=False)
+    else:
+        # C = R * c_send holds every copy that survived the sender's drop, so dispatch never overflows.
+        d = ep.dispatch(x, topk_idx, topk_w, num_experts=E, axis_name=axis_name, capacity=C,
+                        expert_alignment=config.expert_alignment, layout="expert_major", backend=backend,
+                        zero_padding=True)
+        # The expert-major buffer is [L, C, H]: every local expert owns exactly C rows (padding zero), so the
+        # grouped GEMM over experts is a batched matmul with no group sizes, one for [gate | up], one for down.
+        y = _swiglu(d.recv_x, params["w_gate_up"].astype(dtype), params["w_down"].astype(dtype),
+                    "lch,lhf->lcf", "lcf,lfh->lch")
+        # Each copy is scaled by the weight that travelled with it (fp32, rounded once) and the combine is
+        # unweighted: the weights' gradient then returns through dispatch, read back exactly, so it is the
+        # same bits on every backend. Padding slots carry no copy: zero there, so no gradient flows through.
+        scaled = (y.astype(jnp.float32) * d.recv_topk_weights[..., None]).astype(dtype)
+        y = jnp.where((d.recv_topk_idx >= 0)[..., None], scaled, jnp.zeros((), dtype))
+        out = ep.combine(y, d.handle, weighted=False)
     if config.shared_ffn > 0:
         out = out + _swiglu(x, params["shared_gate_up"].astype(dtype), params["shared_down"].astype(dtype),
                             "th,hf->tf", "tf,fh->th")

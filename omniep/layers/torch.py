@@ -173,7 +173,7 @@ def grouped_swiglu_rows(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_
     key = torch.where(recv_topk_idx >= 0, recv_topk_idx.long(), L).reshape(-1)  # L: no copy, sorted last
     order = torch.argsort(key, stable=True)  # copies by (expert, row, k)
     counts = torch.bincount(key, minlength=L + 1)[:L]
-    M = N * K - int((key == L).sum())
+    M = int(counts.sum())
     order = order[:M]
     slot = torch.full((N * K,), -1, dtype=torch.long, device=dev)  # (row, k) -> its copy's position, or -1
     slot[order] = torch.arange(M, device=dev)
