@@ -9,6 +9,7 @@
 #   PART=tests | PART=bench scripts/gpu_check.sh           # build + only one of the two
 #   PART=soak SOAK_S=480 scripts/gpu_check.sh              # build + the fault-injecting soak (issue 15):
 #                                                          # two ranks on GPU 0, cuda_nvshmem over CUDA IPC
+#                                                          # (then GPU_TESTS, if set, in the same call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh  # env, $OUT, $PY, step()
@@ -26,6 +27,9 @@ if [[ "$PART" == soak ]]; then
   SOAK_S="${SOAK_S:-480}"
   step soak $((SOAK_S + 60)) "$PY" benchmarks/soak.py --backend cuda_nvshmem --device cuda --ops 100000 \
     --fault-rate 0.01 --seed 2 --max-seconds "$SOAK_S" --out "$OUT/soak.json"
+  # shellcheck disable=SC2086
+  [[ -n "${GPU_TESTS:-}" ]] && step pytest "${GPU_TESTS_LIMIT:-300}" "$PY" -m pytest -m gpu $GPU_TESTS -v -rfEs \
+    --timeout=280 -p no:cacheprovider
   echo "gpu_check: exit $status; logs in $OUT"
   exit $status
 fi

@@ -216,10 +216,11 @@ PrepareResult OneRankOps<Rank>::prepare(const PrepareCall& c, OpDesc& d, cudaStr
   }
   if (!exact) return PrepareResult{c.capacity, c.capacity, false, 0, 0};
   // The one host wait of a non-cached dispatch (DeepEP's mapped counter): the layout kernel publishes
-  // this rank's receive size, then the ticket. The device's own waits time out first, so a silent
-  // ticket means the GPU never got to the kernel.
+  // this rank's receive size, then the ticket. The device's own waits end within three timeouts (a
+  // local one waits two more for a peer's: sync.cuh), so a silent ticket means the GPU never got to
+  // the kernel.
   const auto start = std::chrono::steady_clock::now();
-  const auto limit = std::chrono::nanoseconds(2 * g.timeout_ns()) + std::chrono::seconds(10);
+  const auto limit = std::chrono::nanoseconds(4 * g.timeout_ns()) + std::chrono::seconds(10);
   for (uint64_t spins = 1; box->ticket != a.ticket; ++spins) {
     if ((spins & 1023) == 0 && std::chrono::steady_clock::now() - start > limit) {
       throw std::runtime_error("omniep: rank " + std::to_string(g.rank()) + " timed out after " +

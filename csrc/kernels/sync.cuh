@@ -65,6 +65,17 @@ OMNIEP_DEVICE void record_timeout(RankWorkspace* ws, int32_t code, int rank, int
   record_status(&ws->fatal, st);
 }
 
+// A wait on this rank's own blocks timed out. Usually another block is still waiting on a peer (its
+// timer started later) and is about to record that peer's timeout, the real cause: give it up to two
+// more timeouts to do so, and only then record a LOCAL_TIMEOUT of its own.
+OMNIEP_DEVICE void record_local_timeout(RankWorkspace* ws, int me, int phase, uint64_t timeout_ns) {
+  const uint64_t start = gpu::global_timer_ns();
+  while (gpu::global_timer_ns() - start <= 2 * timeout_ns) {
+    if (has_error(ws)) return;
+  }
+  record_timeout(ws, kStatusLocalTimeout, me, -1, phase);
+}
+
 // Capacity overflow seen in a prepare (every rank sees the same count matrix, so every rank records
 // the same first overflowing rank): rows were dropped and counted; the host raises CapacityError.
 OMNIEP_DEVICE void record_overflow(RankWorkspace* ws, int me, int rank, int needed, int capacity) {
@@ -219,7 +230,7 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       if (!wait_at_least(&ws->arrive, static_cast<uint32_t>(gridDim.x), tr.timeout_ns())) {
-        record_timeout(ws, kStatusLocalTimeout, me, -1, phase);
+        record_local_timeout(ws, me, phase, tr.timeout_ns());
         s_ok = 0;
       }
       if (desc != nullptr) {
@@ -267,7 +278,7 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
   } else if (all_wait) {
     if (threadIdx.x == 0) {
       if (!wait_at_least(&ws->release, s_gen + 1, tr.timeout_ns())) {
-        record_timeout(ws, kStatusLocalTimeout, me, -1, phase);
+        record_local_timeout(ws, me, phase, tr.timeout_ns());
       }
       s_ok = !has_error(ws);
       // Block 0 wrote the verdict before its release: a stopped op has abort_seq == seq + 1.

@@ -107,6 +107,12 @@ class TorchGroupBackend(EPBackend):
             torch.cuda.synchronize()
         self.check()
 
+    def source_counts(self, tensors, num_experts: int):
+        """Rows a rank-major dispatch's handle (``tensors``: the frontend handle's, recv_topk_idx first)
+        receives from each source rank, before any capacity drop: an int32 tensor ``[R]`` (no
+        communication; on the device for the native backends)."""
+        raise NotImplementedError
+
     # ---- what the shared fake kernels need from a backend (torch.compile, opcheck) ----
     def fake_handle(self, topk_idx, num_experts: int, layout: int, rows) -> list:
         """Fake tensors shaped like this backend's handle tensors (after recv_topk_idx / weights), for a

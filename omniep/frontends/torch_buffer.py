@@ -4,7 +4,11 @@ Method names, arguments and return tuples follow ``deep_ep.Buffer`` (normal, ran
 ``get_dispatch_layout``, ``dispatch`` (including cached dispatch with ``handle=`` and
 ``num_worst_tokens``), ``combine``. Differences a DeepEP user should know:
 
-* the handle is a named :class:`~omniep.ep_core.types.Handle`, not a tuple (treat it as opaque);
+* the handle is a :class:`BufferHandle` (omniep's handle), not a tuple; of DeepEP's tuple entries it
+  serves ``handle[0]``, ``rank_prefix_matrix [R, R]`` int32 — with only this rank's column known (the
+  prefix sums of the rows it received from each rank, which is what DeepEP's tests read), the others
+  ``-1``: no rank here holds the other ranks' receive counts, and gathering them would cost every
+  dispatch a collective;
 * every op runs on the caller's current stream: ``previous_event`` makes that stream wait for it first,
   ``async_finish`` returns an :class:`EventOverlap` recorded after the op on it (CUDA tensors; on CPU
   an op is complete when it returns and the event waits for nothing), ``allocate_on_comm_stream`` is
@@ -42,6 +46,21 @@ from .torch import Handle, cached_dispatch, combine, context, dispatch
 
 # DeepEP's ``deep_ep.topk_idx_t``: the dtype its recipes cast ``topk_idx`` to (omniep takes int32 or int64).
 topk_idx_t = torch.int64
+
+
+class BufferHandle(Handle):
+    """The handle :meth:`Buffer.dispatch` returns: omniep's :class:`~omniep.frontends.torch.Handle`, which
+    also answers DeepEP's ``handle[0]`` (see the module docstring)."""
+
+    def __getitem__(self, index):
+        if index != 0 or self.config.layout != Layout.RANK_MAJOR:
+            raise IndexError(f"an omniep Buffer handle serves only DeepEP's handle[0] (rank_prefix_matrix) of a "
+                             f"normal-mode dispatch; pass the handle itself to combine / dispatch (got [{index!r}])")
+        ctx = self.context
+        counts = ctx.source_counts(self.tensors, self.config.num_experts)
+        matrix = torch.full((ctx.world, ctx.world), -1, dtype=torch.int32, device=counts.device)
+        matrix[:, ctx.rank] = torch.cumsum(counts, 0, dtype=torch.int32)
+        return matrix
 
 
 class Config:
@@ -318,8 +337,10 @@ class Buffer:
                      capacity=num_worst_tokens or None, expert_alignment=expert_alignment,
                      layout=Layout.RANK_MAJOR, backend=self.backend)
         per_expert = [] if num_worst_tokens else d.num_recv_tokens_per_expert.tolist()
+        h = d.handle
         return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
-                d.recv_topk_weights if topk_weights is not None else None, per_expert, d.handle,
+                d.recv_topk_weights if topk_weights is not None else None, per_expert,
+                BufferHandle(h.tensors, h.context, h.config, h.topk_weights),
                 _after(async_finish, device))
 
     def _check_layout(self, topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) -> None:

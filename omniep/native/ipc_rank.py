@@ -23,6 +23,10 @@ from ..ep_core.errors import DestroyedError
 _ALIGN = 256
 
 
+# The native ranks of groups that failed, kept alive until the process exits (see IpcRankState.destroy).
+QUARANTINE: list = []
+
+
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -95,14 +99,25 @@ class IpcRankState:
     def data_bytes(self) -> int:
         return int(self._g().data_bytes)
 
-    def destroy(self) -> None:
-        """Collective: every rank must call it (peers unmap my buffers before I free them)."""
-        if self._impl is not None:
-            self._torch.cuda.synchronize()
-            self._impl.close_peer_data()
-            self._impl.close_peer_workspaces()
-            self._all_gather(None)  # nobody maps my buffers any more
-            self._impl = None  # the C++ destructor frees them
+    def destroy(self, failed: bool = False) -> None:
+        """Collective: every rank must call it (peers unmap my buffers before I free them). ``failed``:
+        the group failed (a peer died or timed out): no handshake with the peers, and my buffers are
+        kept until the process exits (:data:`QUARANTINE`) — a stalled peer may still write into them,
+        and memory it can reach must not be handed back to the allocator. A peer that dies during
+        the handshake makes it the same."""
+        if self._impl is None:
+            return
+        self._torch.cuda.synchronize()
+        self._impl.close_peer_data()
+        self._impl.close_peer_workspaces()
+        if not failed:
+            try:
+                self._all_gather(None)  # nobody maps my buffers any more
+            except RuntimeError:  # the process group lost a peer (gloo / NCCL error)
+                failed = True
+        if failed:
+            QUARANTINE.append(self._impl)
+        self._impl = None  # otherwise the C++ destructor frees them
 
     def barrier(self) -> None:
         """A bare device-side barrier over the group on the current stream (collective, in op order).
@@ -136,7 +151,11 @@ class NvshmemRankState(IpcRankState):
 
         self._setup(group, timeout_s, blocks, bootstrap)
 
-    def destroy(self) -> None:
+    def destroy(self, failed: bool = False) -> None:
+        """Collective. ``failed``: kept (:data:`QUARANTINE`), since freeing and finalising are collective
+        and a dead peer would never join them."""
         if self._impl is not None:
             self._torch.cuda.synchronize()
-            self._impl = None  # the destructor frees (collectively) and finalises NVSHMEM
+            if failed:
+                QUARANTINE.append(self._impl)
+            self._impl = None  # otherwise the destructor frees (collectively) and finalises NVSHMEM

@@ -5,8 +5,10 @@ device wait: PeerTimeoutError naming the rank (a killed one may also surface as 
 group then raises at once instead of waiting again, no process hangs or is left behind, and neither the
 open file descriptors nor the memory torch holds on the GPU grow (the same harness as tests/faults/).
 
-Written 2026-11-26, not yet run on a GPU (no device time was left): the first run says whether a dead
-peer's IPC mappings let the survivors' kernels time out cleanly."""
+First run (2026-11-26, one H100) found two faults, both fixed: a survivor's teardown died in the
+destroy handshake with the dead peer (a failed group now releases without it), and a stalled peer
+before a combine was reported as a LOCAL_TIMEOUT naming nobody (blocks waiting on their own barrier
+timed out before the block waiting on the peer; they now leave it a grace period)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -117,6 +118,13 @@ def check_recipes(results: list, device_events: bool) -> None:
                 else:
                     assert_bits(got, want, f"rank {r} {what}{key}")
         assert res["recipe"]["recv_x"].shape[0] > 0
+        # DeepEP's handle[0], rank_prefix_matrix: rows from ranks <= i received by rank j at [i, j] (this
+        # rank's column; the others are not known here, -1), from the ranks' own routing.
+        sent = np.array([res2["sent_to"] for res2 in results])  # [source, destination]
+        want = np.full(sent.shape, -1)
+        want[:, r] = np.cumsum(sent[:, r])
+        assert np.array_equal(res["prefix_matrix"], want), (r, res["prefix_matrix"], want)
+        assert res["handle_1"] == "IndexError"
         assert res["ll"]["x8_dtype"] == "torch.float8_e4m3fn"
         assert res["ll"]["recipe"]["count"].sum() > 0
 
@@ -162,10 +170,19 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int, de
         recipe = dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, combined=combined,
                       g_x=g_x, g_w=g_w, grad_x=grad_x)
         events = [(type(e).__name__, e.event is not None) for e in (event, event2)]
+        L = E // world
+        sent_to = [int((topk_idx.div(L, rounding_mode="floor") == j).logical_and(topk_idx >= 0).any(1).sum())
+                   for j in range(world)]
+        try:
+            handle[1]
+            handle_1 = None
+        except IndexError:
+            handle_1 = "IndexError"
         out = dict(same_buffer=same_buffer, events=events, event_is_overlap=isinstance(event, EventOverlap),
                    nvl_bytes=buf.num_nvl_bytes, rdma_bytes=buf.num_rdma_bytes,
                    recipe=_plain(recipe), direct=_plain(direct),
-                   recv_idx_dtype=str(recv_idx.dtype))
+                   recv_idx_dtype=str(recv_idx.dtype), sent_to=sent_to, handle_1=handle_1,
+                   prefix_matrix=handle[0].cpu().numpy())
         out["ll"] = _low_latency(rank, world, E, group, device)
         buf.destroy()
         ep.destroy()

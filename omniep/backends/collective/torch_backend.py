@@ -985,6 +985,10 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
 
     # ---- what the shared fake kernels need (torch.compile, opcheck) -------------------------------
 
+    def source_counts(self, tensors, num_experts):
+        R = self.world
+        return tensors[INFO][I_SPLITS + R:I_SPLITS + 2 * R].to(device=tensors[IDX32].device, dtype=torch.int32)
+
     def fake_handle(self, topk_idx, num_experts, layout, rows):
         T, K = topk_idx.shape
         new = topk_idx.new_empty

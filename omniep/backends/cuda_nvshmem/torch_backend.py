@@ -92,6 +92,11 @@ class NativeTorchBackend(TorchGroupBackend):
         return [topk_idx.new_empty((T, K), dtype=torch.int32), topk_idx.new_empty((words,), dtype=torch.int32),
                 torch.empty((2,), dtype=torch.int64, device="meta" if topk_idx.device.type == "meta" else "cpu")]
 
+    def source_counts(self, tensors, num_experts):
+        T, R = tensors[2].shape[0], self.world  # routing (csrc/torch_ops/native_ops.cpp): send_pos, per rank,
+        at = T * R + R + num_experts            # per expert, then recv_counts
+        return tensors[3][at:at + R]
+
     def translate(self, exc: BaseException) -> BaseException:
         """The typed error behind an exception of this context's C++ ops (DESIGN §9)."""
         status = self._ops.take_raised(self.id) if self.alive else None
@@ -124,12 +129,14 @@ class NativeTorchBackend(TorchGroupBackend):
         self.state.barrier()
 
     def destroy(self) -> None:
-        """Collective: unregister the ops' context, then release the rank (peers unmap first)."""
+        """Collective: unregister the ops' context, then release the rank (peers unmap first). A group
+        that failed (a sticky status) releases without its peers (IpcRankState.destroy)."""
         if getattr(self, "_ops", None) is not None:
             self._ops.unregister_context(self.id)
             self._ops = None
         if self.state is not None:
-            self.state.destroy()
+            failed = self._fatal_raised or bool(self.state.statuses(clear_pending=False)[0][0])
+            self.state.destroy(failed=failed)
             self.state = None
         super().destroy()
 
