@@ -95,3 +95,16 @@ def test_deep_ep_shim_is_omniep():
         sys.path.pop(0)
     assert (deep_ep.Buffer, deep_ep.Config, deep_ep.EventOverlap) == (ep.Buffer, ep.Config, ep.EventOverlap)
     assert deep_ep.topk_idx_t is torch.int64 and deep_ep.Buffer.is_sm90_compiled() is True
+
+
+def test_buffer_takes_deepeps_constructor_arguments_in_deepeps_order():
+    # deep_ep.Buffer.__init__ as of DeepEP V1 (b306af0~1): recipes and DeepEP's tests pass them by name,
+    # some positionally.
+    import inspect
+
+    deepep = ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+              "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+              "enable_shrink", "comm"]
+    params = list(inspect.signature(Buffer.__init__).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == deepep
