@@ -308,7 +308,11 @@ class Buffer:
         Normal mode needs ``topk_idx`` and ``num_tokens_per_expert`` (its length is the number of
         experts; the other layout tensors are recomputed, so they may be None). ``topk_weights[T, K]``
         float32 is optional. ``num_worst_tokens > 0``: static receive buffers of that many rows,
-        zero padded, ``recv_topk_idx = -1`` on padding.
+        zero padded, ``recv_topk_idx = -1`` on padding. Without ``topk_idx`` (DeepEP's top-k-less
+        dispatch) ``is_token_in_rank`` says where each token goes; ``recv_topk_idx`` and
+        ``recv_topk_weights`` are then None and ``num_recv_tokens_per_expert_list`` is the sum over
+        source ranks of their ``num_tokens_per_expert`` for this rank's experts (one all-to-all of
+        those counts over the group: this mode has no routing to count them from).
 
         Returns ``(recv_x, recv_topk_idx [N, K] local expert ids / -1 in topk_idx's dtype,
         recv_topk_weights [N, K] float32 or None, num_recv_tokens_per_expert_list (python ints, aligned;
@@ -324,12 +328,16 @@ class Buffer:
                 raise InputError("cached dispatch (handle=...) takes no topk_idx/topk_weights: the handle's "
                                  "routing is reused")
             return cached_dispatch(x, handle), None, None, None, None, _after(async_finish, device)
-        if topk_idx is None or num_tokens_per_expert is None:
-            raise InputError("dispatch without a handle needs topk_idx and num_tokens_per_expert "
-                             "(from get_dispatch_layout)")
+        if num_tokens_per_expert is None or (topk_idx is None and is_token_in_rank is None):
+            raise InputError("dispatch without a handle needs num_tokens_per_expert and topk_idx (or, without "
+                             "top-k, is_token_in_rank), from get_dispatch_layout")
         if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise InputError(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
-        self._check_layout(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+        self._check_layout(topk_idx if topk_idx is not None else is_token_in_rank, num_tokens_per_rank,
+                           is_token_in_rank, num_tokens_per_expert)
+        if topk_idx is None:
+            return self._dispatch_without_topk(x, is_token_in_rank, num_tokens_per_expert, topk_weights,
+                                               expert_alignment, num_worst_tokens, async_finish, device)
         weights = topk_weights
         if weights is None:
             weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
@@ -341,6 +349,34 @@ class Buffer:
         return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
                 d.recv_topk_weights if topk_weights is not None else None, per_expert,
                 BufferHandle(h.tensors, h.context, h.config, h.topk_weights),
+                _after(async_finish, device))
+
+    def _dispatch_without_topk(self, x, is_token_in_rank, num_tokens_per_expert, topk_weights, expert_alignment,
+                               num_worst_tokens, async_finish, device):
+        """DeepEP's top-k-less dispatch: each token to the ranks ``is_token_in_rank`` marks, as a routing
+        to each such rank's first expert (which moves the same rows in the same order)."""
+        import torch.distributed as dist
+
+        if topk_weights is not None:
+            raise InputError("Buffer.dispatch: topk_weights needs topk_idx")
+        R, E = self.group_size, int(num_tokens_per_expert.numel())
+        v.check_group(E, R)
+        L = E // R
+        first = torch.arange(R, device=is_token_in_rank.device, dtype=torch.int64) * L
+        idx = torch.where(is_token_in_rank.bool(), first, torch.full_like(first, -1))
+        d = dispatch(x, idx, torch.zeros(idx.shape, dtype=torch.float32, device=idx.device), num_experts=E,
+                     group=self.group, capacity=num_worst_tokens or None, expert_alignment=expert_alignment,
+                     layout=Layout.RANK_MAJOR, backend=self.backend)
+        per_expert = []
+        if not num_worst_tokens:
+            # every source's counts of this rank's experts (gloo moves CPU tensors only)
+            on = "cpu" if dist.get_backend(self.group) == "gloo" else num_tokens_per_expert.device
+            mine = num_tokens_per_expert.to(device=on, dtype=torch.int64).contiguous()
+            theirs = torch.empty_like(mine)
+            dist.all_to_all_single(theirs, mine, group=self.group)
+            per_expert = [align_up(n, expert_alignment) for n in theirs.view(R, L).sum(0).tolist()]
+        h = d.handle
+        return (d.recv_x, None, None, per_expert, BufferHandle(h.tensors, h.context, h.config, h.topk_weights),
                 _after(async_finish, device))
 
     def _check_layout(self, topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) -> None:

@@ -125,6 +125,15 @@ def check_recipes(results: list, device_events: bool) -> None:
         want[:, r] = np.cumsum(sent[:, r])
         assert np.array_equal(res["prefix_matrix"], want), (r, res["prefix_matrix"], want)
         assert res["handle_1"] == "IndexError"
+        L = len(res["per_expert_mine"]) // len(results)
+        want_rows = np.concatenate([src["x"][src["in_rank"][:, r]] for src in results])
+        assert np.array_equal(res["no_topk_recv"].view(np.uint16), want_rows.view(np.uint16)), r
+        assert res["no_topk_rest"] == [None, None]
+        assert res["no_topk_per_expert"] == [sum(src["per_expert_mine"][r * L + i] for src in results)
+                                             for i in range(L)]
+        copies = res["in_rank"].sum(1, keepdims=True).astype(np.float32)
+        want_back = (res["x"].astype(np.float32) * copies)  # exact: x bf16 times a small integer
+        assert np.array_equal(res["no_topk_back"].astype(np.float32), want_back), r
         assert res["ll"]["x8_dtype"] == "torch.float8_e4m3fn"
         assert res["ll"]["recipe"]["count"].sum() > 0
 
@@ -173,6 +182,12 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int, de
         L = E // world
         sent_to = [int((topk_idx.div(L, rounding_mode="floor") == j).logical_and(topk_idx >= 0).any(1).sum())
                    for j in range(world)]
+        # DeepEP's top-k-less dispatch: the rows is_token_in_rank marks, and every source's expert counts
+        in_rank = torch.stack([(topk_idx.div(L, rounding_mode="floor") == j).logical_and(topk_idx >= 0).any(1)
+                               for j in range(world)], dim=1)
+        per_expert_mine = torch.stack([(topk_idx == e).sum() for e in range(E)])
+        no_topk = buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert_mine)
+        no_topk_back = buf.combine(no_topk[0], no_topk[4])[0]
         try:
             handle[1]
             handle_1 = None
@@ -182,7 +197,10 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int, de
                    nvl_bytes=buf.num_nvl_bytes, rdma_bytes=buf.num_rdma_bytes,
                    recipe=_plain(recipe), direct=_plain(direct),
                    recv_idx_dtype=str(recv_idx.dtype), sent_to=sent_to, handle_1=handle_1,
-                   prefix_matrix=handle[0].cpu().numpy())
+                   prefix_matrix=handle[0].cpu().numpy(), x=to_numpy(x), in_rank=in_rank.cpu().numpy(),
+                   per_expert_mine=per_expert_mine.tolist(), no_topk_recv=to_numpy(no_topk[0]),
+                   no_topk_rest=[no_topk[i] for i in (1, 2)], no_topk_per_expert=no_topk[3],
+                   no_topk_back=to_numpy(no_topk_back))
         out["ll"] = _low_latency(rank, world, E, group, device)
         buf.destroy()
         ep.destroy()
