@@ -192,10 +192,11 @@ def data_faults(rank: int, world: int, port: int) -> dict:
 
 
 def run_fault_group(world: int, victim: int, how: str, when: str, out_dir, env: dict, device: str = "cpu",
-                    hang_s: float = 90.0) -> dict:
-    """Parent side: ``world`` spawned :func:`fault_rank` processes with ``env`` added to their environment;
-    returns what every rank that lived wrote, by rank. Fails if any is still alive after ``hang_s``
-    (a hang) or a child process is left behind."""
+                    hang_s: float = 90.0, target=None) -> dict:
+    """Parent side: ``world`` spawned ``target`` processes (:func:`fault_rank`, or another function of
+    its signature) with ``env`` added to their environment; returns what every rank that lived wrote, by
+    rank. Fails if any is still alive after ``hang_s`` (a hang) or a child process is left behind."""
+    target = target or fault_rank
     from omniep.testing.procs import CHILD_ENV, free_port
 
     env = dict(CHILD_ENV, **env)
@@ -203,7 +204,7 @@ def run_fault_group(world: int, victim: int, how: str, when: str, out_dir, env: 
     os.environ.update(env)  # spawned children inherit the parent's environment at start
     ctx, ports = mp.get_context("spawn"), (free_port(), free_port())
     try:
-        procs = [ctx.Process(target=fault_rank, args=(r, world, ports, victim, how, when, str(out_dir), device))
+        procs = [ctx.Process(target=target, args=(r, world, ports, victim, how, when, str(out_dir), device))
                  for r in range(world)]
         for p in procs:
             p.start()
