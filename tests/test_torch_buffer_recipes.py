@@ -108,3 +108,20 @@ def test_buffer_takes_deepeps_constructor_arguments_in_deepeps_order():
     params = list(inspect.signature(Buffer.__init__).parameters.values())[1:]
     positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional == deepep
+
+
+def test_dispatch_layout_counts_every_valid_choice_and_no_out_of_range_id():
+    # Buffer.get_dispatch_layout's arithmetic (no host sync on a GPU): checked against plain loops; an id
+    # outside [-1, E) (left to the dispatch's device check) is counted nowhere.
+    from omniep.backends.collective.torch_layout import dispatch_layout
+
+    gen = torch.Generator().manual_seed(3)
+    T, K, E, R = 9, 3, 8, 4
+    idx = torch.randint(-1, E, (T, K), generator=gen)
+    idx[0, 0], idx[1, 2] = E + 5, -7  # out of range
+    per_rank, per_expert, in_rank = dispatch_layout(idx, E, R)
+    valid = [[int(e) for e in row if 0 <= e < E] for row in idx.tolist()]
+    assert per_expert.tolist() == [sum(row.count(e) for row in valid) for e in range(E)]
+    assert in_rank.tolist() == [[any(e // (E // R) == r for e in row) for r in range(R)] for row in valid]
+    assert per_rank.tolist() == [sum(row[r] for row in in_rank.tolist()) for r in range(R)]
+    assert (per_rank.dtype, per_expert.dtype, in_rank.dtype) == (torch.int32, torch.int32, torch.bool)

@@ -139,8 +139,12 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
                                               is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     with pytest.raises(InputError, match="takes no topk_idx"):
         buf.dispatch(x, handle=handle, topk_idx=idx)
-    with pytest.raises(InputError, match="needs topk_idx and num_tokens_per_expert"):
+    with pytest.raises(InputError, match="needs num_tokens_per_expert and topk_idx"):
         buf.dispatch(x, topk_idx=idx)
+    with pytest.raises(InputError, match=r"or, without top-k, is_token_in_rank"):
+        buf.dispatch(x, num_tokens_per_expert=per_expert)
+    with pytest.raises(InputError, match="topk_weights needs topk_idx"):
+        buf.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_weights=w)
     with pytest.raises(InputError, match="num_worst_tokens must be"):
         buf.dispatch(x, topk_idx=idx, num_tokens_per_expert=per_expert, num_worst_tokens=-1)
     with pytest.raises(InputError, match="expert id 9"):

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..backends.collective.torch_layout import local_layout
+from ..backends.collective.torch_layout import dispatch_layout
 from ..ep_core import validation as v
 from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
@@ -286,15 +286,18 @@ class Buffer:
         """Local layout, no communication. ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
 
         Returns ``(num_tokens_per_rank [R] int32, None (no RDMA ranks), num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, event)`` (:class:`EventOverlap`).
+        is_token_in_rank [T, R] bool, event)`` (:class:`EventOverlap`). On a GPU nothing waits on the
+        host: an expert id outside ``[-1, num_experts)`` raises ``InputError`` here only on the CPU or
+        with ``OMNIEP_CHECKS=sync`` (elsewhere it is counted nowhere, and the dispatch raises it).
         """
         self._alive()
         _before(previous_event)
         v.check_group(num_experts, self.group_size)
         v.check_routing(topk_idx)
-        v.check_expert_ids(topk_idx.detach().cpu().numpy(), num_experts)
-        _, _, send_pos, per_rank, per_expert = local_layout(topk_idx, num_experts, self.group_size)
-        return per_rank, None, per_expert, send_pos >= 0, _after(async_finish, topk_idx.device)
+        if topk_idx.device.type == "cpu" or self._context.checks == "sync":
+            v.check_expert_ids(topk_idx.detach().cpu().numpy(), num_experts)
+        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, _after(async_finish, topk_idx.device)
 
     def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,

@@ -45,15 +45,21 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(topk_idx.reshape(-1) + 1, minlength=num_experts + 1)[1:]
 
 
-def local_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
-    """DeepEP's ``get_dispatch_layout`` of one rank (ids in ``[-1, E)``). Returns ``(idx32 [T, K] int32,
-    owner [T, K] int64 (-1 = none), send_pos [T, R] int32, num_tokens_per_rank [R] int32,
-    num_tokens_per_expert [E] int32)``; ``send_pos[t, r]`` is t's position among the tokens sent to rank
-    r (ascending t), -1 if not sent."""
-    owner, in_rank = routes(topk_idx, num_experts, num_ranks)
-    send_pos = torch.where(in_rank, in_rank.long().cumsum(0) - 1, -1).to(torch.int32)
-    return (topk_idx.to(torch.int32), torch.where(owner < num_ranks, owner, -1), send_pos,
-            in_rank.sum(0).to(torch.int32), expert_counts(topk_idx, num_experts).to(torch.int32))
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """DeepEP's ``get_dispatch_layout`` of one rank, on ``topk_idx``'s device without a host sync (fixed
+    shapes, scatters only). Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+    is_token_in_rank [T, R] bool)``. Ids outside ``[-1, E)`` are counted nowhere (the caller checks them
+    where a check costs no sync; a dispatch catches them on the device)."""
+    ids = topk_idx.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    local = num_experts // num_ranks
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+    per_expert.scatter_add_(0, torch.where(valid, ids, num_experts).reshape(-1),
+                            torch.ones(ids.numel(), dtype=torch.int32, device=ids.device))
+    in_rank = torch.zeros((ids.shape[0], num_ranks + 1), dtype=torch.bool, device=ids.device)
+    in_rank.scatter_(1, torch.where(valid, ids // local, num_ranks), True)
+    in_rank = in_rank[:, :num_ranks]
+    return in_rank.sum(0, dtype=torch.int32), per_expert[:num_experts], in_rank.contiguous()
 
 
 def positions_in_group(keys: torch.Tensor, num_groups: int) -> torch.Tensor:
