@@ -52,6 +52,10 @@ class BufferHandle(Handle):
     """The handle :meth:`Buffer.dispatch` returns: omniep's :class:`~omniep.frontends.torch.Handle`, which
     also answers DeepEP's ``handle[0]`` (see the module docstring)."""
 
+    @classmethod
+    def of(cls, handle: Handle) -> "BufferHandle":
+        return cls(handle.tensors, handle.context, handle.config, handle.topk_weights)
+
     def __getitem__(self, index):
         if index != 0 or self.config.layout != Layout.RANK_MAJOR:
             raise IndexError(f"an omniep Buffer handle serves only DeepEP's handle[0] (rank_prefix_matrix) of a "
@@ -348,11 +352,9 @@ class Buffer:
                      capacity=num_worst_tokens or None, expert_alignment=expert_alignment,
                      layout=Layout.RANK_MAJOR, backend=self.backend)
         per_expert = [] if num_worst_tokens else d.num_recv_tokens_per_expert.tolist()
-        h = d.handle
         return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
                 d.recv_topk_weights if topk_weights is not None else None, per_expert,
-                BufferHandle(h.tensors, h.context, h.config, h.topk_weights),
-                _after(async_finish, device))
+                BufferHandle.of(d.handle), _after(async_finish, device))
 
     def _dispatch_without_topk(self, x, is_token_in_rank, num_tokens_per_expert, topk_weights, expert_alignment,
                                num_worst_tokens, async_finish, device):
@@ -378,9 +380,7 @@ class Buffer:
             theirs = torch.empty_like(mine)
             dist.all_to_all_single(theirs, mine, group=self.group)
             per_expert = [align_up(n, expert_alignment) for n in theirs.view(R, L).sum(0).tolist()]
-        h = d.handle
-        return (d.recv_x, None, None, per_expert, BufferHandle(h.tensors, h.context, h.config, h.topk_weights),
-                _after(async_finish, device))
+        return d.recv_x, None, None, per_expert, BufferHandle.of(d.handle), _after(async_finish, device)
 
     def _check_layout(self, topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) -> None:
         """DeepEP's checks of the layout tensors a dispatch is given (get_dispatch_layout's shapes): the
