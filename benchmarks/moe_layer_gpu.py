@@ -161,10 +161,24 @@ class _StandIns:
         return self.Combine.apply(y, self.out.detach(), self.grads[2])
 
 
-def _stand_in_wall(layer_module, real_ep, step, iters: int) -> float:
-    """Median wall µs of ``step`` with the layer's EP ops replaced by :class:`_StandIns`."""
+def _median_step_us(step, iters: int) -> float:
+    """Median wall µs of ``iters`` calls of ``step``, each timed by CUDA events around it."""
     import torch
 
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _stand_in_wall(layer_module, real_ep, step, iters: int) -> float:
+    """Median wall µs of ``step`` with the layer's EP ops replaced by :class:`_StandIns`."""
     shim = _StandIns(real_ep)
     layer_module.ep = shim
     try:
@@ -172,18 +186,9 @@ def _stand_in_wall(layer_module, real_ep, step, iters: int) -> float:
         shim.recording = False
         for _ in range(2):
             step()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
+        return _median_step_us(step, iters)
     finally:
         layer_module.ep = real_ep
-    times.sort()
-    return times[len(times) // 2]
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> list:
@@ -225,16 +230,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                 step()
             torch.cuda.synchronize()
             dist.barrier()
-            times = []
-            for _ in range(args["iters"]):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            times.sort()
-            wall = times[len(times) // 2]
+            wall = _median_step_us(step, args["iters"])
             dist.barrier()
             import omniep.layers.torch as layer_module
 

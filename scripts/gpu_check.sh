@@ -24,9 +24,7 @@ PART="${PART:-all}"
 
 build_all
 if [[ "$PART" == soak ]]; then
-  SOAK_S="${SOAK_S:-480}"
-  step soak $((SOAK_S + 60)) "$PY" benchmarks/soak.py --backend cuda_nvshmem --device cuda --ops 100000 \
-    --fault-rate 0.01 --seed 2 --max-seconds "$SOAK_S" --out "$OUT/soak.json"
+  soak_step
   # shellcheck disable=SC2086
   [[ -n "${GPU_TESTS:-}" ]] && step pytest "${GPU_TESTS_LIMIT:-300}" "$PY" -m pytest -m gpu $GPU_TESTS -v -rfEs \
     --timeout=280 -p no:cacheprovider

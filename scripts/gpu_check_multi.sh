@@ -48,8 +48,7 @@ if [[ "$PART" != tests ]]; then
   want layer_grouped && step bench_layer_grouped 200 "$PY" benchmarks/moe_layer_gpu.py --world 2 --per-gpu \
     --grouped-gemm --out "$OUT/layer_grouped.json"
   # issue 15's soak, one rank per GPU (not in the default list: SOAK_S seconds, ~8 minutes by default)
-  want soak && step soak $((${SOAK_S:-480} + 60)) "$PY" benchmarks/soak.py --backend cuda_nvshmem --device cuda \
-    --per-gpu --ops 100000 --fault-rate 0.01 --seed 2 --max-seconds "${SOAK_S:-480}" --out "$OUT/soak.json"
+  want soak && soak_step --per-gpu
   want layer_jax_grouped && step bench_layer_jax_grouped 300 "$PY" benchmarks/moe_layer_jax_gpu.py --world 2 \
     --grouped-gemm --out "$OUT/layer_jax_grouped.json"
 fi

@@ -26,3 +26,10 @@ build_all() {
     "$PY" -m pip install -v --no-build-isolation --no-deps -e .
   step build_info 60 "$PY" -m omniep.cli info --build
 }
+# Issue 15's fault-injecting soak on cuda_nvshmem, SOAK_S seconds at most (default 480); extra arguments
+# go to benchmarks/soak.py (--per-gpu: one rank per GPU, else both on GPU 0).
+soak_step() {
+  local limit="${SOAK_S:-480}"
+  step soak $((limit + 60)) "$PY" benchmarks/soak.py --backend cuda_nvshmem --device cuda --ops 100000 \
+    --fault-rate 0.01 --seed 2 --max-seconds "$limit" --out "$OUT/soak.json" "$@"
+}

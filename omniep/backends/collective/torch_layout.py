@@ -51,15 +51,12 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     is_token_in_rank [T, R] bool)``. Ids outside ``[-1, E)`` are counted nowhere (the caller checks them
     where a check costs no sync; a dispatch catches them on the device)."""
     ids = topk_idx.long()
-    valid = (ids >= 0) & (ids < num_experts)
-    local = num_experts // num_ranks
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, -1)  # out of range: as "no expert"
+    _, in_rank = routes(ids, num_experts, num_ranks)
+    # (not expert_counts: torch.bincount sizes its output from the data, a host sync on CUDA)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-    per_expert.scatter_add_(0, torch.where(valid, ids, num_experts).reshape(-1),
-                            torch.ones(ids.numel(), dtype=torch.int32, device=ids.device))
-    in_rank = torch.zeros((ids.shape[0], num_ranks + 1), dtype=torch.bool, device=ids.device)
-    in_rank.scatter_(1, torch.where(valid, ids // local, num_ranks), True)
-    in_rank = in_rank[:, :num_ranks]
-    return in_rank.sum(0, dtype=torch.int32), per_expert[:num_experts], in_rank.contiguous()
+    per_expert.scatter_add_(0, ids.reshape(-1) + 1, torch.ones(ids.numel(), dtype=torch.int32, device=ids.device))
+    return in_rank.sum(0, dtype=torch.int32), per_expert[1:], in_rank
 
 
 def positions_in_group(keys: torch.Tensor, num_groups: int) -> torch.Tensor:
