@@ -25,6 +25,6 @@ export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
 export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
 N="${DEEPEP_PROCESSES:-2}"
 step deepep_intranode 240 "$PY" .deepep/test_intranode.py --num-processes "$N"
-step deepep_low_latency 240 "$PY" .deepep/test_low_latency.py --num-processes "$N"
+step deepep_low_latency 420 "$PY" .deepep/test_low_latency.py --num-processes "$N"
 echo "deepep_tests: exit $status; logs in $OUT"
 exit $status

@@ -332,13 +332,41 @@ def test_buffer_deepep_api(session):
         assert res["after_with"].startswith("DestroyedError"), res["after_with"]
 
 
-def _quantize_fp8(x: np.ndarray) -> tuple:
-    """DeepEP's low-latency fp8 cast in NumPy (per token and 128 channels, scale = max(amax, 1e-4) / 448)."""
+def _quantize_fp8(x: np.ndarray, round_scale: bool = False) -> tuple:
+    """DeepEP's low-latency fp8 cast in NumPy (per token and 128 channels, scale = max(amax, 1e-4) / 448;
+    round_scale: the least power of two at or above it)."""
     T, H = x.shape
     xf = x.astype(np.float32).reshape(T, H // 128, 128)
     scales = np.maximum(np.abs(xf).max(axis=-1), np.float32(1e-4)) / np.float32(448.0)
+    if round_scale:
+        mant, exp = np.frexp(scales)  # scales = mant * 2**exp, mant in [0.5, 1)
+        scales = np.ldexp(np.float32(1.0), np.where(mant == 0.5, exp - 1, exp)).astype(np.float32)
     x8 = (xf / scales[..., None]).reshape(T, H).astype(np_dtype("float8_e4m3fn"))
     return x8, scales.astype(np.float32)
+
+
+def _ue8m0(scales: np.ndarray) -> np.ndarray:
+    """Power-of-two float32 scales [..., S] as UE8M0 bytes (2**p -> p + 127), four to a little-endian int32."""
+    _, exp = np.frexp(scales)
+    return np.ascontiguousarray((exp + 126).astype(np.uint8)).view("<i4")
+
+
+def _ll_sources(topk_idx: list, rank: int, L: int, C: int) -> tuple:
+    """DeepEP's low-latency handle[0] / handle[1] on ``rank``, from the routing alone: each local expert's
+    copies in (source rank, source token) order — their source tokens [L, C] (-1 past the count) and
+    each source rank's (first slot << 32) | count [L, R]."""
+    R = len(topk_idx)
+    src = np.full((L, C), -1, np.int32)
+    layout = np.zeros((L, R), np.int64)
+    for l in range(L):
+        tokens = [[t for t in range(idx.shape[0]) for k in range(idx.shape[1]) if idx[t, k] == rank * L + l]
+                  for idx in topk_idx]
+        at = 0
+        for s, ts in enumerate(tokens):
+            src[l, at:at + len(ts)] = ts
+            layout[l, s] = (at << 32) | len(ts)
+            at += len(ts)
+    return src, layout
 
 
 def test_buffer_low_latency_api(session):
@@ -352,6 +380,12 @@ def test_buffer_low_latency_api(session):
     q = [_quantize_fp8(x) for x in case.x]
     disp8 = ref.dispatch([a for a, _ in q], case.topk_weights, plan)
     disp_s = ref.dispatch([s for _, s in q], case.topk_weights, plan)
+    p = [_quantize_fp8(x, round_scale=True) for x in case.x]
+    disp_p8 = ref.dispatch([a for a, _ in p], case.topk_weights, plan)
+    disp_ps = ref.dispatch([s for _, s in p], case.topk_weights, plan)
+    wide = [_quantize_fp8(np.concatenate([x, x[:, ::-1]], axis=1), round_scale=True) for x in case.x]
+    disp_w8 = ref.dispatch([a for a, _ in wide], case.topk_weights, plan)
+    disp_ue = ref.dispatch([_ue8m0(s) for _, s in wide], case.topk_weights, plan)
     out = ref.combine(job["y"], plan, topk_weights=case.topk_weights)
     for r in range(world):
         res = results[r]["buffer_ll"][0]
@@ -366,6 +400,19 @@ def test_buffer_low_latency_api(session):
         assert_bits(scales, disp_s[r].recv_x, "low_latency_dispatch fp8 scales")
         assert_bits(count8, disp[r].num_recv_tokens_per_expert, "fp8 recv_count")
         assert no_hook is None  # no return_recv_hook: no hook
+        src, layout, meta, entries = res["handle"]
+        L, C = src.shape
+        want_src, want_layout = _ll_sources(case.topk_idx, r, L, C)
+        counted = want_src >= 0
+        assert_bits(src[counted], want_src[counted], "handle[0] (source tokens)")
+        assert_bits(layout, want_layout, "handle[1] (layout ranges)")
+        assert meta == [job["max_tokens"], 256, case.num_experts] and entries == 5
+        x8, scales, w8, ue8m0 = res["round_scale"]
+        assert_bits(golden.counted_rows(x8, disp[r].recv_topk_idx), disp_p8[r].recv_x, "round_scale rows")
+        assert_bits(golden.counted_rows(scales, disp[r].recv_topk_idx), disp_ps[r].recv_x, "round_scale scales")
+        assert_bits(golden.counted_rows(w8, disp[r].recv_topk_idx), disp_w8[r].recv_x, "use_ue8m0 rows")
+        assert ue8m0.dtype == np.int32 and ue8m0.shape == (L, C, 1)
+        assert_bits(golden.counted_rows(ue8m0, disp[r].recv_topk_idx), disp_ue[r].recv_x, "use_ue8m0 scales")
         combined, into_out, event = res["combine"]
         assert_bits(combined, out[r], "low_latency_combine")
         assert into_out and event == NO_WAIT

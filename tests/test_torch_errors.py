@@ -163,8 +163,14 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
     xb = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="num_max_dispatch_tokens_per_rank=2"):
         ll.low_latency_dispatch(xb, idx, 2, 4)
-    with pytest.raises(UnsupportedError, match="UE8M0"):
+    with pytest.raises(InputError, match="use_ue8m0 packs power-of-two scales: it needs round_scale=True"):
         ll.low_latency_dispatch(xb, idx, 4, 4, use_ue8m0=True)
+    with pytest.raises(InputError, match="hidden must be a multiple of 512"):
+        ll.low_latency_dispatch(xb, idx, 4, 4, round_scale=True, use_ue8m0=True)
+    with pytest.raises(InputError, match="they need use_fp8=True"):
+        ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False, round_scale=True)
+    with pytest.raises(InputError, match="num_max_dispatch_tokens_per_rank must be a positive int"):
+        ll.low_latency_dispatch(xb, idx, 0, 4)
     with pytest.raises(InputError, match="hidden % 128"):
         ll.low_latency_dispatch(torch.zeros(4, 100, dtype=torch.bfloat16), idx, 4, 4)
     recv_x, count, ll_handle, _, _ = ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False)

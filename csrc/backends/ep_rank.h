@@ -18,6 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <stdexcept>
+
 #include "omniep/status.h"
 #include "omniep/stream.h"  // cudaStream_t (hipStream_t in a HIP build)
 
@@ -102,6 +104,7 @@ struct CombineCall : CombineBase {
 // topk_idx32 / copy_slot / recv_expert_count here are ignored (route's outputs serve).
 struct EMDispatchCall {
   const PrepareCall* route;
+  bool cast_round_scale;  // the cast's scales rounded up to powers of two (DeepEP's round_scale)
   const void* cast_src;  // bf16 [T, H] the kernel casts into x / x2 first (writable staging: e4m3 rows, fp32
                          // scales per 128 channels: DeepEP's low-latency cast), or null
   const void* x;
@@ -116,6 +119,7 @@ struct EMDispatchCall {
   int32_t* recv_topk_idx;    // [L, C]
   float* recv_topk_weights;  // [L, C]
   bool zero_padding;         // zero the padding rows of recv_x / recv_x2 (DESIGN §2)
+  bool send_only;            // launch the sends only; EpRank::receive runs the rest (DeepEP's receive hook)
 };
 
 // Expert-major combine (weighted) and dispatch_bwd (topk_weights null: weight 1; g_recv_topk_weights).
@@ -124,6 +128,7 @@ struct EMCombineCall : CombineBase {
   const float* topk_weights;
   const int32_t* copy_slot;          // prepare's
   const int32_t* recv_expert_count;  // prepare's [L], or null: y's padding slots move too
+  bool send_only;                    // copy y in and signal only; EpRank::receive pulls and sums
 };
 
 // Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.
@@ -146,12 +151,20 @@ class EpRank {
   virtual int num_ranks() const = 0;
   virtual size_t data_bytes() const = 0;
 
-  // The descriptor of a new op (the group's next sequence number).
+  // The descriptor of a new op (the group's next sequence number). A receive still pending must
+  // run first (receive(), on the op's stream): its op holds the buffers the next one reuses.
   OpDesc& begin(OpKind op, int num_experts, int hidden, int dtype, int layout, int capacity, int handle,
                 int num_topk) {
+    if (pending_receive_ != 0) throw std::logic_error("omniep: an op began while a receive is pending (a bug)");
     current_ = make_desc(++seq_, op, num_experts, hidden, dtype, layout, capacity, handle, num_topk);
     return current_;
   }
+
+  // An expert-major dispatch or combine called with send_only leaves its second half pending:
+  // pending_receive() is its op's sequence number (0: nothing pending) until receive() launches that
+  // half on `s` (DeepEP's receive hook; stream-ordered, no host wait).
+  uint32_t pending_receive() const { return pending_receive_; }
+  virtual void receive(cudaStream_t s) = 0;
 
   virtual PrepareResult prepare(const PrepareCall& c, OpDesc& d, cudaStream_t s) = 0;
   virtual void dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s) = 0;
@@ -179,6 +192,7 @@ class EpRank {
  protected:
   uint32_t seq_ = 0;
   OpDesc current_ = {};
+  uint32_t pending_receive_ = 0;
 };
 
 }  // namespace omniep

@@ -87,9 +87,9 @@ auto layout_kernel_for(int index_bytes) {
 // The expert-major dispatch kernel for its routing front's index type (int32 without the front).
 template <typename Tr>
 auto em_dispatch_kernel_for(const EMDispatchArgs& a) {
-  if (!a.route.on || a.route.index_bytes == 4) return em_dispatch_kernel<Tr, int32_t>;
+  if (!a.route.on || a.route.index_bytes == 4) return em::dispatch_kernel<Tr, int32_t>;
   if (a.route.index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
-  return em_dispatch_kernel<Tr, int64_t>;
+  return em::dispatch_kernel<Tr, int64_t>;
 }
 
 // Kernel templates over (Transport, element type, elements per pack) as class templates, so that
@@ -100,11 +100,11 @@ struct CombineK {
 };
 template <typename Tr, typename S, int V>
 struct EMCombineK {
-  static constexpr auto fn = em_combine_kernel<Tr, S, V>;
+  static constexpr auto fn = em::combine_kernel<Tr, S, V>;
 };
 template <typename Tr, typename S, int V>
 struct EMCombineBwdK {
-  static constexpr auto fn = em_combine_bwd_kernel<Tr, S, V>;
+  static constexpr auto fn = em::combine_bwd_kernel<Tr, S, V>;
 };
 
 // The instance of K for `dtype` (args.h DType): 16-byte packs if `vec`, one element per lane otherwise.

@@ -73,6 +73,7 @@ class OneRankOps : public EpRank {
   void barrier(cudaStream_t s) override;
   void statuses(Status* fatal, Status* pending, bool clear_pending) override;
   void take_status(Status* out, cudaStream_t s) override;
+  void receive(cudaStream_t s) override;
   // Whether the ops may grow the data buffer themselves (collectively, inside an op). The JAX states
   // size it while tracing instead and turn this off: an op that needs more then fails.
   void set_grow_in_ops(bool on) { grow_in_ops_ = on; }
@@ -120,6 +121,10 @@ class OneRankOps : public EpRank {
   HostMailbox* mailbox_ = nullptr;
   int32_t ticket_ = 0;
   bool grow_in_ops_ = true;
+  // The second half of a send_only op (EpRank::receive): its arguments, phase kEMReceive.
+  bool pending_is_combine_ = false;
+  EMDispatchArgs pending_dispatch_ = {};
+  EMCombineArgs pending_combine_ = {};
   void copy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width, size_t height,
               cudaStream_t stream, const char* what) const;
   Rank& self() { return static_cast<Rank&>(*this); }

@@ -344,6 +344,7 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   EMDispatchArgs a = {};
   a.x = mine<const uint8_t>(g, c.x);
   a.cast_src = mine<const uint8_t>(g, c.cast_src);
+  a.cast_round_scale = c.cast_round_scale ? 1 : 0;
   if (c.cast_src != nullptr && (c.row2_bytes * kFp8Block != c.row_bytes * 4 || c.row_bytes % kFp8Block != 0)) {
     throw std::invalid_argument("omniep: the fp8 cast needs fp8 rows of H % 128 == 0 bytes and H / 128 scales");
   }
@@ -383,8 +384,26 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   a.num_experts = c.num_experts;
   a.capacity = c.capacity;
   a.desc[g.rank()] = d;
+  a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_dispatch(a, s);
+  if (c.send_only) {
+    a.phase = kEMReceive;
+    pending_dispatch_ = a;
+    pending_is_combine_ = false;
+    pending_receive_ = static_cast<uint32_t>(d.w[kDescSeq]);
+  }
   next_part(d);
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::receive(cudaStream_t s) {
+  if (pending_receive_ == 0) return;
+  pending_receive_ = 0;
+  if (pending_is_combine_) {
+    launch_em_combine(pending_combine_, s);
+  } else {
+    launch_em_dispatch(pending_dispatch_, s);
+  }
 }
 
 template <typename Rank>
@@ -409,7 +428,14 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
     a.own_g_recv_topk_weights = mine<const float>(g, c.g_recv_topk_weights);
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
   }
+  a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_combine(a, s);
+  if (c.send_only) {
+    a.phase = kEMReceive;
+    pending_combine_ = a;
+    pending_is_combine_ = true;
+    pending_receive_ = static_cast<uint32_t>(d.w[kDescSeq]);
+  }
   next_part(d);
 }
 

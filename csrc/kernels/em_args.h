@@ -55,6 +55,11 @@ struct EMRouteArgs {
   PerRank<int32_t> dropped;                       // out []
 };
 
+// An expert-major op in one kernel, or split in two launches of it (the same kernel, one profiler row):
+// the sends, up to the signals of the barrier that says "my rows have arrived / my y is complete",
+// and later the receive, from the waits of that barrier on.
+enum EMPhase : int { kEMWhole = 0, kEMSend = 1, kEMReceive = 2 };
+
 struct EMDispatchArgs {
   EMRouteArgs route;                         // route.on: the kernel routes first, writing topk_idx32,
                                              // copy_slot and recv_expert_count below
@@ -64,6 +69,7 @@ struct EMDispatchArgs {
   // (fp32 scales [T, H / 128]) as DeepEP's low-latency dispatch does (rows.cuh grid_cast_fp8), before
   // its first barrier, and sends those.
   PerRank<const uint8_t> cast_src;
+  int cast_round_scale;                      // 1: the cast's scales are rounded up to powers of two
   PerRank<const int32_t> topk_idx32;         // [T, K]
   PerRank<const float> topk_weights;         // [T, K]
   PerRank<const int32_t> copy_slot;          // [T, K] from em_layout
@@ -81,6 +87,7 @@ struct EMDispatchArgs {
   PerRank<int32_t> out_topk_idx;
   PerRank<float> out_topk_weights;
   int zero_padding;    // 1: padding rows of the result are zeroed too (DESIGN §2 zero_padding); 0: left as they are
+  int phase;           // kEMWhole, or one half of a dispatch split at its end barrier (DeepEP's receive hook)
   int num_tokens[kMaxRanks];
   int64_t row_bytes;
   int64_t row2_bytes;  // 0 = no second payload
@@ -95,6 +102,7 @@ struct EMDispatchArgs {
 // combine (weighted) and dispatch_bwd (topk_weights all null: weight 1, with_topk_grad = 1).
 struct EMCombineArgs : CombineScalars {
   PerRank<const void> y;                      // sym [L, C, H] in `dtype`
+  int phase;                                  // EMPhase: split at the start barrier (send: y in, signals)
   // Optional: the caller's y [L, C, H] (and g_recv_topk_weights [L, C]), copied into the symmetric
   // buffers by the kernel before its start barrier — the counted slots only when recv_expert_count is
   // given, else every slot; skipped when it already is the symmetric buffer (zero-copy).

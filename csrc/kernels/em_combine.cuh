@@ -37,16 +37,18 @@ inline constexpr int kEMGroup = 8;  // copies of a token whose packs are loaded 
 // The remote path stages one chunk per warp in the scratch the host sized for combine's warps.
 static_assert(kEMCombineThreads <= kCombineThreads && kEMPacks <= kPacks, "em stages come from combine's scratch");
 
+namespace em {  // profilers show "omniep::em::combine_kernel": DeepEP's tests find kernels by "::combine"
 template <typename Tr, typename Scalar, int Vec>
-__global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombineArgs a, Tr tr) {
+__global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArgs a, Tr tr) {
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
   using Cvt = Elem<Scalar>;
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
   // The caller's y into my buffer, before the barrier that tells the peers it is complete (they pull).
+  // Split in two launches (a.phase), the first copies and signals, the second waits and pulls.
   const void* own_y = tr.local(a.own_y);
-  if (own_y != nullptr && own_y != tr.local(a.y)) {
+  if (a.phase != kEMReceive && own_y != nullptr && own_y != tr.local(a.y)) {
     const int32_t* count = tr.local(a.recv_expert_count);
     const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
     em_copy_slots(static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y))), static_cast<const uint8_t*>(own_y), count,
@@ -60,7 +62,14 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
       }
     }
   }
-  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
+  if (a.phase == kEMSend) {
+    rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/false, NoPuts{}, &a.desc[me], kBarrierSignalOnly);
+    return;
+  }
+  if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, NoPuts{}, &a.desc[me],
+                    a.phase == kEMReceive ? kBarrierWaitOnly : kBarrierFull)) {
+    return;
+  }
 
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);  // null: weight 1 (dispatch_bwd)
@@ -181,5 +190,6 @@ __global__ void __launch_bounds__(kEMCombineThreads) em_combine_kernel(EMCombine
   }
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
 }
+}  // namespace em
 
 }  // namespace omniep

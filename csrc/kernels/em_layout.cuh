@@ -33,7 +33,7 @@
 namespace omniep {
 
 // The steps below are shared by em_layout_kernel (one block: prepare of the JAX and virtual-rank
-// bindings) and the routing front of em_dispatch_kernel (every block: the one-kernel dispatch of the
+// bindings) and the routing front of em::dispatch_kernel (every block: the one-kernel dispatch of the
 // torch ops, kernels/em_dispatch.cuh). Each is called by every thread of the block(s) named.
 
 // Step 1 (one block): my per-expert counts `per_expert[E]` as my row of EVERY rank's count matrix.

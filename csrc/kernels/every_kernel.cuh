@@ -32,8 +32,8 @@ void launch_every_kernel(const Tr& tr, int ranks, gpu::Stream s) {
   go(dispatch_kernel<Tr>, kDispatchThreads, DispatchArgs{}, tr, ranks, s, "dispatch");
   typed<CombineK>(kCombineThreads, CombineArgs{}, tr, ranks, s, "combine");
   go(em_layout_kernel<Tr>, kLayoutThreads, EMLayoutArgs{}, tr, ranks, s, "em_layout");
-  go(em_dispatch_kernel<Tr, int32_t>, kEMDispatchThreads, EMDispatchArgs{}, tr, ranks, s, "em_dispatch");
-  go(em_dispatch_kernel<Tr, int64_t>, kEMDispatchThreads, EMDispatchArgs{}, tr, ranks, s, "em_dispatch");
+  go(em::dispatch_kernel<Tr, int32_t>, kEMDispatchThreads, EMDispatchArgs{}, tr, ranks, s, "em_dispatch");
+  go(em::dispatch_kernel<Tr, int64_t>, kEMDispatchThreads, EMDispatchArgs{}, tr, ranks, s, "em_dispatch");
   typed<EMCombineK>(kEMCombineThreads, EMCombineArgs{}, tr, ranks, s, "em_combine");
   typed<EMCombineBwdK>(kEMDispatchThreads, EMCombineBwdArgs{}, tr, ranks, s, "em_combine_bwd");
   go(barrier_kernel<Tr>, gpu::kWarpSize, BarrierArgs{}, tr, ranks, s, "barrier");

@@ -185,10 +185,19 @@ OMNIEP_DEVICE float max_nan(float a, float b) {
   return a != a || a > b ? a : b;
 }
 
+// The least power of two >= v, for v > 0 (DeepEP's round_scale: exponent + 1 unless the mantissa is
+// zero); NaN stays NaN, +inf stays +inf.
+OMNIEP_DEVICE float pow2_ceil(float v) {
+  if (v != v) return v;
+  const uint32_t bits = gpu::float_as_uint(v);
+  return gpu::uint_as_float((((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
+}
+
 // Cast row t of x [T, H] bf16 to x8 [T, H] e4m3 and scales [T, H / 128] fp32, one warp per (token,
 // block of 128 channels), every warp of the grid: amax over the block (NaN propagates), scale =
-// max(amax, 1e-4) / 448, x8 = e4m3(x / scale) — each step one IEEE rounding, as torch does it.
-OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* scales, int T, int H) {
+// max(amax, 1e-4) / 448 (round_scale: then rounded up to a power of two), x8 = e4m3(x / scale) — each
+// step one IEEE rounding, as torch does it.
+OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* scales, int T, int H, bool round_scale) {
   constexpr int kPer = kFp8Block / gpu::kWarpSize;  // channels per lane
   const int nb = H / kFp8Block, lane = gpu::lane_id();
   const int warps = gridDim.x * gpu::warps_per_block();
@@ -202,7 +211,8 @@ OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* sca
       m = max_nan(m, fabsf(v[u]));
     }
     for (int d = gpu::kWarpSize / 2; d > 0; d /= 2) m = max_nan(m, gpu::shfl(m, lane ^ d));
-    const float scale = gpu::div_rn(m < 1e-4f ? 1e-4f : m, 448.0f);  // (NaN < 1e-4 is false: NaN stays)
+    float scale = gpu::div_rn(m < 1e-4f ? 1e-4f : m, 448.0f);  // (NaN < 1e-4 is false: NaN stays)
+    if (round_scale) scale = pow2_ceil(scale);
 #pragma unroll
     for (int u = 0; u < kPer; ++u) x8[at + u * gpu::kWarpSize + lane] = fp8_e4m3_bits(gpu::div_rn(v[u], scale));
     if (lane == 0) scales[item] = scale;

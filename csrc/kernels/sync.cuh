@@ -195,16 +195,24 @@ struct NoPuts {
   OMNIEP_DEVICE void operator()(int) const {}
 };
 
+// A barrier split over two kernels (DeepEP's receive hook: an op's sends, then later its receive):
+// the first kernel signals the peers without waiting for them (kBarrierSignalOnly, `all_wait` must be
+// false), the second waits for those signals without sending any (kBarrierWaitOnly). Each half keeps
+// the counters the whole barrier keeps; the descriptor travels with the signals and is judged once
+// they have all arrived.
+enum BarrierMode : int { kBarrierFull = 0, kBarrierSignalOnly = 1, kBarrierWaitOnly = 2 };
+
 // The barrier described above. `all_wait`: every block leaves only after the peers signalled
 // (use before reading peer data); otherwise only block 0 waits for the peers (use at the end of a
 // kernel: the kernel completes only when block 0 does). Returns false if this rank is in error or
 // the op stopped at this barrier. `puts(peer)`: called for each REMOTE peer by the thread that
 // signals it, after every block arrived and before the signal (the barrier's bulk puts to that peer).
 // `desc`: this rank's op descriptor, exchanged and compared at this barrier (the op's first; read by
-// block 0 only). Must be called by every thread of every block of the rank.
+// block 0 only). `mode`: the whole barrier, or one of its halves (BarrierMode). Must be called by
+// every thread of every block of the rank.
 template <typename Tr, typename Puts = NoPuts>
 __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{},
-                             const OpDesc* desc = nullptr) {
+                             const OpDesc* desc = nullptr, int mode = kBarrierFull) {
   __shared__ int s_ok;
   __shared__ int s_slot;
   __shared__ uint32_t s_gen;
@@ -234,9 +242,10 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
         s_ok = 0;
       }
       if (desc != nullptr) {
-        // Barriers with every peer are numbered alike on both sides (expected[] counts them).
-        s_slot = static_cast<int>((ws->expected[me] + 1) & 1u);
-        ws->desc[s_slot][me] = *desc;  // my own entry, and the source of puts to remote peers
+        // Barriers with every peer are numbered alike on both sides (expected[] counts them; the
+        // signalling half of a split barrier counted this one already).
+        s_slot = static_cast<int>((ws->expected[me] + (mode == kBarrierWaitOnly ? 0 : 1)) & 1u);
+        if (mode != kBarrierWaitOnly) ws->desc[s_slot][me] = *desc;  // my own entry, and the source of puts
       }
     }
     __syncthreads();
@@ -245,29 +254,32 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
       const int peer = threadIdx.x;
       bool far = false;
       if constexpr (Tr::kHasRemote) far = tr.is_remote(peer);
-      if (desc != nullptr && peer != me) {
-        OpDesc* dst = &tr.workspace(far ? me : peer)->desc[s_slot][me];
-        if (!far) {
-          *dst = *desc;
-        } else if constexpr (Tr::kHasRemote) {
-          tr.put_block(dst, &ws->desc[s_slot][me], sizeof(OpDesc), peer);  // same offset in peer's workspace
+      uint64_t target = ws->expected[peer];
+      if (mode != kBarrierWaitOnly) {
+        if (desc != nullptr && peer != me) {
+          OpDesc* dst = &tr.workspace(far ? me : peer)->desc[s_slot][me];
+          if (!far) {
+            *dst = *desc;
+          } else if constexpr (Tr::kHasRemote) {
+            tr.put_block(dst, &ws->desc[s_slot][me], sizeof(OpDesc), peer);  // same offset in peer's workspace
+          }
         }
+        if (far) puts(peer);
+        signal_peer(tr, peer, me);
+        if constexpr (Tr::kHasRemote && !std::is_same<Puts, NoPuts>::value) {
+          if (far) tr.quiet();  // the hook's puts have read their sources: the rank may rewrite them afterwards
+        }
+        ws->expected[peer] = ++target;
       }
-      if (far) puts(peer);
-      signal_peer(tr, peer, me);
-      if constexpr (Tr::kHasRemote && !std::is_same<Puts, NoPuts>::value) {
-        if (far) tr.quiet();  // the hook's puts have read their sources: the rank may rewrite them afterwards
-      }
-      const uint64_t target = ws->expected[peer] + 1;
-      ws->expected[peer] = target;
-      if (!wait_for([&] { return signals_from(tr, ws, peer); }, target, tr.timeout_ns())) {
+      if (mode != kBarrierSignalOnly &&
+          !wait_for([&] { return signals_from(tr, ws, peer); }, target, tr.timeout_ns())) {
         record_timeout(ws, kStatusPeerTimeout, me, peer, phase);
         s_ok = 0;  // benign race: every writer stores 0
       }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      if (s_ok && desc != nullptr) {
+      if (s_ok && desc != nullptr && mode != kBarrierSignalOnly) {
         gpu::fence_acq_rel_sys();  // the peers' descriptors arrived with their signals
         s_ok = exchange_verdict(tr, ws, *desc, s_slot);
       }

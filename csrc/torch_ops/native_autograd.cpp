@@ -219,6 +219,14 @@ PYBIND11_MODULE(_native_torch, m) {
   m.def("unregister_context", [](int64_t id) { omniep_torch::set_context(id, nullptr); }, "Forget context `id` (its ops fail from now on). Call before the EpRank goes away.");
   m.def("set_sync", [](int64_t id, bool sync) { omniep_torch::context_of(id).sync = sync; },
         "OMNIEP_CHECKS=sync (True) or default for context `id` from now on.");
+  m.def("send_only_next", [](int64_t id, bool on) { omniep_torch::context_of(id).send_only_next = on; },
+        "Whether the next expert-major dispatch / combine of context `id` launches its sends only (then "
+        "`receive` runs the rest); the next dispatch or combine clears it.");
+  m.def("pending_receive", [](int64_t id) { return omniep_torch::context_of(id).rank->pending_receive(); },
+        "The sequence number of context `id`'s send_only op whose second half has not run (0: none).");
+  m.def("receive", &omniep_torch::receive, py::arg("id"), py::arg("seq"),
+        "Run the second half of context `id`'s send_only op `seq` on the current stream (DeepEP's receive "
+        "hook); False when it is not pending (it ran already).");
   m.def("take_raised", [](int64_t id) -> py::object {
         auto& c = omniep_torch::context_of(id);
         if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();

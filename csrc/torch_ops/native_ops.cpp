@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/args.h"
@@ -87,6 +88,26 @@ void after_op(Context& c, const char* op) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream_of(c), &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone) return;
   check(c, op);
+}
+
+// An op's descriptor (EpRank::begin). A receive still pending (a send_only op whose hook was not
+// called) runs first, on this op's stream: the op reuses its buffers.
+template <typename... A>
+OpDesc begin_op(Context& c, A... args) {
+  if (c.rank->pending_receive() != 0) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+    c.rank->receive(stream_of(c));
+  }
+  return c.rank->begin(args...);
+}
+
+bool receive(int64_t ctx, int64_t seq) {
+  Context& c = context_of(ctx);
+  if (seq == 0 || c.rank->pending_receive() != static_cast<uint32_t>(seq)) return false;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
+  c.rank->receive(stream_of(c));
+  after_op(c, "receive");
+  return true;
 }
 
 // ---- argument checks ---------------------------------------------------------------------------------
@@ -290,12 +311,13 @@ HandleView handle_view(const std::vector<Tensor>& h, const Context& c, int64_t n
 namespace {
 
 // dispatch, and dispatch_fp8 (cast_from: the bf16 rows the expert-major kernel casts into x_in /
-// x_scales_in, fresh staging tensors, before sending them).
+// x_scales_in, fresh staging tensors, before sending them; round_scale: power-of-two scales).
 DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor* cast_from,
-                          const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts,
+                          bool round_scale, const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts,
                           int64_t layout, int64_t capacity, int64_t expert_alignment) {
   Context& c = context_of(ctx);
   const bool em = layout == 1;
+  const bool send_only = std::exchange(c.send_only_next, false) && em;
   const int64_t T = topk_idx_in.dim() == 2 ? topk_idx_in.size(0) : 0;
   const int64_t K = topk_idx_in.dim() == 2 ? topk_idx_in.size(1) : 0;
   const int64_t R = c.world;
@@ -316,7 +338,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   // tells ranks with another T apart).
   const int64_t cap = capacity >= 0 ? capacity : (em ? R * T : -1);
   if (cap > 0x7ffffffe) chk.fail("capacity " + std::to_string(cap) + " is too large");
-  OpDesc d = c.rank->begin(omniep::kOpDispatch, static_cast<int>(num_experts), static_cast<int>(H),
+  OpDesc d = begin_op(c, omniep::kOpDispatch, static_cast<int>(num_experts), static_cast<int>(H),
                            desc_dtype(x_in), static_cast<int>(layout), static_cast<int>(cap), -1, static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
@@ -387,6 +409,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     omniep::EMDispatchCall e = {};
     e.route = &p;
     e.cast_src = cast_from != nullptr ? cast_from->data_ptr() : nullptr;
+    e.cast_round_scale = round_scale;
     e.x = x.data_ptr();
     e.row_bytes = H * x.element_size();
     e.x2 = fp8 ? x_scales->data_ptr() : nullptr;
@@ -400,6 +423,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     e.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
     e.recv_topk_idx = recv_idx.data_ptr<int32_t>();
     e.recv_topk_weights = recv_w.data_ptr<float>();
+    e.send_only = send_only;
     c.rank->em_dispatch(e, d, s);
   } else {
     omniep::DispatchCall q = {};
@@ -438,12 +462,13 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
 DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
                           int64_t capacity, int64_t expert_alignment) {
-  return dispatch_impl(x, x_scales, nullptr, topk_idx, topk_weights, ctx, num_experts, layout, capacity,
+  return dispatch_impl(x, x_scales, nullptr, false, topk_idx, topk_weights, ctx, num_experts, layout, capacity,
                        expert_alignment);
 }
 
-DispatchOut dispatch_fp8_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights, int64_t ctx,
-                              int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment) {
+DispatchOut dispatch_fp8_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights, bool round_scale,
+                              int64_t ctx, int64_t num_experts, int64_t layout, int64_t capacity,
+                              int64_t expert_alignment) {
   Context& c = context_of(ctx);
   // Staging for the cast (shaped from x as far as x has a shape: dispatch_impl checks x itself).
   const bool two_d = x_in.dim() == 2;
@@ -452,7 +477,8 @@ DispatchOut dispatch_fp8_cuda(const Tensor& x_in, const Tensor& topk_idx, const 
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const Tensor x8 = device_empty({T, H}, at::kFloat8_e4m3fn, c);
   const Tensor scales = device_empty({T, H / 128}, at::kFloat, c);
-  return dispatch_impl(x8, scales, &x, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
+  return dispatch_impl(x8, scales, &x, round_scale, topk_idx, topk_weights, ctx, num_experts, layout, capacity,
+                       expert_alignment);
 }
 
 // Rank-major rows only with a handle: a cached dispatch (op kCachedDispatch) or combine_bwd.
@@ -464,7 +490,7 @@ std::tuple<Tensor, Tensor> dispatch_rows(Context& c, const Tensor& x_in, const s
   const int64_t H = chk.tokens(x_in, x_scales_in, T);
   HandleView h = handle_view(handle, c, num_experts, false);
   const int64_t rows = handle[0].size(0);
-  OpDesc d = c.rank->begin(op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(x_in), 0,
+  OpDesc d = begin_op(c, op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(x_in), 0,
                            static_cast<int>(h.capacity), static_cast<int>(h.seq), 0);
   if (!chk.error.empty()) reject(c, d, chk.error);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
@@ -511,6 +537,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
                                         const Tensor* g_recv_w_in, const std::vector<Tensor>& handle,
                                         int64_t num_experts, int64_t layout, const char* what) {
   const bool em = layout == 1;
+  const bool send_only = std::exchange(c.send_only_next, false) && em;
   Checker chk{c, {}};
   HandleView h = handle_view(handle, c, num_experts, em);
   const int64_t T = handle[2].size(0), K = handle[2].size(1), L = num_experts / c.world;
@@ -526,7 +553,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
                " " + shape_str(*g_recv_w_in));
     }
   }
-  OpDesc d = c.rank->begin(op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(y_in),
+  OpDesc d = begin_op(c, op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(y_in),
                            static_cast<int>(layout), static_cast<int>(h.capacity), static_cast<int>(h.seq),
                            static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
@@ -572,6 +599,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
     e.topk_weights = weights_in != nullptr ? w.data_ptr<float>() : nullptr;
     e.copy_slot = h.routing + h.parts.copy_slot;
     e.recv_expert_count = h.routing + h.parts.recv_expert_count;
+    e.send_only = send_only;
     c.rank->em_combine(e, d, s);
   } else {
     omniep::CombineCall q = {};
@@ -626,7 +654,7 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
     chk.combine_input(*y_in, {L, C}, "[num_local_experts, capacity, H]");
     if (y_in->scalar_type() != g_out_in.scalar_type()) chk.fail("y and g_out must have the same dtype");
   }
-  OpDesc d = c.rank->begin(omniep::kOpCombineBwd, static_cast<int>(num_experts), static_cast<int>(H),
+  OpDesc d = begin_op(c, omniep::kOpCombineBwd, static_cast<int>(num_experts), static_cast<int>(H),
                            desc_dtype(g_out_in), 1, static_cast<int>(h.capacity), static_cast<int>(h.seq),
                            static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);

@@ -22,6 +22,7 @@ struct Context {
   int device;
   bool sync;              // OMNIEP_CHECKS=sync
   omniep::Status raised;  // the status behind the last exception an op threw (Python reads it)
+  bool send_only_next = false;  // the next expert-major dispatch / combine launches its sends only
 };
 
 inline constexpr int kMaxContexts = 4096;
@@ -29,15 +30,21 @@ Context& context_of(int64_t id);
 // Makes context `id` run its ops on `rank` (kept alive by the caller); nullptr forgets it.
 void set_context(int64_t id, Context* c);
 
+// The second half of the context's send_only op `seq` (DeepEP's receive hook), on the current stream;
+// false when it is not pending (it ran already: any later op runs it first).
+bool receive(int64_t ctx, int64_t seq);
+
 using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
 
 // The CUDA kernels of the ops (the schemas: omniep/frontends/torch_ops.py).
 DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
                           int64_t capacity, int64_t expert_alignment);
-// dispatch of DeepEP's fp8 cast of x (bf16), done by the expert-major dispatch kernel itself.
-DispatchOut dispatch_fp8_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t ctx,
-                              int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment);
+// dispatch of DeepEP's fp8 cast of x (bf16), done by the expert-major dispatch kernel itself
+// (round_scale: the scales rounded up to powers of two).
+DispatchOut dispatch_fp8_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, bool round_scale,
+                              int64_t ctx, int64_t num_experts, int64_t layout, int64_t capacity,
+                              int64_t expert_alignment);
 std::tuple<Tensor, Tensor> cached_dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales,
                                                 at::TensorList handle, int64_t ctx, int64_t num_experts,
                                                 int64_t layout, int64_t capacity, int64_t expert_alignment);

@@ -47,6 +47,10 @@ class TorchGroupBackend(EPBackend):
 
     framework = "torch"
     ops_namespace = "omniep"  # omniep_native for the C++ ops
+    # Whether an expert-major dispatch / combine can launch its sends only and leave the rest to a
+    # receive hook (send_only_next / receive: the native backends). Elsewhere an op's data has
+    # arrived when its call returns.
+    recv_hooks = False
 
     def __init__(self, group=None):
         import torch
@@ -132,10 +136,10 @@ class PythonOps:
                     expert_alignment: int) -> tuple:
         raise NotImplementedError
 
-    def op_dispatch_fp8(self, x, topk_idx, topk_weights, num_experts: int, layout: int, capacity: int,
-                        expert_alignment: int) -> tuple:
+    def op_dispatch_fp8(self, x, topk_idx, topk_weights, round_scale: bool, num_experts: int, layout: int,
+                        capacity: int, expert_alignment: int) -> tuple:
         """op_dispatch of :func:`quantize_fp8` of ``x`` (the native kernels cast while they send)."""
-        x8, scales = quantize_fp8(x)
+        x8, scales = quantize_fp8(x, round_scale=round_scale)
         return self.op_dispatch(x8, scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment)
 
     def op_cached_dispatch(self, x, x_scales, handle: list, num_experts: int, layout: int, capacity: int,
@@ -171,8 +175,9 @@ def default_group(group: Optional[object]):
     return group if group is not None else dist.group.WORLD
 
 
-def quantize_fp8(x, block: int = 128) -> tuple:
-    """DeepEP's low-latency fp8 cast: per token and ``block`` channels, ``scale = max(amax, 1e-4) / 448``,
+def quantize_fp8(x, block: int = 128, round_scale: bool = False) -> tuple:
+    """DeepEP's low-latency fp8 cast: per token and ``block`` channels, ``scale = max(amax, 1e-4) / 448``
+    (``round_scale``: rounded up to the next power of two, DeepEP's ``round_scale``; a NaN stays NaN),
     ``x_fp8 = float8_e4m3fn(x / scale)``. Returns ``(x_fp8 [T, H], scales [T, H / block] float32)``. The
     native expert-major dispatch casts in its kernel to the same bits (``dispatch(..., use_fp8=True)``)."""
     import torch
@@ -184,5 +189,17 @@ def quantize_fp8(x, block: int = 128) -> tuple:
     # Divide by a tensor: on CUDA torch turns division by a Python scalar into multiplication by its
     # reciprocal, which rounds differently from the division the contract (and NumPy) does.
     scales = xf.abs().amax(dim=-1).clamp(min=1e-4) / torch.full((), 448.0, device=x.device)
+    if round_scale:  # exponent + 1 unless the mantissa is zero: the scales are positive, so no sign bit
+        bits = scales.view(torch.int32)
+        up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scales = torch.where(scales.isnan(), scales, ((((bits >> 23) & 0xFF) + up) << 23).view(torch.float32))
     x8 = (xf / scales.unsqueeze(-1)).reshape(T, H).to(torch.float8_e4m3fn)
     return x8, scales.contiguous()
+
+
+def pack_ue8m0(scales):
+    """Power-of-two fp32 scales ``[..., S]`` (``S % 4 == 0``) as DeepEP's UE8M0 ``int32 [..., S / 4]``: each
+    scale's exponent byte (``bits >> 23``), four to an int32, the first scale in the lowest byte."""
+    import torch
+
+    return ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.int32)

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
-from ..backends.torch_group import default_group
+from ..backends.torch_group import default_group, pack_ue8m0
 from ..ep_core import registry
 from ..ep_core.errors import InputError, OmniEPError, UnsupportedError
 from ..ep_core.types import Dispatched, DispatchConfig, Layout, frozen_new
@@ -165,7 +165,8 @@ def _config_ints(num_experts, capacity, expert_alignment) -> tuple:
 
 def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int, group=None,
              capacity: Optional[int] = None, expert_alignment: int = 1, layout="rank_major",
-             backend: Optional[str] = None, use_fp8: bool = False, zero_padding: bool = False) -> Dispatched:
+             backend: Optional[str] = None, use_fp8: bool = False, round_scale: bool = False,
+             use_ue8m0: bool = False, zero_padding: bool = False) -> Dispatched:
     """Send every token to the ranks holding the experts it chose (DESIGN §2).
 
     ``x[T, H]`` bf16/fp16/fp32, or ``(x[T, H] float8_e4m3fn, x_scales[T, H/128] float32)`` (bytes moved
@@ -191,7 +192,10 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     travel as ``(float8_e4m3fn, scales[H / 128] float32)``, cast per token and 128 channels with
     ``scale = max(amax, 1e-4) / 448`` — on the native backends inside the dispatch kernel — and the result
     is bit for bit that of dispatching the pair :func:`omniep.backends.torch_group.quantize_fp8` gives.
-    Not differentiable.
+    Not differentiable. ``round_scale=True``: each scale rounded up to a power of two (DeepEP's
+    ``round_scale``); ``use_ue8m0=True`` (needs ``round_scale`` and ``H % 512 == 0``): the scales come
+    back as DeepEP's UE8M0, ``int32 [L, C, H / 512]`` holding four exponent bytes each (scale ``j`` in byte
+    ``j % 4`` of int ``j // 4``; :func:`~omniep.backends.torch_group.pack_ue8m0`).
 
     ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
     (DESIGN §2) — for a dense expert (``bmm`` over every slot) whose gradients must not see the padding;
@@ -228,9 +232,17 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
             raise InputError(f"use_fp8 casts a bfloat16 x, got {str(x.dtype).replace('torch.', '')}")
         if x.requires_grad:
             raise InputError("use_fp8: fp8 rows carry no gradient, but x requires grad (pass x.detach())")
+        if use_ue8m0 and not round_scale:
+            raise InputError("use_ue8m0 packs power-of-two scales: it needs round_scale=True")
+        if use_ue8m0 and (x.dim() != 2 or x.shape[1] % 512):
+            raise InputError(f"use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got "
+                             f"x of shape {tuple(x.shape)}")
+    elif round_scale or use_ue8m0:
+        raise InputError("round_scale / use_ue8m0 shape the scales of the fp8 cast: they need use_fp8=True")
     try:
         if use_fp8:
-            out = _ops(ctx, x).dispatch_fp8(x, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+            out = _ops(ctx, x).dispatch_fp8(x, topk_idx, topk_weights, bool(round_scale), ctx.id, experts, code,
+                                            cap, align)
         else:
             out = _ops(ctx, x).dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
@@ -243,7 +255,7 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     recv_w = out[3].detach() if out[3].requires_grad else out[3]
     handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
                            "topk_weights": topk_weights})
-    recv_x = (out[0], out[1]) if x_scales is not None or use_fp8 else out[0]
+    recv_x = (out[0], pack_ue8m0(out[1]) if use_ue8m0 else out[1]) if x_scales is not None or use_fp8 else out[0]
     if zero_padding and lay == Layout.EXPERT_MAJOR:
         recv_x = _zero_padding((out[2] >= 0).unsqueeze(-1), recv_x)
     return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],

@@ -25,13 +25,21 @@ Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``) is omniep'
 ``recv_x[L, R * num_max_dispatch_tokens_per_rank, H]``, copies ordered by (source rank, source token)
 inside each expert (DeepEP packs them in arrival order), combine weighted in k order, fp32, one
 rounding. ``use_fp8`` quantizes as DeepEP does (per token and 128 channels, ``scale = amax / 448``,
-amax at least 1e-4) before the rows move; UE8M0 / power-of-two scales and LogFMT are not served.
-There is no receive hook to call: the data is there when the call returns (a hook is returned, and is
-a no-op, where DeepEP returns one).
+amax at least 1e-4; ``round_scale`` rounds it up to a power of two, ``use_ue8m0`` returns those as
+DeepEP's packed UE8M0 int32) before the rows move; LogFMT is not served. The handle is a
+:class:`LowLatencyHandle`, which answers DeepEP's ``handle[0]`` (each copy's source token) and
+``handle[1]`` (each source rank's slot range per expert). ``return_recv_hook=True`` on the native backends
+(CUDA tensors) splits the op as DeepEP does: the call launches the sends only (for the dispatch: the fp8
+cast, the count exchange and the rows pushed to their experts; for the combine: the expert outputs
+made readable to the peers) and frees the GPU; the returned hook launches the rest on the current
+stream (the wait for every peer, then the results — the combine pulls and sums its rows there). Only
+one op may be split at a time: a later omniep op runs a pending receive first. On the ``collective``
+backend an op's data has arrived when the call returns and the hook does nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -65,6 +73,52 @@ class BufferHandle(Handle):
         matrix = torch.full((ctx.world, ctx.world), -1, dtype=torch.int32, device=counts.device)
         matrix[:, ctx.rank] = torch.cumsum(counts, 0, dtype=torch.int32)
         return matrix
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyHandle(Handle):
+    """The handle :meth:`Buffer.low_latency_dispatch` returns: omniep's expert-major handle, which also
+    answers DeepEP's tuple entries ``handle[0..4]``:
+
+    0. ``src_info [L, C]`` int32: the source token index (on its rank) of the copy in each slot;
+    1. ``layout_range [L, R]`` int64: ``(first slot << 32) | count`` of the copies each source rank sent
+       to each local expert (their slots are contiguous: copies are ordered by source rank, then token);
+    2. ``num_max_dispatch_tokens_per_rank``; 3. ``hidden``; 4. ``num_experts``.
+
+    Slots at or past an expert's count hold unspecified ``src_info`` (as in DeepEP). The dispatch carries
+    each copy's source in the routing weights it sends (``rank * num_max_dispatch_tokens_per_rank +
+    token``, exact in float32 below 2**24): ``low_latency_combine`` weights with the ``topk_weights``
+    it is given, never with those."""
+
+    num_max_dispatch_tokens_per_rank: int = 0
+    hidden: int = 0
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, index):
+        if index in (0, 1):
+            src, layout = self._sources()
+            return src if index == 0 else layout
+        if index in (2, 3, 4):
+            return (self.num_max_dispatch_tokens_per_rank, self.hidden, self.config.num_experts)[index - 2]
+        raise IndexError(f"a low-latency handle has DeepEP's five entries (0-4), got [{index!r}]")
+
+    def _sources(self) -> tuple:
+        cached = self.__dict__.get("_decoded")
+        if cached is None:
+            recv_idx, carried = self.tensors[0], self.tensors[1]
+            M, R = self.num_max_dispatch_tokens_per_rank, self.config.num_ranks
+            code = carried.to(torch.int64)
+            src = (code % M).to(torch.int32)
+            rank = torch.where(recv_idx >= 0, code // M, R)  # padding slots into an extra bucket
+            counts = torch.zeros((code.shape[0], R + 1), dtype=torch.int64, device=code.device)
+            counts.scatter_add_(1, rank, torch.ones_like(rank))
+            counts = counts[:, :R]
+            layout = ((counts.cumsum(1) - counts) << 32) | counts
+            cached = (src, layout)
+            object.__setattr__(self, "_decoded", cached)
+        return cached
 
 
 class Config:
@@ -116,6 +170,7 @@ class Config:
 
 
 _MAX_TOPK = _MAX_SCALES = 128
+_EXACT_IN_F32 = 1 << 24  # integers up to here are exact in float32 (the low-latency handle's sources)
 _NVL_PEERS = 8  # GPUs of a node on one NVLink domain (DeepEP's normal-mode node)
 
 # DeepEP's recommended configs by EP size (num_sms filled in at call time):
@@ -233,6 +288,7 @@ class Buffer:
         self._destroyed = False
         self._ll_hidden = 0  # H of the last low_latency_dispatch (sizes get_next_low_latency_combine_buffer)
         self._ll_combine_buffer = None
+        self._ll_sources: dict = {}  # (topk_idx shape, M, device) -> the source-carrying weights
 
     # ---- life cycle ------------------------------------------------------------------------------
 
@@ -473,8 +529,9 @@ class Buffer:
         ``T <= num_max_dispatch_tokens_per_rank``; ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
         Returns ``(recv_x, recv_count, handle, event, hook)``: ``recv_x[L, C, H]`` with
         ``C = R * num_max_dispatch_tokens_per_rank`` (or, with ``use_fp8``, ``(x_fp8 [L, C, H],
-        scales [L, C, H / 128] float32)``), slots past ``recv_count[l]`` unspecified (as in DeepEP);
-        ``recv_count [L]`` int32;
+        scales [L, C, H / 128] float32)``; ``round_scale``: powers of two; ``use_ue8m0``: those packed as
+        ``int32 [L, C, H / 512]``, needs ``round_scale``), slots past ``recv_count[l]`` unspecified (as in
+        DeepEP); ``recv_count [L]`` int32; ``handle`` a :class:`LowLatencyHandle`;
         ``hook`` a no-op callable when ``return_recv_hook`` (the rows have arrived), else None.
         ``cumulative_local_expert_recv_stats [L]`` int32, if given, gets ``recv_count`` added.
         """
@@ -482,20 +539,51 @@ class Buffer:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
             raise InputError(f"low_latency_dispatch: x must be a [T, H] bfloat16 tensor (DeepEP's low-latency "
                              f"input), got {_described(x)}")
-        if round_scale or use_ue8m0:
-            raise UnsupportedError(self.backend, "power-of-two / UE8M0 fp8 scales (round_scale, use_ue8m0)")
-        T = int(topk_idx.shape[0]) if topk_idx.dim() else 0
-        if T > num_max_dispatch_tokens_per_rank:
-            raise InputError(f"{T} tokens but num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
-        ones = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        d = dispatch(x.detach() if use_fp8 else x, topk_idx, ones, num_experts=num_experts, group=self.group,
-                     capacity=self.group_size * num_max_dispatch_tokens_per_rank, layout=Layout.EXPERT_MAJOR,
-                     backend=self.backend, use_fp8=use_fp8)
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise InputError("low_latency_dispatch: round_scale / use_ue8m0 shape fp8 scales: they need use_fp8=True")
+        if not _int_at_least(num_max_dispatch_tokens_per_rank, 1):
+            raise InputError(f"low_latency_dispatch: num_max_dispatch_tokens_per_rank must be a positive int, got "
+                             f"{num_max_dispatch_tokens_per_rank!r}")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+            raise InputError(f"low_latency_dispatch: topk_idx must be a [num_tokens, num_topk] tensor, got "
+                             f"{_described(topk_idx)}")
+        M = num_max_dispatch_tokens_per_rank
+        T = int(topk_idx.shape[0])
+        if T > M:
+            raise InputError(f"{T} tokens but num_max_dispatch_tokens_per_rank={M}")
+        if self.group_size * M > _EXACT_IN_F32:
+            raise InputError(f"low_latency_dispatch: {self.group_size} ranks x num_max_dispatch_tokens_per_rank={M} "
+                             f"exceeds the {_EXACT_IN_F32} copies whose sources the handle can name")
+        sources = self._sources(topk_idx, M)
+        with self._sends_only(return_recv_hook and x.is_cuda) as hook:
+            d = dispatch(x.detach() if use_fp8 else x, topk_idx, sources, num_experts=num_experts,
+                         group=self.group, capacity=self.group_size * M, layout=Layout.EXPERT_MAJOR,
+                         backend=self.backend, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
         count = d.num_recv_tokens_per_expert
         self._ll_hidden = int(x.shape[1])
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
-        return d.recv_x, count, d.handle, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)
+        handle = LowLatencyHandle(d.handle.tensors, d.handle.context, d.handle.config, d.handle.topk_weights,
+                                  M, self._ll_hidden)
+        return d.recv_x, count, handle, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
+
+    def _sends_only(self, split: bool) -> "_ReceiveHook":
+        """Around one expert-major op: with ``split`` on a backend that can (``recv_hooks``), the op launches
+        its sends only and the returned hook's ``call`` launches the rest; otherwise ``call`` does nothing."""
+        return _ReceiveHook(self._context if split and self._context.recv_hooks else None)
+
+    def _sources(self, topk_idx: torch.Tensor, M: int) -> torch.Tensor:
+        """``[T, K]`` float32 ``rank * M + t``: what the low-latency dispatch sends as each copy's routing
+        weight, so that the receiver knows its source (:class:`LowLatencyHandle`). Made once per shape."""
+        key = (tuple(topk_idx.shape), M, topk_idx.device)
+        carried = self._ll_sources.get(key)
+        if carried is None:
+            if len(self._ll_sources) >= 64:  # token counts vary step to step: keep the cache small
+                self._ll_sources.clear()
+            T, K = key[0]
+            rows = torch.arange(T, dtype=torch.float32, device=topk_idx.device) + float(self.rank * M)
+            carried = self._ll_sources[key] = rows.unsqueeze(1).expand(T, K).contiguous()
+        return carried
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -517,14 +605,17 @@ class Buffer:
         if tuple(topk_idx.shape) != routed or tuple(topk_weights.shape) != tuple(topk_idx.shape):
             raise InputError(f"topk_idx {tuple(topk_idx.shape)} / topk_weights {tuple(topk_weights.shape)} must "
                              f"match the dispatch's {routed}")
-        combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
+        T = int(handle.tensors[2].shape[0])
+        if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, x.shape[2]) or
+                                out.dtype != x.dtype):
+            raise InputError(f"low_latency_combine: out must be a {x.dtype} tensor of shape {(T, int(x.shape[2]))} "
+                             f"(tokens, hidden), got {_described(out)}")
+        with self._sends_only(return_recv_hook and x.is_cuda) as hook:
+            combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
         if out is not None:
-            if not isinstance(out, torch.Tensor) or out.shape != combined.shape or out.dtype != combined.dtype:
-                raise InputError(f"low_latency_combine: out must be a {combined.dtype} tensor of shape "
-                                 f"{tuple(combined.shape)} (tokens, hidden), got {_described(out)}")
-            out.copy_(combined)
+            hook.then(out.copy_, combined)  # after the sums (with a hook: when it is called)
             combined = out
-        return combined, _after(async_finish, x.device), (_no_hook if return_recv_hook else None)
+        return combined, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
 
 
 def _check_config(config) -> None:
@@ -532,5 +623,40 @@ def _check_config(config) -> None:
         raise InputError(f"config must be an omniep.torch.Config (or None), got {type(config).__name__}")
 
 
-def _no_hook() -> None:
-    """DeepEP's receive hook: here the rows have arrived when the call returns, so there is nothing to do."""
+class _ReceiveHook:
+    """DeepEP's receive hook of one low-latency op. As a context manager around the op on a backend
+    with receive hooks (``ctx``), it makes the op launch its sends only; :meth:`call` (the hook) then
+    launches the rest on the current stream — the wait for the peers, then the results — once (a later
+    omniep op runs it first if the hook was not called). Without ``ctx`` the op is whole and ``call``
+    does nothing but what :meth:`then` added. Nothing here waits on the host."""
+
+    __slots__ = ("ctx", "seq", "after")
+
+    def __init__(self, ctx) -> None:
+        self.ctx, self.seq, self.after = ctx, 0, None
+
+    def __enter__(self) -> "_ReceiveHook":
+        if self.ctx is not None:
+            self.ctx.send_only_next(True)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.ctx is not None:
+            self.ctx.send_only_next(False)  # the op consumed it; an op that failed before may not have
+            self.seq = self.ctx.pending_receive() if exc_type is None else 0
+
+    def then(self, fn, *args) -> None:
+        """Run ``fn(*args)`` after the rest of the op: now without a split, else inside :meth:`call`."""
+        if self.seq:
+            self.after = (fn, args)
+        else:
+            fn(*args)
+
+    def call(self) -> None:
+        if self.seq:
+            self.ctx.receive(self.seq)
+            self.seq = 0
+            if self.after is not None:
+                fn, args = self.after
+                fn(*args)
+

@@ -25,8 +25,9 @@ SCHEMAS = {
     #    num_recv_tokens_per_expert [L], dropped [], handle tensors (the backend's)
     "dispatch": f"(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor topk_weights, {CONFIG}) -> "
                 f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
-    # dispatch of DeepEP's fp8 cast of x (bf16 [T, H]): the outputs of dispatch((x_fp8, scales), ...)
-    "dispatch_fp8": f"(Tensor x, Tensor topk_idx, Tensor topk_weights, {CONFIG}) -> "
+    # dispatch of DeepEP's fp8 cast of x (bf16 [T, H]): the outputs of dispatch((x_fp8, scales), ...);
+    # round_scale: power-of-two scales
+    "dispatch_fp8": f"(Tensor x, Tensor topk_idx, Tensor topk_weights, bool round_scale, {CONFIG}) -> "
                     f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
     "cached_dispatch": f"(Tensor x, Tensor? x_scales, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
     "combine": f"(Tensor y, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor[] handle, {CONFIG}) -> Tensor",
@@ -64,7 +65,7 @@ def _fake_dispatch(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout
             be.fake_handle(topk_idx, num_experts, layout, rows))
 
 
-def _fake_dispatch_fp8(x, topk_idx, topk_weights, *config):
+def _fake_dispatch_fp8(x, topk_idx, topk_weights, round_scale, *config):
     T, H = x.shape
     return _fake_dispatch(x.new_empty((T, H), dtype=torch.float8_e4m3fn), x.new_empty((T, H // 128), dtype=torch.float32),
                           topk_idx, topk_weights, *config)

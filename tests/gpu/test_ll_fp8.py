@@ -22,12 +22,18 @@ def test_use_fp8_is_torchs_cast_bit_for_bit():
     results = run_ranks(harness.session, 2, args=(48, 512, 16, 4), timeout=300,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
     for r, res in enumerate(results):
-        assert np.array_equal(res["got_count"], res["want_count"]), r
-        assert res["want_count"].sum() > 0, r
-        for key in ("x8", "scales"):
-            got, want = res["got_" + key], res["want_" + key]
-            assert got.shape == want.shape and got.dtype == want.dtype, (r, key, got.dtype, want.dtype)
-            bad = np.argwhere(got.view(np.uint8) != want.view(np.uint8))
-            assert bad.size == 0, f"rank {r} {key}: {len(bad)} bytes differ, first at {tuple(bad[0])}"
+        for tag in ("", "round_", "ue8m0_"):  # default, power-of-two and UE8M0-packed scales
+            assert np.array_equal(res[tag + "got_count"], res[tag + "want_count"]), (r, tag)
+            assert res[tag + "want_count"].sum() > 0, (r, tag)
+            for key in ("x8", "scales"):
+                got, want = res[tag + "got_" + key], res[tag + "want_" + key]
+                assert got.shape == want.shape and got.dtype == want.dtype, (r, tag, key, got.dtype, want.dtype)
+                bad = np.argwhere(got.view(np.uint8) != want.view(np.uint8))
+                assert bad.size == 0, f"rank {r} {tag}{key}: {len(bad)} bytes differ, first at {tuple(bad[0])}"
+        assert res["ue8m0_got_scales"].dtype == np.int32 and res["ue8m0_got_scales"].shape[-1] == 512 // 512
+        # round_scale's scales are powers of two (mantissa bits zero) wherever they are finite
+        bits = res["local_round_scales"].view(np.int32)
+        finite = np.isfinite(res["local_round_scales"])
+        assert (bits[finite] & 0x7FFFFF == 0).all() and finite.sum() > 0
         # The edge rows did reach the cast: NaN scales / fp8 NaN codes and the 1e-4 floor are there.
         assert np.isnan(res["local_scales"]).any() and (res["local_scales"] == np.float32(1e-4) / 448).any()

@@ -29,7 +29,7 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
     import torch.distributed as dist
 
     from omniep import torch as ep
-    from omniep.backends.torch_group import quantize_fp8
+    from omniep.backends.torch_group import pack_ue8m0, quantize_fp8
     from omniep.testing.torch_bits import to_numpy
 
     torch.cuda.set_device(0)
@@ -41,17 +41,23 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
         idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
         w = torch.rand(T, K, generator=gen).cuda()
         kw = dict(num_experts=E, capacity=world * T, layout="expert_major")
-        got = ep.dispatch(x, idx, w, use_fp8=True, **kw)
-        want = ep.dispatch(quantize_fp8(x), idx, w, **kw)
-        held = (want.recv_topk_idx >= 0).unsqueeze(-1)
         zero = torch.zeros((), device=x.device)
-        counted = [torch.where(held, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
-                               zero.to(torch.uint8 if t.dtype == torch.float8_e4m3fn else t.dtype))
-                   for t in (*got.recv_x, *want.recv_x)]
+        out = {}
+        # "": DeepEP's default scales; "round_": powers of two; "ue8m0_": those packed four to an int32
+        for tag, round_scale, ue8m0 in (("", False, False), ("round_", True, False), ("ue8m0_", True, True)):
+            got = ep.dispatch(x, idx, w, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0, **kw)
+            want = ep.dispatch(quantize_fp8(x, round_scale=round_scale), idx, w, **kw)
+            want_x = (want.recv_x[0], pack_ue8m0(want.recv_x[1])) if ue8m0 else want.recv_x
+            held = (want.recv_topk_idx >= 0).unsqueeze(-1)
+            counted = [torch.where(held, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                                   zero.to(torch.uint8 if t.dtype == torch.float8_e4m3fn else t.dtype))
+                       for t in (*got.recv_x, *want_x)]
+            out.update({tag + "got_x8": counted[0], tag + "got_scales": counted[1], tag + "want_x8": counted[2],
+                        tag + "want_scales": counted[3], tag + "got_count": got.num_recv_tokens_per_expert,
+                        tag + "want_count": want.num_recv_tokens_per_expert})
         local8, local_s = quantize_fp8(x)
-        out = dict(got_x8=counted[0], got_scales=counted[1], want_x8=counted[2], want_scales=counted[3],
-                   got_count=got.num_recv_tokens_per_expert, want_count=want.num_recv_tokens_per_expert,
-                   local_x8=local8.view(torch.uint8), local_scales=local_s, x=x)
+        out.update(local_x8=local8.view(torch.uint8), local_scales=local_s, x=x,
+                   local_round_scales=quantize_fp8(x, round_scale=True)[1])
         out = {k: to_numpy(v) for k, v in out.items()}
         ep.destroy()
         return out

@@ -284,8 +284,16 @@ def buffer_ll_job(rank: int, job: dict) -> dict:
         return_recv_hook=True)
     hook()
     res = {"dispatch": [to_numpy(recv_x), to_numpy(count), _event(event)], "stats": to_numpy(stats)}
+    res["handle"] = [to_numpy(handle[0]), to_numpy(handle[1]), [handle[2], handle[3], handle[4]], len(handle)]
     (x8, scales), count8, _, _, no_hook = buf.low_latency_dispatch(x, idx, job["max_tokens"], case.num_experts)
     res["fp8"] = [to_numpy(x8), to_numpy(scales), to_numpy(count8), no_hook]
+    # Power-of-two scales, and UE8M0 on H = 512 (four scales per int32; the flipped half makes a
+    # token's scales differ from block to block, so the byte order shows)
+    (x8, scales), _, _, _, _ = buf.low_latency_dispatch(x, idx, job["max_tokens"], case.num_experts, round_scale=True)
+    wide = torch.cat([x, x.flip(1)], dim=1)
+    (w8, ue8m0), _, _, _, _ = buf.low_latency_dispatch(wide, idx, job["max_tokens"], case.num_experts,
+                                                       round_scale=True, use_ue8m0=True)
+    res["round_scale"] = [to_numpy(x8), to_numpy(scales), to_numpy(w8), to_numpy(ue8m0)]
     y = to_torch(job["y"][rank])
     out = torch.empty((x.shape[0], x.shape[1]), dtype=y.dtype, device=y.device)
     combined, event, _ = buf.low_latency_combine(y, idx, w, handle, out=out)

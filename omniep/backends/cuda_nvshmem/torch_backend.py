@@ -128,6 +128,23 @@ class NativeTorchBackend(TorchGroupBackend):
         """A bare device barrier over the group on the current stream (benchmarks align ranks with it)."""
         self.state.barrier()
 
+    recv_hooks = True
+
+    def send_only_next(self, on: bool) -> None:
+        """Make the next expert-major dispatch / combine launch its sends only (True), or not (False)."""
+        self._ops.send_only_next(self.id, on)
+
+    def pending_receive(self) -> int:
+        """The sequence number of the send-only op whose rest has not run yet (0: none)."""
+        return self._ops.pending_receive(self.id)
+
+    def receive(self, seq: int) -> bool:
+        """The rest of the send-only op ``seq`` on the current stream; False if it ran already."""
+        try:
+            return self._ops.receive(self.id, seq)
+        except (RuntimeError, ValueError) as exc:
+            raise self.translate(exc) from None
+
     def destroy(self) -> None:
         """Collective: unregister the ops' context, then release the rank (peers unmap first). A group
         that failed (a sticky status) releases without its peers (IpcRankState.destroy)."""

@@ -1,0 +1,32 @@
+"""DeepEP's receive hooks (issue 14 item 2) on the native backend: two processes share GPU 0 (CUDA IPC).
+``low_latency_dispatch`` / ``low_latency_combine`` with ``return_recv_hook=True`` launch their sends only;
+the results are not there until the hook runs (the combine's ``out`` still NaN, the dispatch's rows not
+yet the whole op's), and then they are bit for bit the whole op's; a hook called twice, or after a later
+op already ran the receive, does nothing (tests/harness/recv_hook.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from omniep.testing.procs import gpu_count, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+harness = pytest.importorskip("harness.recv_hook")
+
+
+def test_receive_hook_is_where_the_results_arrive():
+    if gpu_count() < 1:
+        pytest.skip("no NVIDIA GPU")
+    pytest.importorskip("omniep._native_torch")
+    results = run_ranks(harness.session, 2, args=(64, 512, 16, 4), timeout=300,
+                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
+    for r, res in enumerate(results):
+        for tag in ("bf16_", "fp8_"):
+            assert res[tag + "pending_before_hook"] > 0, (r, tag)  # the receive half waited for the hook
+            assert not res[tag + "dispatch_before_hook_equal"], (r, tag)
+            assert res[tag + "pending_after_hook"] == 0, (r, tag)
+            assert res[tag + "dispatch_equal"] and res[tag + "count_equal"], (r, tag)
+            assert res[tag + "combine_out_before_hook_nan"], (r, tag)
+            assert res[tag + "combine_equal"], (r, tag)
+            assert res[tag + "overtaken_equal"], (r, tag)

@@ -1,0 +1,81 @@
+"""Worker side of tests/gpu/test_recv_hook.py: DeepEP's receive hooks on the native backend. Each rank runs
+the same low-latency dispatch + combine twice, whole and split (``return_recv_hook=True``), and returns
+what the parent compares: the split results bit for bit the whole ones, and the split results NOT there
+before the hook is called (the hook is where the receive half runs)."""
+
+from __future__ import annotations
+
+import datetime
+
+
+def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+    from omniep.testing.torch_bits import to_numpy
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
+        idx[0, 0] = -1  # an unrouted copy too
+        w = torch.rand(T, K, generator=gen).cuda()
+        buf = ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+        res = {}
+        for use_fp8 in (False, True):
+            tag = "fp8_" if use_fp8 else "bf16_"
+            # whole ops: the reference (kept alive, so the split run cannot get their memory back)
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8)
+            rows = (recv[0].view(torch.uint8), recv[1]) if use_fp8 else (recv,)
+            y = (recv[0].float() * recv[1].repeat_interleave(128, dim=-1)).to(torch.bfloat16) if use_fp8 else recv
+            whole_out, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            torch.cuda.synchronize()
+            # split: poison what the allocator may hand out next, then send only
+            torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xA5)
+            s_recv, s_count, s_handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8,
+                                                                          return_recv_hook=True)
+            torch.cuda.synchronize()  # the sends are complete; the receive half has not run
+            s_rows = (s_recv[0].view(torch.uint8), s_recv[1]) if use_fp8 else (s_recv,)
+            counted = torch.arange(rows[0].shape[1], device=count.device).unsqueeze(0) < count.unsqueeze(1)
+            res[tag + "dispatch_before_hook_equal"] = all(
+                torch.equal(_mask(a, counted), _mask(b, counted)) for a, b in zip(s_rows, rows))
+            res[tag + "pending_before_hook"] = buf._context.pending_receive()
+            hook()
+            res[tag + "pending_after_hook"] = buf._context.pending_receive()
+            hook()  # a second call does nothing
+            res[tag + "dispatch_equal"] = all(torch.equal(_mask(a, counted), _mask(b, counted))
+                                              for a, b in zip(s_rows, rows))
+            res[tag + "count_equal"] = torch.equal(s_count, count)
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+            s_y = (s_recv[0].float() * s_recv[1].repeat_interleave(128, dim=-1)).to(torch.bfloat16) if use_fp8 \
+                else s_recv
+            combined, _, chook = buf.low_latency_combine(s_y, idx, w, s_handle, return_recv_hook=True, out=out)
+            torch.cuda.synchronize()
+            res[tag + "combine_out_before_hook_nan"] = bool(out.isnan().all())
+            chook()
+            res[tag + "combine_equal"] = combined is out and torch.equal(out, whole_out)
+            # an op issued before the hook runs the pending receive first: its results are complete
+            s2, _, _, _, late_hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8, return_recv_hook=True)
+            again, _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8)
+            late_hook()
+            s2_rows = (s2[0].view(torch.uint8), s2[1]) if use_fp8 else (s2,)
+            res[tag + "overtaken_equal"] = all(torch.equal(_mask(a, counted), _mask(b, counted))
+                                               for a, b in zip(s2_rows, rows))
+        ep.check()
+        buf.destroy()
+        ep.destroy()
+        return {k: (to_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in res.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _mask(t, counted):
+    """``t`` [L, C, ...] with its uncounted slots (``counted`` [L, C] False) zeroed: they are unspecified."""
+    import torch
+
+    keep = counted.reshape(t.shape[:2] + (1,) * (t.dim() - 2))
+    return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
