@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from ..backends.collective.torch_layout import dispatch_layout
+from ..backends.torch_group import pack_ue8m0
 from ..ep_core import validation as v
 from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
@@ -556,16 +557,24 @@ class Buffer:
                              f"exceeds the {_EXACT_IN_F32} copies whose sources the handle can name")
         sources = self._sources(topk_idx, M)
         with self._sends_only(return_recv_hook and x.is_cuda) as hook:
+            # Split, the scales are packed when they have arrived (by the hook), not now.
             d = dispatch(x.detach() if use_fp8 else x, topk_idx, sources, num_experts=num_experts,
                          group=self.group, capacity=self.group_size * M, layout=Layout.EXPERT_MAJOR,
-                         backend=self.backend, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+                         backend=self.backend, use_fp8=use_fp8, round_scale=round_scale,
+                         use_ue8m0=use_ue8m0 and not hook.split)
+        recv_x = d.recv_x
+        if use_ue8m0 and hook.split:
+            x8, scales = recv_x
+            packed = torch.empty(scales.shape[:-1] + (scales.shape[-1] // 4,), dtype=torch.int32, device=x8.device)
+            hook.then(lambda: packed.copy_(pack_ue8m0(scales)))
+            recv_x = (x8, packed)
         count = d.num_recv_tokens_per_expert
         self._ll_hidden = int(x.shape[1])
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
         handle = LowLatencyHandle(d.handle.tensors, d.handle.context, d.handle.config, d.handle.topk_weights,
                                   M, self._ll_hidden)
-        return d.recv_x, count, handle, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
+        return recv_x, count, handle, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
 
     def _sends_only(self, split: bool) -> "_ReceiveHook":
         """Around one expert-major op: with ``split`` on a backend that can (``recv_hooks``), the op launches
@@ -613,7 +622,7 @@ class Buffer:
         with self._sends_only(return_recv_hook and x.is_cuda) as hook:
             combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
         if out is not None:
-            hook.then(out.copy_, combined)  # after the sums (with a hook: when it is called)
+            hook.then(lambda: out.copy_(combined))  # after the sums (with a hook: when it is called)
             combined = out
         return combined, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
 
@@ -633,7 +642,12 @@ class _ReceiveHook:
     __slots__ = ("ctx", "seq", "after")
 
     def __init__(self, ctx) -> None:
-        self.ctx, self.seq, self.after = ctx, 0, None
+        self.ctx, self.seq, self.after = ctx, 0, []
+
+    @property
+    def split(self) -> bool:
+        """Whether the op is (to be) split: its results are complete only after :meth:`call`."""
+        return self.ctx is not None
 
     def __enter__(self) -> "_ReceiveHook":
         if self.ctx is not None:
@@ -645,18 +659,18 @@ class _ReceiveHook:
             self.ctx.send_only_next(False)  # the op consumed it; an op that failed before may not have
             self.seq = self.ctx.pending_receive() if exc_type is None else 0
 
-    def then(self, fn, *args) -> None:
-        """Run ``fn(*args)`` after the rest of the op: now without a split, else inside :meth:`call`."""
+    def then(self, fn) -> None:
+        """Run ``fn()`` after the rest of the op: now without a split, else inside :meth:`call`."""
         if self.seq:
-            self.after = (fn, args)
+            self.after.append(fn)
         else:
-            fn(*args)
+            fn()
 
     def call(self) -> None:
         if self.seq:
             self.ctx.receive(self.seq)
             self.seq = 0
-            if self.after is not None:
-                fn, args = self.after
-                fn(*args)
+            for fn in self.after:
+                fn()
+            self.after = []
 

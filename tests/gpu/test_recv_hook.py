@@ -22,7 +22,7 @@ def test_receive_hook_is_where_the_results_arrive():
     results = run_ranks(harness.session, 2, args=(64, 512, 16, 4), timeout=300,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
     for r, res in enumerate(results):
-        for tag in ("bf16_", "fp8_"):
+        for tag in ("bf16_", "fp8_", "ue8m0_"):
             assert res[tag + "pending_before_hook"] > 0, (r, tag)  # the receive half waited for the hook
             assert not res[tag + "dispatch_before_hook_equal"], (r, tag)
             assert res[tag + "pending_after_hook"] == 0, (r, tag)

@@ -26,18 +26,18 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
         w = torch.rand(T, K, generator=gen).cuda()
         buf = ep.Buffer(dist.group.WORLD, low_latency_mode=True)
         res = {}
-        for use_fp8 in (False, True):
-            tag = "fp8_" if use_fp8 else "bf16_"
+        for tag, kw in (("bf16_", dict(use_fp8=False)), ("fp8_", dict(use_fp8=True)),
+                        ("ue8m0_", dict(use_fp8=True, round_scale=True, use_ue8m0=True))):
+            use_fp8 = kw["use_fp8"]
             # whole ops: the reference (kept alive, so the split run cannot get their memory back)
-            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8)
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, **kw)
             rows = (recv[0].view(torch.uint8), recv[1]) if use_fp8 else (recv,)
-            y = (recv[0].float() * recv[1].repeat_interleave(128, dim=-1)).to(torch.bfloat16) if use_fp8 else recv
+            y = recv[0].to(torch.bfloat16) if use_fp8 else recv  # the "experts": the rows as bf16
             whole_out, _, _ = buf.low_latency_combine(y, idx, w, handle)
             torch.cuda.synchronize()
             # split: poison what the allocator may hand out next, then send only
             torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xA5)
-            s_recv, s_count, s_handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8,
-                                                                          return_recv_hook=True)
+            s_recv, s_count, s_handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, **kw, return_recv_hook=True)
             torch.cuda.synchronize()  # the sends are complete; the receive half has not run
             s_rows = (s_recv[0].view(torch.uint8), s_recv[1]) if use_fp8 else (s_recv,)
             counted = torch.arange(rows[0].shape[1], device=count.device).unsqueeze(0) < count.unsqueeze(1)
@@ -51,16 +51,15 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
                                               for a, b in zip(s_rows, rows))
             res[tag + "count_equal"] = torch.equal(s_count, count)
             out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-            s_y = (s_recv[0].float() * s_recv[1].repeat_interleave(128, dim=-1)).to(torch.bfloat16) if use_fp8 \
-                else s_recv
+            s_y = s_recv[0].to(torch.bfloat16) if use_fp8 else s_recv
             combined, _, chook = buf.low_latency_combine(s_y, idx, w, s_handle, return_recv_hook=True, out=out)
             torch.cuda.synchronize()
             res[tag + "combine_out_before_hook_nan"] = bool(out.isnan().all())
             chook()
             res[tag + "combine_equal"] = combined is out and torch.equal(out, whole_out)
             # an op issued before the hook runs the pending receive first: its results are complete
-            s2, _, _, _, late_hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8, return_recv_hook=True)
-            again, _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=use_fp8)
+            s2, _, _, _, late_hook = buf.low_latency_dispatch(x, idx, T, E, **kw, return_recv_hook=True)
+            again, _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, **kw)
             late_hook()
             s2_rows = (s2[0].view(torch.uint8), s2[1]) if use_fp8 else (s2,)
             res[tag + "overtaken_equal"] = all(torch.equal(_mask(a, counted), _mask(b, counted))
