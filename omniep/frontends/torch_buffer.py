@@ -40,6 +40,7 @@ backend an op's data has arrived when the call returns and the hook does nothing
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -566,7 +567,7 @@ class Buffer:
         if use_ue8m0 and hook.split:
             x8, scales = recv_x
             packed = torch.empty(scales.shape[:-1] + (scales.shape[-1] // 4,), dtype=torch.int32, device=x8.device)
-            hook.then(lambda: packed.copy_(pack_ue8m0(scales)))
+            hook.then(functools.partial(_pack_into, packed, scales))
             recv_x = (x8, packed)
         count = d.num_recv_tokens_per_expert
         self._ll_hidden = int(x.shape[1])
@@ -622,7 +623,7 @@ class Buffer:
         with self._sends_only(return_recv_hook and x.is_cuda) as hook:
             combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
         if out is not None:
-            hook.then(lambda: out.copy_(combined))  # after the sums (with a hook: when it is called)
+            hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
             combined = out
         return combined, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
 
@@ -630,6 +631,10 @@ class Buffer:
 def _check_config(config) -> None:
     if config is not None and not isinstance(config, Config):
         raise InputError(f"config must be an omniep.torch.Config (or None), got {type(config).__name__}")
+
+
+def _pack_into(packed: torch.Tensor, scales: torch.Tensor) -> None:
+    packed.copy_(pack_ue8m0(scales))
 
 
 class _ReceiveHook:

@@ -28,5 +28,7 @@ def test_receive_hook_is_where_the_results_arrive():
             assert res[tag + "pending_after_hook"] == 0, (r, tag)
             assert res[tag + "dispatch_equal"] and res[tag + "count_equal"], (r, tag)
             assert res[tag + "combine_out_before_hook_nan"], (r, tag)
-            assert res[tag + "combine_equal"], (r, tag)
+            assert res[tag + "whole_combine_repeats"], (r, tag)
+            assert res[tag + "combine_on_whole_equal"], (r, tag)
+            assert res[tag + "combine_equal"], (r, tag, res[tag + "combine_bad_values"], res[tag + "combine_bad_tokens"])
             assert res[tag + "overtaken_equal"], (r, tag)

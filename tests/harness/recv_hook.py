@@ -35,6 +35,11 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
             y = recv[0].to(torch.bfloat16) if use_fp8 else recv  # the "experts": the rows as bf16
             whole_out, _, _ = buf.low_latency_combine(y, idx, w, handle)
             torch.cuda.synchronize()
+            split_out, _, whook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+            whook()
+            res[tag + "combine_on_whole_equal"] = torch.equal(split_out, whole_out)
+            whole_again, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            res[tag + "whole_combine_repeats"] = torch.equal(whole_again, whole_out)
             # split: poison what the allocator may hand out next, then send only
             torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xA5)
             s_recv, s_count, s_handle, _, hook = buf.low_latency_dispatch(x, idx, T, E, **kw, return_recv_hook=True)
@@ -57,6 +62,9 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
             res[tag + "combine_out_before_hook_nan"] = bool(out.isnan().all())
             chook()
             res[tag + "combine_equal"] = combined is out and torch.equal(out, whole_out)
+            bad = (out.view(torch.int16) != whole_out.view(torch.int16)).any(dim=1).nonzero().flatten()
+            res[tag + "combine_bad_tokens"] = bad[:16].tolist()
+            res[tag + "combine_bad_values"] = int((out.view(torch.int16) != whole_out.view(torch.int16)).sum())
             # an op issued before the hook runs the pending receive first: its results are complete
             s2, _, _, _, late_hook = buf.low_latency_dispatch(x, idx, T, E, **kw, return_recv_hook=True)
             again, _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, **kw)
