@@ -11,27 +11,40 @@ namespace omniep {
 // Counted slots: dst[j] = src[j] (null src: left as they are); padding: zeroed when `zero`, else
 // untouched. One warp per row, the rows dealt round-robin over every warp of the rank in (l, c)
 // order — counted rows first, then (zero) the padding rows — so the cost follows the rows moved
-// (balanced however skewed the experts), and the loop over the L experts is all the rest: no pass
-// over L * C slots.
+// (balanced however skewed the experts), and no pass over L * C slots. The warp reads the counts a
+// warp's width of experts at a time (one load, a scan over the lanes, a ballot per row): a loop over
+// the experts one by one was a chain of L dependent loads in every warp (tens of µs at L = 144).
 OMNIEP_DEVICE void em_copy_slots(uint8_t* dst, const uint8_t* src, const int32_t* count, int L, int C,
                                  int64_t row_bytes, int unit, int zero) {
   const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
   const int64_t me = static_cast<int64_t>(blockIdx.x) * gpu::warps_per_block() + gpu::warp_id();
+  const int lane = gpu::lane_id();
   for (int pass = src != nullptr ? 0 : 1; pass < (zero ? 2 : 1); ++pass) {  // 0: counted rows, 1: padding
-    int64_t base = 0;   // rows of this pass before expert l (the same in every warp)
+    int64_t base = 0;   // rows of this pass before expert l0 (the same in every warp)
     int64_t next = me;  // my next row of this pass (rows me, me + warps, ...)
-    for (int l = 0; l < L; ++l) {
-      const int n = count == nullptr ? C : count[l];
-      const int first = pass == 0 ? 0 : n, rows = pass == 0 ? n : C - n;
-      for (; next < base + rows; next += warps) {
-        const int64_t j = static_cast<int64_t>(l) * C + first + (next - base);
+    for (int l0 = 0; l0 < L; l0 += gpu::kWarpSize) {
+      const int l = l0 + lane;
+      const int n = l >= L ? 0 : count == nullptr ? C : count[l];
+      const int rows = l >= L ? 0 : pass == 0 ? n : C - n;
+      int64_t upto = rows;  // inclusive scan over the lanes: rows of experts l0 .. l
+      for (int d = 1; d < gpu::kWarpSize; d *= 2) {
+        const int64_t v = gpu::shfl(upto, lane >= d ? lane - d : lane);
+        if (lane >= d) upto += v;
+      }
+      const int64_t end = base + gpu::shfl(upto, gpu::kWarpSize - 1);
+      for (; next < end; next += warps) {  // (warp-uniform)
+        const int64_t off = next - base;
+        const int at = gpu::lowest_lane(gpu::ballot(upto > off));  // the expert holding row `off`
+        const int64_t before = gpu::shfl(upto - rows, at);
+        const int first = pass == 0 ? 0 : gpu::shfl(n, at);
+        const int64_t j = static_cast<int64_t>(l0 + at) * C + first + (off - before);
         if (pass == 0) {
           warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, unit);
         } else {
           warp_zero_row(dst + j * row_bytes, row_bytes, unit);
         }
       }
-      base += rows;
+      base = end;
     }
   }
 }
