@@ -50,7 +50,7 @@ from ..backends.torch_group import pack_ue8m0
 from ..ep_core import validation as v
 from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
-from ..ep_core.types import Layout
+from ..ep_core.types import Layout, frozen_new
 from .torch import Handle, cached_dispatch, combine, context, dispatch
 
 
@@ -64,7 +64,8 @@ class BufferHandle(Handle):
 
     @classmethod
     def of(cls, handle: Handle) -> "BufferHandle":
-        return cls(handle.tensors, handle.context, handle.config, handle.topk_weights)
+        return frozen_new(cls, {"tensors": handle.tensors, "context": handle.context, "config": handle.config,
+                                "topk_weights": handle.topk_weights})
 
     def __getitem__(self, index):
         if index != 0 or self.config.layout != Layout.RANK_MAJOR:
@@ -573,8 +574,10 @@ class Buffer:
         self._ll_hidden = int(x.shape[1])
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
-        handle = LowLatencyHandle(d.handle.tensors, d.handle.context, d.handle.config, d.handle.topk_weights,
-                                  M, self._ll_hidden)
+        h = d.handle
+        handle = frozen_new(LowLatencyHandle, {"tensors": h.tensors, "context": h.context, "config": h.config,
+                                               "topk_weights": h.topk_weights, "num_max_dispatch_tokens_per_rank": M,
+                                               "hidden": self._ll_hidden})
         return recv_x, count, handle, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
 
     def _sends_only(self, split: bool) -> "_ReceiveHook":
