@@ -48,10 +48,11 @@ def quantile(sorted_times: list, q: float) -> float:
     return sorted_times[min(len(sorted_times) - 1, int(q * len(sorted_times)))]
 
 
-def device_us(torch, step, iters: int, skip: tuple = ()) -> tuple:
+def device_us(torch, step, iters: int, skip: tuple = (), by_name: dict = None) -> tuple:
     """(GPU µs per call of ``step``, GPU activities per call): its kernels and copies summed, from the
     CUDA profiler, leaving out activities whose name contains a string of ``skip`` (e.g. the barrier a
-    multi-rank step starts with). Loads CUPTI: run it after every host measurement of the process."""
+    multi-rank step starts with); ``by_name`` (a dict), if given, gets µs per call of each activity name.
+    Loads CUPTI: run it after every host measurement of the process."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -66,6 +67,8 @@ def device_us(torch, step, iters: int, skip: tuple = ()) -> tuple:
                 continue
             total += ev.device_time_total
             count += 1
+            if by_name is not None:
+                by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.device_time_total / iters
     if total == 0.0:  # older event trees: the kernel events of the key averages
         total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and e.count)
     return total / iters, count / iters

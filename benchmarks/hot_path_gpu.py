@@ -129,7 +129,11 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                              host_us=None if host is None else quantile(host, 0.5),
                              host_p10_us=None if host is None else quantile(host, 0.1)))
         for row, (shape, mode, step) in zip(rows, steps):
-            row["device_us"] = device_us(torch, step, min(args["iters"], 20))[0]
+            kernels = {}
+            row["device_us"] = device_us(torch, step, min(args["iters"], 20), by_name=kernels)[0]
+            if args["kernels"] and rank == 0:
+                for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                    print(f"  {shape} {mode}: {us:8.1f} µs  {name[:110]}", flush=True)
             dist.barrier()
             if args["profile"] and rank == 0:
                 _profile_host(torch, step, f"{shape} {mode}")
@@ -149,8 +153,10 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default="")
     p.add_argument("--profile", action="store_true", help="where the host time goes (rank 0)")
+    p.add_argument("--kernels", action="store_true", help="device µs per pair of each kernel (rank 0)")
     a = p.parse_args(argv)
-    args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile)
+    args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile,
+                kernels=a.kernels)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 

@@ -13,13 +13,13 @@ namespace omniep {
 
 OMNIEP_HOST_DEVICE int dtype_size(int dtype) { return dtype == kFloat32 ? 4 : 2; }
 
-template <typename Unit>
-OMNIEP_DEVICE void warp_copy_units(Unit* __restrict__ dst, const Unit* __restrict__ src, int64_t n) {
-  // Four independent loads in flight per lane before the stores: enough to cover NVLink latency
-  // with a few warps per SM.
-  constexpr int kUnroll = 4;
-  const int lane = gpu::lane_id();
-  int64_t i = lane;
+// Loads in flight per lane before the stores, in the row copies: the communication kernels run on a
+// budget of SMs (24), so each warp must keep much in flight to cover HBM and NVLink latency (4 per
+// lane moved a one-rank HT dispatch at 40 % of the copy rate); then half as many for the rest.
+inline constexpr int kCopyUnroll = 8;
+
+template <int kUnroll, typename Unit>
+OMNIEP_DEVICE int64_t warp_copy_chunks(Unit* __restrict__ dst, const Unit* __restrict__ src, int64_t i, int64_t n) {
   for (; i + (kUnroll - 1) * gpu::kWarpSize < n; i += kUnroll * gpu::kWarpSize) {
     Unit v[kUnroll];
 #pragma unroll
@@ -27,6 +27,13 @@ OMNIEP_DEVICE void warp_copy_units(Unit* __restrict__ dst, const Unit* __restric
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) dst[i + u * gpu::kWarpSize] = v[u];
   }
+  return i;
+}
+
+template <typename Unit>
+OMNIEP_DEVICE void warp_copy_units(Unit* __restrict__ dst, const Unit* __restrict__ src, int64_t n) {
+  int64_t i = warp_copy_chunks<kCopyUnroll>(dst, src, gpu::lane_id(), n);
+  i = warp_copy_chunks<kCopyUnroll / 2>(dst, src, i, n);
   for (; i < n; i += gpu::kWarpSize) dst[i] = src[i];
 }
 
@@ -46,14 +53,12 @@ OMNIEP_DEVICE void warp_copy_row(void* dst, const void* src, int64_t bytes, int 
 // (d < kWarpSize) holds destination d's address in `my_dst`; bit d of `dests` says whether it is used.
 // Each chunk is loaded once and stored to every destination (a token bound for R ranks costs one
 // read of its row instead of R).
-template <typename Unit>
-OMNIEP_DEVICE void warp_copy_units_multi(Unit* my_dst, gpu::lane_mask_t dests, const Unit* __restrict__ src,
-                                         int64_t n) {
-  constexpr int kUnroll = 4;
+// Full chunks of kUnroll units per lane from `base` (warp-uniform: the shuffles need every lane);
+// returns where they stop.
+template <int kUnroll, typename Unit>
+OMNIEP_DEVICE int64_t warp_copy_chunks_multi(unsigned long long mine, gpu::lane_mask_t dests,
+                                             const Unit* __restrict__ src, int64_t base, int64_t n) {
   const int lane = gpu::lane_id();
-  const unsigned long long mine = reinterpret_cast<uintptr_t>(my_dst);
-  // Warp-uniform trip counts (the shuffles need every lane): full chunks, then a ragged tail.
-  int64_t base = 0;
   for (; base + kUnroll * gpu::kWarpSize <= n; base += kUnroll * gpu::kWarpSize) {
     const int64_t i = base + lane;
     Unit v[kUnroll];
@@ -65,6 +70,17 @@ OMNIEP_DEVICE void warp_copy_units_multi(Unit* my_dst, gpu::lane_mask_t dests, c
       for (int u = 0; u < kUnroll; ++u) dst[i + u * gpu::kWarpSize] = v[u];
     }
   }
+  return base;
+}
+
+template <typename Unit>
+OMNIEP_DEVICE void warp_copy_units_multi(Unit* my_dst, gpu::lane_mask_t dests, const Unit* __restrict__ src,
+                                         int64_t n) {
+  const int lane = gpu::lane_id();
+  const unsigned long long mine = reinterpret_cast<uintptr_t>(my_dst);
+  // Full chunks (long, then short), then a ragged tail.
+  int64_t base = warp_copy_chunks_multi<kCopyUnroll>(mine, dests, src, 0, n);
+  base = warp_copy_chunks_multi<kCopyUnroll / 2>(mine, dests, src, base, n);
   for (; base < n; base += gpu::kWarpSize) {
     const int64_t j = base + lane;
     Unit v{};
