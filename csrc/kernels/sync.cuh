@@ -152,13 +152,15 @@ OMNIEP_DEVICE bool exchange_verdict(const Tr& tr, RankWorkspace* ws, const OpDes
 // thread by the barrier) is visible once the peer sees it.
 template <typename Tr>
 OMNIEP_DEVICE void signal_peer(const Tr& tr, int peer, int me) {
-  gpu::fence_acq_rel_sys();
   if constexpr (Tr::kHasRemote) {
     if (tr.is_remote(peer)) {
+      gpu::fence_acq_rel_sys();
       tr.signal_remote(peer);
       return;
     }
   }
+  // A release add: it orders everything that happens-before it (cumulative, omniep/gpu.h) without a
+  // fence of its own first (a system-scope fence costs ~0.7 µs on an H100, benchmarks/RESULTS.md).
   gpu::add_release_sys(&tr.workspace(peer)->signals[me], uint64_t{1});
 }
 
@@ -228,10 +230,8 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
     // rank takes part in this barrier (an earlier kernel on this stream wrote abort_seq).
     if (desc != nullptr && desc->w[kDescPart] > 0 && ws->abort_seq == desc->w[kDescSeq] + 1) s_ok = 0;
     s_gen = gpu::load_acquire_sys(&ws->release);  // read before arriving: cannot change until all arrive
-    if (s_ok) {
-      gpu::fence_acq_rel_sys();
-      gpu::add_release_sys(&ws->arrive, 1u);
-    }
+    if (s_ok) gpu::add_release_sys(&ws->arrive, 1u);  // a release: the block's writes (ordered by the
+                                                       // __syncthreads above) go with it
   }
   __syncthreads();
   if (!s_ok) return false;
@@ -280,11 +280,12 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
     __syncthreads();
     if (threadIdx.x == 0) {
       if (s_ok && desc != nullptr && mode != kBarrierSignalOnly) {
-        gpu::fence_acq_rel_sys();  // the peers' descriptors arrived with their signals
+        // The peers' descriptors arrived with their signals, which threads < R acquired before the
+        // __syncthreads; a remote peer's came by puts, ordered by the transport's signal.
+        if constexpr (Tr::kHasRemote) gpu::fence_acq_rel_sys();
         s_ok = exchange_verdict(tr, ws, *desc, s_slot);
       }
-      ws->arrive = 0;  // nobody arrives again before the release below
-      gpu::fence_acq_rel_sys();
+      ws->arrive = 0;  // nobody arrives again before the release below (a release store: it orders this)
       gpu::store_release_sys(&ws->release, s_gen + 1);
     }
   } else if (all_wait) {
