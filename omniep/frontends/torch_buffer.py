@@ -535,7 +535,9 @@ class Buffer:
         scales [L, C, H / 128] float32)``; ``round_scale``: powers of two; ``use_ue8m0``: those packed as
         ``int32 [L, C, H / 512]``, needs ``round_scale``), slots past ``recv_count[l]`` unspecified (as in
         DeepEP); ``recv_count [L]`` int32; ``handle`` a :class:`LowLatencyHandle`;
-        ``hook`` a no-op callable when ``return_recv_hook`` (the rows have arrived), else None.
+        ``hook`` with ``return_recv_hook`` (else None): the callable that launches the receive on the
+        current stream — the results are complete only after it (native backends; on the collective
+        backend they are complete at return and the hook does nothing).
         ``cumulative_local_expert_recv_stats [L]`` int32, if given, gets ``recv_count`` added.
         """
         self._alive()
@@ -605,7 +607,8 @@ class Buffer:
         """``out[t] = sum_k topk_weights[t, k] * x[copy (t, k)]`` (fp32, k ascending, one rounding) for
         ``x[L, C, H]`` bf16 laid out as :meth:`low_latency_dispatch` returned it (with ``zero_copy``, the
         tensor :meth:`get_next_low_latency_combine_buffer` gave, filled). Returns ``(combined_x [T, H],
-        event, hook or None)``; with ``out`` the result is written there too."""
+        event, hook or None)``; with ``out`` the result is written there too. ``return_recv_hook``: as in
+        :meth:`low_latency_dispatch`, the sums (and the copy into ``out``) run when the hook is called."""
         self._alive()
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype != torch.bfloat16:
             raise InputError(f"low_latency_combine: x must be an [L, C, H] bfloat16 tensor (the experts' outputs "
