@@ -171,6 +171,8 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
         ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False, round_scale=True)
     with pytest.raises(InputError, match="num_max_dispatch_tokens_per_rank must be a positive int"):
         ll.low_latency_dispatch(xb, idx, 0, 4)
+    with pytest.raises(InputError, match="exceeds the 16777216 copies whose sources the handle can name"):
+        ll.low_latency_dispatch(xb, idx, (1 << 24) + 1, 4)  # sources ride in fp32 weights: exact below 2**24
     with pytest.raises(InputError, match="hidden % 128"):
         ll.low_latency_dispatch(torch.zeros(4, 100, dtype=torch.bfloat16), idx, 4, 4)
     recv_x, count, ll_handle, _, _ = ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False)
