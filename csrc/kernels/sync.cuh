@@ -1,8 +1,8 @@
 // Signals, waits with timeouts and the rank-wide barrier, for any Transport.
 //
 // A rank runs as gridDim.x blocks (all co-resident: the launcher guarantees it). A barrier is
-//   1. every block: __syncthreads, then thread 0 orders the block's writes (fence.acq_rel.sys) and
-//      arrives on the rank's `arrive` counter;
+//   1. every block: __syncthreads, then thread 0 arrives on the rank's `arrive` counter with a release
+//      add (system scope), which carries the block's writes;
 //   2. block 0 waits for all arrivals, then thread s < R signals peer s (release add on
 //      signals[me] in s's workspace) and waits until its own signals[s] reaches expected[s] + 1;
 //   3. block 0 bumps the rank's `release` generation; the other blocks (if they must wait) spin on it.
