@@ -101,14 +101,15 @@ class LowLatencyHandle(Handle):
 
     def __getitem__(self, index):
         if index in (0, 1):
-            src, layout = self._sources()
+            src, layout = self._decoded()
             return src if index == 0 else layout
         if index in (2, 3, 4):
             return (self.num_max_dispatch_tokens_per_rank, self.hidden, self.config.num_experts)[index - 2]
         raise IndexError(f"a low-latency handle has DeepEP's five entries (0-4), got [{index!r}]")
 
-    def _sources(self) -> tuple:
-        cached = self.__dict__.get("_decoded")
+    def _decoded(self) -> tuple:
+        """``(src_info, layout_range)`` decoded from the carried sources once, then kept."""
+        cached = self.__dict__.get("_decoded_sources")
         if cached is None:
             recv_idx, carried = self.tensors[0], self.tensors[1]
             M, R = self.num_max_dispatch_tokens_per_rank, self.config.num_ranks
@@ -120,7 +121,7 @@ class LowLatencyHandle(Handle):
             counts = counts[:, :R]
             layout = ((counts.cumsum(1) - counts) << 32) | counts
             cached = (src, layout)
-            object.__setattr__(self, "_decoded", cached)
+            object.__setattr__(self, "_decoded_sources", cached)
         return cached
 
 
@@ -544,8 +545,6 @@ class Buffer:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
             raise InputError(f"low_latency_dispatch: x must be a [T, H] bfloat16 tensor (DeepEP's low-latency "
                              f"input), got {_described(x)}")
-        if (round_scale or use_ue8m0) and not use_fp8:
-            raise InputError("low_latency_dispatch: round_scale / use_ue8m0 shape fp8 scales: they need use_fp8=True")
         if not _int_at_least(num_max_dispatch_tokens_per_rank, 1):
             raise InputError(f"low_latency_dispatch: num_max_dispatch_tokens_per_rank must be a positive int, got "
                              f"{num_max_dispatch_tokens_per_rank!r}")
