@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from omniep.testing.procs import gpu_count, run_ranks
-
 pytestmark = pytest.mark.gpu
 
 harness = pytest.importorskip("harness.deepep_recipes")
 
 
-def test_deepep_readme_recipes_on_gpu():
-    if gpu_count() < 1:
-        pytest.skip("no NVIDIA GPU")
-    pytest.importorskip("omniep._native_torch")
-    results = run_ranks(harness.session, 2, args=(64, 256, 8, 3, "cuda"), timeout=300,
-                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
+def test_deepep_readme_recipes_on_gpu(native_pair):
+    results = native_pair(harness.session, (64, 256, 8, 3, "cuda"))
     harness.check_recipes(results, device_events=True)

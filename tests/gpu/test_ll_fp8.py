@@ -8,19 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omniep.testing.procs import gpu_count, run_ranks
-
 pytestmark = pytest.mark.gpu
 
 harness = pytest.importorskip("harness.ll_fp8")
 
 
-def test_use_fp8_is_torchs_cast_bit_for_bit():
-    if gpu_count() < 1:
-        pytest.skip("no NVIDIA GPU")
-    pytest.importorskip("omniep._native_torch")
-    results = run_ranks(harness.session, 2, args=(48, 512, 16, 4), timeout=300,
-                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
+def test_use_fp8_is_torchs_cast_bit_for_bit(native_pair):
+    results = native_pair(harness.session, (48, 512, 16, 4))
     for r, res in enumerate(results):
         for tag in ("", "round_", "ue8m0_"):  # default, power-of-two and UE8M0-packed scales
             assert np.array_equal(res[tag + "got_count"], res[tag + "want_count"]), (r, tag)

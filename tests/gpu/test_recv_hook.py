@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from omniep.testing.procs import gpu_count, run_ranks
-
 pytestmark = pytest.mark.gpu
 
 harness = pytest.importorskip("harness.recv_hook")
 
 
-def test_receive_hook_is_where_the_results_arrive():
-    if gpu_count() < 1:
-        pytest.skip("no NVIDIA GPU")
-    pytest.importorskip("omniep._native_torch")
-    results = run_ranks(harness.session, 2, args=(64, 512, 16, 4), timeout=300,
-                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
+def test_receive_hook_is_where_the_results_arrive(native_pair):
+    results = native_pair(harness.session, (64, 512, 16, 4))
     for r, res in enumerate(results):
         for tag in ("bf16_", "fp8_", "ue8m0_"):
             assert res[tag + "pending_before_hook"] > 0, (r, tag)  # the receive half waited for the hook
