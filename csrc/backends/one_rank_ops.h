@@ -21,6 +21,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <variant>
+
 #include "backends/ep_rank.h"
 #include "kernels/args.h"
 #include "kernels/em_args.h"
@@ -122,9 +124,9 @@ class OneRankOps : public EpRank {
   int32_t ticket_ = 0;
   bool grow_in_ops_ = true;
   // The second half of a send_only op (EpRank::receive): its arguments, phase kEMReceive.
-  bool pending_is_combine_ = false;
-  EMDispatchArgs pending_dispatch_ = {};
-  EMCombineArgs pending_combine_ = {};
+  std::variant<std::monostate, EMDispatchArgs, EMCombineArgs> pending_;
+  template <typename Args>
+  void keep_receive(Args a, const OpDesc& d);  // after the send half of d's op was launched with `a`
   void copy2d(uintptr_t dst, size_t dst_pitch, uintptr_t src, size_t src_pitch, size_t width, size_t height,
               cudaStream_t stream, const char* what) const;
   Rank& self() { return static_cast<Rank&>(*this); }

@@ -386,24 +386,25 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   a.desc[g.rank()] = d;
   a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_dispatch(a, s);
-  if (c.send_only) {
-    a.phase = kEMReceive;
-    pending_dispatch_ = a;
-    pending_is_combine_ = false;
-    pending_receive_ = static_cast<uint32_t>(d.w[kDescSeq]);
-  }
+  if (c.send_only) keep_receive(a, d);
   next_part(d);
+}
+
+template <typename Rank>
+template <typename Args>
+void OneRankOps<Rank>::keep_receive(Args a, const OpDesc& d) {
+  a.phase = kEMReceive;
+  pending_ = a;
+  pending_receive_ = static_cast<uint32_t>(d.w[kDescSeq]);
 }
 
 template <typename Rank>
 void OneRankOps<Rank>::receive(cudaStream_t s) {
   if (pending_receive_ == 0) return;
   pending_receive_ = 0;
-  if (pending_is_combine_) {
-    launch_em_combine(pending_combine_, s);
-  } else {
-    launch_em_dispatch(pending_dispatch_, s);
-  }
+  if (const auto* a = std::get_if<EMDispatchArgs>(&pending_)) launch_em_dispatch(*a, s);
+  if (const auto* a = std::get_if<EMCombineArgs>(&pending_)) launch_em_combine(*a, s);
+  pending_ = std::monostate{};
 }
 
 template <typename Rank>
@@ -430,12 +431,7 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   }
   a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_combine(a, s);
-  if (c.send_only) {
-    a.phase = kEMReceive;
-    pending_combine_ = a;
-    pending_is_combine_ = true;
-    pending_receive_ = static_cast<uint32_t>(d.w[kDescSeq]);
-  }
+  if (c.send_only) keep_receive(a, d);
   next_part(d);
 }
 

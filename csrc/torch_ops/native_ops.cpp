@@ -313,8 +313,8 @@ namespace {
 // dispatch, and dispatch_fp8 (cast_from: the bf16 rows the expert-major kernel casts into x_in /
 // x_scales_in, fresh staging tensors, before sending them; round_scale: power-of-two scales).
 DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor* cast_from,
-                          bool round_scale, const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx, int64_t num_experts,
-                          int64_t layout, int64_t capacity, int64_t expert_alignment) {
+                          bool round_scale, const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx,
+                          int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment) {
   Context& c = context_of(ctx);
   const bool em = layout == 1;
   const bool send_only = std::exchange(c.send_only_next, false) && em;
@@ -339,7 +339,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   const int64_t cap = capacity >= 0 ? capacity : (em ? R * T : -1);
   if (cap > 0x7ffffffe) chk.fail("capacity " + std::to_string(cap) + " is too large");
   OpDesc d = begin_op(c, omniep::kOpDispatch, static_cast<int>(num_experts), static_cast<int>(H),
-                           desc_dtype(x_in), static_cast<int>(layout), static_cast<int>(cap), -1, static_cast<int>(K));
+                      desc_dtype(x_in), static_cast<int>(layout), static_cast<int>(cap), -1, static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const cudaStream_t s = stream_of(c);
@@ -491,7 +491,7 @@ std::tuple<Tensor, Tensor> dispatch_rows(Context& c, const Tensor& x_in, const s
   HandleView h = handle_view(handle, c, num_experts, false);
   const int64_t rows = handle[0].size(0);
   OpDesc d = begin_op(c, op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(x_in), 0,
-                           static_cast<int>(h.capacity), static_cast<int>(h.seq), 0);
+                      static_cast<int>(h.capacity), static_cast<int>(h.seq), 0);
   if (!chk.error.empty()) reject(c, d, chk.error);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const Tensor x = x_in.contiguous();
@@ -554,8 +554,8 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
     }
   }
   OpDesc d = begin_op(c, op, static_cast<int>(num_experts), static_cast<int>(H), desc_dtype(y_in),
-                           static_cast<int>(layout), static_cast<int>(h.capacity), static_cast<int>(h.seq),
-                           static_cast<int>(K));
+                      static_cast<int>(layout), static_cast<int>(h.capacity), static_cast<int>(h.seq),
+                      static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const Tensor y = y_in.contiguous();
@@ -655,8 +655,8 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
     if (y_in->scalar_type() != g_out_in.scalar_type()) chk.fail("y and g_out must have the same dtype");
   }
   OpDesc d = begin_op(c, omniep::kOpCombineBwd, static_cast<int>(num_experts), static_cast<int>(H),
-                           desc_dtype(g_out_in), 1, static_cast<int>(h.capacity), static_cast<int>(h.seq),
-                           static_cast<int>(K));
+                      desc_dtype(g_out_in), 1, static_cast<int>(h.capacity), static_cast<int>(h.seq),
+                      static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const Tensor g_out = g_out_in.contiguous();
