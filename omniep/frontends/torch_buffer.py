@@ -9,10 +9,14 @@ Method names, arguments and return tuples follow ``deep_ep.Buffer`` (normal, ran
   prefix sums of the rows it received from each rank, which is what DeepEP's tests read), the others
   ``-1``: no rank here holds the other ranks' receive counts, and gathering them would cost every
   dispatch a collective;
-* every op runs on the caller's current stream: ``previous_event`` makes that stream wait for it first,
-  ``async_finish`` returns an :class:`EventOverlap` recorded after the op on it (CUDA tensors; on CPU
-  an op is complete when it returns and the event waits for nothing), ``allocate_on_comm_stream`` is
-  accepted (results belong to the current stream). ``config`` (a :class:`Config`) and the buffer
+* streams as DeepEP's: with ``async_finish`` or ``previous_event`` (CUDA tensors) an op runs on the
+  Buffer's communication stream (:meth:`Buffer.get_comm_stream`), which first waits for
+  ``previous_event`` only, or without one for the caller's stream; ``async_finish`` returns the op's
+  :class:`EventOverlap` and the caller's stream does not wait (``event.current_stream_wait()`` before
+  using the results), otherwise the caller's stream waits for the op. Without either, the op runs on the
+  caller's stream. On CPU an op is complete when it returns and events wait for nothing.
+  ``allocate_on_comm_stream`` is accepted: results are always safe to use (and free) on the caller's
+  stream. ``config`` (a :class:`Config`) and the buffer
   sizes are accepted and ignored: the selected backend sizes its own buffers (the native ones keep a
   symmetric buffer that grows on demand, the collective one allocates per call);
 * results follow omniep's contract: rows ordered by (source rank, source token), fp32 sums in
@@ -235,18 +239,61 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-def _before(previous_event) -> None:
-    """``previous_event``: what the op must run after (an EventOverlap, or None)."""
-    if previous_event is None:
-        return
-    if not isinstance(previous_event, EventOverlap):
-        raise InputError(f"previous_event must be an EventOverlap (or None), got {type(previous_event).__name__}")
-    previous_event.current_stream_wait()
+class _OpStream:
+    """Where one Buffer op runs, by DeepEP's rules. With ``async_finish`` or ``previous_event`` on a GPU:
+    on the Buffer's communication stream, which first waits for ``previous_event`` (only for it: work
+    queued on the caller's stream after it may overlap the op) or, without one, for the caller's
+    current stream; after the op, :meth:`done` either makes the caller's stream wait for it, or (with
+    ``async_finish``) returns its event without waiting — the inputs are kept alive by the event and
+    marked as used by the communication stream, the results as used by the caller's stream (the
+    allocator then reuses none of them too early). Otherwise (CPU, or neither argument) the op runs on
+    the current stream and needs no event."""
+
+    __slots__ = ("comm", "compute", "async_finish", "guard")
+
+    def __init__(self, comm=None, compute=None, async_finish: bool = False) -> None:
+        self.comm, self.compute, self.async_finish, self.guard = comm, compute, async_finish, None
+
+    def __enter__(self) -> "_OpStream":
+        if self.comm is not None:
+            self.guard = torch.cuda.stream(self.comm)
+            self.guard.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+            self.guard = None
+
+    def done(self, inputs: tuple = (), outputs: tuple = ()) -> EventOverlap:
+        if self.comm is None:
+            return EventOverlap()
+        kept = tuple(_cuda_tensors(inputs))
+        for t in kept:
+            t.record_stream(self.comm)
+        for t in _cuda_tensors(outputs):
+            t.record_stream(self.compute)
+        if not self.async_finish:
+            self.compute.wait_stream(self.comm)
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(self.comm)
+        return EventOverlap(event, kept)
 
 
-def _after(async_finish: bool, device: torch.device) -> EventOverlap:
-    """The op's event: recorded on the current stream for CUDA tensors with ``async_finish``."""
-    return _recorded() if async_finish and device.type == "cuda" else EventOverlap()
+_NO_STREAM = _OpStream()  # the current stream, no event (it holds no state: shared)
+
+
+def _cuda_tensors(values):
+    """The CUDA tensors in ``values`` (nested tuples / lists, handles' tensors, None skipped)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.is_cuda:
+                yield value
+        elif isinstance(value, Handle):
+            yield from _cuda_tensors(value.tensors)
+        elif isinstance(value, (tuple, list)):
+            yield from _cuda_tensors(value)
 
 
 def _recorded() -> EventOverlap:
@@ -293,8 +340,33 @@ class Buffer:
         self._ll_hidden = 0  # H of the last low_latency_dispatch (sizes get_next_low_latency_combine_buffer)
         self._ll_combine_buffer = None
         self._ll_sources: dict = {}  # (topk_idx shape, M, device) -> the source-carrying weights
+        self._comm_streams: dict = {}  # device index -> the communication stream (DeepEP's comm_stream)
 
     # ---- life cycle ------------------------------------------------------------------------------
+
+    def _stream(self, device: torch.device, previous_event=None, async_finish: bool = False) -> _OpStream:
+        """Where an op on ``device`` runs (:class:`_OpStream`); checks ``previous_event``."""
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise InputError(f"previous_event must be an EventOverlap (or None), got {type(previous_event).__name__}")
+        if device.type != "cuda" or (previous_event is None and not async_finish):
+            return _NO_STREAM
+        comm = self._comm_streams.get(device.index)
+        if comm is None:
+            comm = self._comm_streams[device.index] = torch.cuda.Stream(device)
+        compute = torch.cuda.current_stream(device)
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:  # an EventOverlap without an event: the work before it was in the caller's stream order
+            comm.wait_stream(compute)
+        return _OpStream(comm, compute, async_finish)
+
+    def get_comm_stream(self, device=None):
+        """DeepEP's communication stream of this Buffer on ``device`` (default: the current one)."""
+        device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
+        comm = self._comm_streams.get(device.index)
+        if comm is None:
+            comm = self._comm_streams[device.index] = torch.cuda.Stream(device)
+        return comm
 
     def destroy(self) -> None:
         """Release the buffer. Idempotent; every later use raises ``DestroyedError``."""
@@ -355,13 +427,13 @@ class Buffer:
         with ``OMNIEP_CHECKS=sync`` (elsewhere it is counted nowhere, and the dispatch raises it).
         """
         self._alive()
-        _before(previous_event)
         v.check_group(num_experts, self.group_size)
         v.check_routing(topk_idx)
         if topk_idx.device.type == "cpu" or self._context.checks == "sync":
             v.check_expert_ids(topk_idx.detach().cpu().numpy(), num_experts)
-        per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
-        return per_rank, None, per_expert, in_rank, _after(async_finish, topk_idx.device)
+        with self._stream(topk_idx.device, previous_event, async_finish) as on:
+            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
+        return per_rank, None, per_expert, in_rank, on.done((topk_idx,), (per_rank, per_expert, in_rank))
 
     def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -388,13 +460,14 @@ class Buffer:
         """
         self._alive()
         _check_config(config)
-        _before(previous_event)
         device = (x[0] if isinstance(x, tuple) else x).device
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InputError("cached dispatch (handle=...) takes no topk_idx/topk_weights: the handle's "
                                  "routing is reused")
-            return cached_dispatch(x, handle), None, None, None, None, _after(async_finish, device)
+            with self._stream(device, previous_event, async_finish) as on:
+                recv = cached_dispatch(x, handle)
+            return recv, None, None, None, None, on.done((x, handle), (recv,))
         if num_tokens_per_expert is None or (topk_idx is None and is_token_in_rank is None):
             raise InputError("dispatch without a handle needs num_tokens_per_expert and topk_idx (or, without "
                              "top-k, is_token_in_rank), from get_dispatch_layout")
@@ -403,27 +476,32 @@ class Buffer:
         self._check_layout(topk_idx if topk_idx is not None else is_token_in_rank, num_tokens_per_rank,
                            is_token_in_rank, num_tokens_per_expert)
         if topk_idx is None:
-            return self._dispatch_without_topk(x, is_token_in_rank, num_tokens_per_expert, topk_weights,
-                                               expert_alignment, num_worst_tokens, async_finish, device)
+            if topk_weights is not None:
+                raise InputError("Buffer.dispatch: topk_weights needs topk_idx")
+            with self._stream(device, previous_event, async_finish) as on:
+                recv_x, per_expert, h = self._dispatch_without_topk(x, is_token_in_rank, num_tokens_per_expert,
+                                                                    expert_alignment, num_worst_tokens)
+            return recv_x, None, None, per_expert, h, on.done((x, is_token_in_rank), (recv_x, h))
         weights = topk_weights
         if weights is None:
             weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        d = dispatch(x, topk_idx, weights, num_experts=int(num_tokens_per_expert.numel()), group=self.group,
-                     capacity=num_worst_tokens or None, expert_alignment=expert_alignment,
-                     layout=Layout.RANK_MAJOR, backend=self.backend)
-        per_expert = [] if num_worst_tokens else d.num_recv_tokens_per_expert.tolist()
-        return (d.recv_x, d.recv_topk_idx.to(topk_idx.dtype),
-                d.recv_topk_weights if topk_weights is not None else None, per_expert,
-                BufferHandle.of(d.handle), _after(async_finish, device))
+        with self._stream(device, previous_event, async_finish) as on:
+            d = dispatch(x, topk_idx, weights, num_experts=int(num_tokens_per_expert.numel()), group=self.group,
+                         capacity=num_worst_tokens or None, expert_alignment=expert_alignment,
+                         layout=Layout.RANK_MAJOR, backend=self.backend)
+            per_expert = [] if num_worst_tokens else d.num_recv_tokens_per_expert.tolist()
+            recv_idx = d.recv_topk_idx.to(topk_idx.dtype)
+        recv_w = d.recv_topk_weights if topk_weights is not None else None
+        h = BufferHandle.of(d.handle)
+        return d.recv_x, recv_idx, recv_w, per_expert, h, on.done((x, topk_idx, weights), (d.recv_x, recv_idx, h))
 
-    def _dispatch_without_topk(self, x, is_token_in_rank, num_tokens_per_expert, topk_weights, expert_alignment,
-                               num_worst_tokens, async_finish, device):
+    def _dispatch_without_topk(self, x, is_token_in_rank, num_tokens_per_expert, expert_alignment,
+                               num_worst_tokens):
         """DeepEP's top-k-less dispatch: each token to the ranks ``is_token_in_rank`` marks, as a routing
-        to each such rank's first expert (which moves the same rows in the same order)."""
+        to each such rank's first expert (which moves the same rows in the same order). Returns
+        ``(recv_x, num_recv_tokens_per_expert_list, handle)``."""
         import torch.distributed as dist
 
-        if topk_weights is not None:
-            raise InputError("Buffer.dispatch: topk_weights needs topk_idx")
         R, E = self.group_size, int(num_tokens_per_expert.numel())
         v.check_group(E, R)
         L = E // R
@@ -440,7 +518,7 @@ class Buffer:
             theirs = torch.empty_like(mine)
             dist.all_to_all_single(theirs, mine, group=self.group)
             per_expert = [align_up(n, expert_alignment) for n in theirs.view(R, L).sum(0).tolist()]
-        return d.recv_x, None, None, per_expert, BufferHandle.of(d.handle), _after(async_finish, device)
+        return d.recv_x, per_expert, BufferHandle.of(d.handle)
 
     def _check_layout(self, topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert) -> None:
         """DeepEP's checks of the layout tensors a dispatch is given (get_dispatch_layout's shapes): the
@@ -480,12 +558,12 @@ class Buffer:
         """
         self._alive()
         _check_config(config)
-        _before(previous_event)
         if not isinstance(handle, Handle) or handle.config.layout != Layout.RANK_MAJOR:
             raise InputError("Buffer.combine needs the handle returned by Buffer.dispatch")
-        combined = combine(x, handle, bias=bias)
-        weights = combine(topk_weights, handle) if topk_weights is not None else None
-        return combined, weights, _after(async_finish, x.device)
+        with self._stream(x.device, previous_event, async_finish) as on:
+            combined = combine(x, handle, bias=bias)
+            weights = combine(topk_weights, handle) if topk_weights is not None else None
+        return combined, weights, on.done((x, topk_weights, bias, handle), (combined, weights))
 
     # ---- low-latency (expert-major) mode ---------------------------------------------------------
 
@@ -558,28 +636,34 @@ class Buffer:
         if self.group_size * M > _EXACT_IN_F32:
             raise InputError(f"low_latency_dispatch: {self.group_size} ranks x num_max_dispatch_tokens_per_rank={M} "
                              f"exceeds the {_EXACT_IN_F32} copies whose sources the handle can name")
+        if async_finish and return_recv_hook:
+            raise InputError("low_latency_dispatch: async_finish and return_recv_hook exclude each other (the hook "
+                             "runs the receive on the caller's stream)")
         sources = self._sources(topk_idx, M)
-        with self._sends_only(return_recv_hook and x.is_cuda) as hook:
+        stats = cumulative_local_expert_recv_stats
+        with self._stream(x.device, None, async_finish) as on, \
+                self._sends_only(return_recv_hook and x.is_cuda) as hook:
             # Split, the scales are packed when they have arrived (by the hook), not now.
             d = dispatch(x.detach() if use_fp8 else x, topk_idx, sources, num_experts=num_experts,
                          group=self.group, capacity=self.group_size * M, layout=Layout.EXPERT_MAJOR,
                          backend=self.backend, use_fp8=use_fp8, round_scale=round_scale,
                          use_ue8m0=use_ue8m0 and not hook.split)
+            count = d.num_recv_tokens_per_expert
+            if stats is not None:
+                stats += count.to(stats.dtype)
         recv_x = d.recv_x
         if use_ue8m0 and hook.split:
             x8, scales = recv_x
             packed = torch.empty(scales.shape[:-1] + (scales.shape[-1] // 4,), dtype=torch.int32, device=x8.device)
             hook.then(functools.partial(_pack_into, packed, scales))
             recv_x = (x8, packed)
-        count = d.num_recv_tokens_per_expert
         self._ll_hidden = int(x.shape[1])
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += count.to(cumulative_local_expert_recv_stats.dtype)
         h = d.handle
         handle = frozen_new(LowLatencyHandle, {"tensors": h.tensors, "context": h.context, "config": h.config,
                                                "topk_weights": h.topk_weights, "num_max_dispatch_tokens_per_rank": M,
                                                "hidden": self._ll_hidden})
-        return recv_x, count, handle, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
+        event = on.done((x, topk_idx, sources, stats), (recv_x, count, handle))
+        return recv_x, count, handle, event, (hook.call if return_recv_hook else None)
 
     def _sends_only(self, split: bool) -> "_ReceiveHook":
         """Around one expert-major op: with ``split`` on a backend that can (``recv_hooks``), the op launches
@@ -625,12 +709,17 @@ class Buffer:
                                 out.dtype != x.dtype):
             raise InputError(f"low_latency_combine: out must be a {x.dtype} tensor of shape {(T, int(x.shape[2]))} "
                              f"(tokens, hidden), got {_described(out)}")
-        with self._sends_only(return_recv_hook and x.is_cuda) as hook:
-            combined = combine(x, handle.replace(topk_weights=topk_weights.to(torch.float32)))
-        if out is not None:
-            hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
-            combined = out
-        return combined, _after(async_finish, x.device), (hook.call if return_recv_hook else None)
+        if async_finish and return_recv_hook:
+            raise InputError("low_latency_combine: async_finish and return_recv_hook exclude each other (the hook "
+                             "runs the receive on the caller's stream)")
+        weights = topk_weights.to(torch.float32)
+        with self._stream(x.device, None, async_finish) as on, \
+                self._sends_only(return_recv_hook and x.is_cuda) as hook:
+            combined = combine(x, handle.replace(topk_weights=weights))
+            if out is not None:
+                hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
+                combined = out
+        return combined, on.done((x, weights, handle), (combined,)), (hook.call if return_recv_hook else None)
 
 
 def _check_config(config) -> None:

@@ -1,4 +1,5 @@
-"""DeepEP's receive hooks (issue 14 item 2) on the native backend: two processes share GPU 0 (CUDA IPC).
+"""DeepEP's receive hooks (issue 14 item 2) and its stream rules (item 3) on the native backend: two
+processes share GPU 0 (CUDA IPC).
 ``low_latency_dispatch`` / ``low_latency_combine`` with ``return_recv_hook=True`` launch their sends only;
 the results are not there until the hook runs (the combine's ``out`` still NaN, the dispatch's rows not
 yet the whole op's), and then they are bit for bit the whole op's; a hook called twice, or after a later
@@ -26,3 +27,19 @@ def test_receive_hook_is_where_the_results_arrive(native_pair):
             assert res[tag + "combine_on_whole_equal"], (r, tag)
             assert res[tag + "combine_equal"], (r, tag, res[tag + "combine_bad_values"], res[tag + "combine_bad_tokens"])
             assert res[tag + "overtaken_equal"], (r, tag)
+
+
+def test_async_ops_run_on_the_communication_stream():
+    """With previous_event / async_finish a Buffer op runs on its communication stream: it finishes while
+    the caller's stream still runs work queued after previous_event, and gives the plain call's bits."""
+    if gpu_count() < 1:
+        pytest.skip("no NVIDIA GPU")
+    pytest.importorskip("omniep._native_torch")
+    # OMNIEP_CHECKS=default: sync mode synchronises the device after each op, which would wait for the
+    # caller's stream too and hide the overlap this test looks for.
+    results = run_ranks(harness.comm_stream_session, 2, args=(64, 512, 16, 4), timeout=300,
+                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default", "OMNIEP_TIMEOUT_S": "20"})
+    for r, res in enumerate(results):
+        assert res["dispatch_event"], r
+        assert res["caller_busy_after_dispatch"] and res["caller_busy_after_combine"], (r, res)
+        assert res["dispatch_equal"] and res["combine_equal"], (r, res)

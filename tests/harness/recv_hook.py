@@ -86,3 +86,50 @@ def _mask(t, counted):
 
     keep = counted.reshape(t.shape[:2] + (1,) * (t.dim() - 2))
     return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def comm_stream_session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
+    """DeepEP's stream rules on the native backend: ``Buffer.dispatch(previous_event=e, async_finish=True)``
+    runs on the Buffer's communication stream after ``e`` only, so it completes while work queued on
+    the caller's stream after ``e`` (a long spin) is still running; its results are bit for bit the
+    plain call's; the combine with ``async_finish`` likewise returns before the caller's stream waits."""
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        gen = torch.Generator().manual_seed(7 + rank)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
+        w = torch.rand(T, K, generator=gen).cuda()
+        buf = ep.Buffer(dist.group.WORLD)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=idx, topk_weights=w)
+        want = buf.dispatch(x, **layout)
+        want_out, _, _ = buf.combine(want[0], want[4])
+        torch.cuda.synchronize()
+        dist.barrier()
+        res = {}
+        before = ep.Buffer.capture()
+        torch.cuda._sleep(3_000_000_000)  # ~2 s of the caller's stream, queued after `before`
+        got = buf.dispatch(x, **layout, previous_event=before, async_finish=True)
+        got[5].event.synchronize()  # the dispatch, on the communication stream
+        res["caller_busy_after_dispatch"] = not torch.cuda.current_stream().query()
+        res["dispatch_event"] = got[5].event is not None and buf.get_comm_stream() != torch.cuda.current_stream()
+        out, _, event = buf.combine(got[0], got[4], previous_event=got[5], async_finish=True)
+        event.event.synchronize()
+        res["caller_busy_after_combine"] = not torch.cuda.current_stream().query()
+        event.current_stream_wait()
+        torch.cuda.synchronize()
+        res["dispatch_equal"] = all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])) and got[3] == want[3]
+        res["combine_equal"] = torch.equal(out, want_out)
+        buf.destroy()
+        ep.destroy()
+        return res
+    finally:
+        dist.destroy_process_group()
