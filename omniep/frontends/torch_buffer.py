@@ -719,7 +719,8 @@ class Buffer:
             if out is not None:
                 hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
                 combined = out
-        return combined, on.done((x, weights, handle), (combined,)), (hook.call if return_recv_hook else None)
+        # (`out`, the caller's, is written on the op's stream: recorded there too)
+        return combined, on.done((x, weights, handle, out), (combined,)), (hook.call if return_recv_hook else None)
 
 
 def _check_config(config) -> None:
