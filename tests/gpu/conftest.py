@@ -12,16 +12,17 @@ pytest.register_assert_rewrite("harness.virtual_rank_checks")
 def native_pair():
     """``native_pair(session, args)``: each rank's result of ``session(rank, world, port, *args)`` (a harness
     function) in two processes sharing GPU 0 on cuda_nvshmem's torch ops over CUDA IPC, with
-    ``OMNIEP_CHECKS=sync`` and a 20 s peer timeout. Skips without a GPU or omniep._native_torch."""
+    ``OMNIEP_CHECKS=sync`` (or ``checks``) and a 20 s peer timeout. Skips without a GPU or
+    omniep._native_torch."""
     from omniep.testing.procs import gpu_count, run_ranks
 
     if gpu_count() < 1:
         pytest.skip("no NVIDIA GPU")
     pytest.importorskip("omniep._native_torch")
 
-    def run(session, args: tuple) -> list:
+    def run(session, args: tuple, checks: str = "sync") -> list:
         return run_ranks(session, 2, args=args, timeout=300,
-                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "sync", "OMNIEP_TIMEOUT_S": "20"})
+                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": checks, "OMNIEP_TIMEOUT_S": "20"})
     return run
 
 

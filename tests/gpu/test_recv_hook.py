@@ -29,16 +29,12 @@ def test_receive_hook_is_where_the_results_arrive(native_pair):
             assert res[tag + "overtaken_equal"], (r, tag)
 
 
-def test_async_ops_run_on_the_communication_stream():
+def test_async_ops_run_on_the_communication_stream(native_pair):
     """With previous_event / async_finish a Buffer op runs on its communication stream: it finishes while
     the caller's stream still runs work queued after previous_event, and gives the plain call's bits."""
-    if gpu_count() < 1:
-        pytest.skip("no NVIDIA GPU")
-    pytest.importorskip("omniep._native_torch")
     # OMNIEP_CHECKS=default: sync mode synchronises the device after each op, which would wait for the
     # caller's stream too and hide the overlap this test looks for.
-    results = run_ranks(harness.comm_stream_session, 2, args=(64, 512, 16, 4), timeout=300,
-                        env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default", "OMNIEP_TIMEOUT_S": "20"})
+    results = native_pair(harness.comm_stream_session, (64, 512, 16, 4), checks="default")
     for r, res in enumerate(results):
         assert res["dispatch_event"], r
         assert res["caller_busy_after_dispatch"] and res["caller_busy_after_combine"], (r, res)
