@@ -713,10 +713,10 @@ class Buffer:
             raise InputError("low_latency_combine: async_finish and return_recv_hook exclude each other (the hook "
                              "runs the receive on the caller's stream)")
         weights = topk_weights.to(torch.float32)
-        with self._stream(x.device, None, async_finish) as on, \
-                self._sends_only(return_recv_hook and x.is_cuda) as hook:
-            combined = combine(x, handle.replace(topk_weights=weights))
-            if out is not None:
+        with self._stream(x.device, None, async_finish) as on:
+            with self._sends_only(return_recv_hook and x.is_cuda) as hook:
+                combined = combine(x, handle.replace(topk_weights=weights))
+            if out is not None:  # (outside the split: the hook knows its receive only when the op is over)
                 hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
                 combined = out
         # (`out`, the caller's, is written on the op's stream: recorded there too)
