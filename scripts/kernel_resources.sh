@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Registers and spills of every kernel (ptxas, sm_90), without a GPU: nvcc compiles the compile check's
+# translation unit (csrc/kernels/instantiate_all.cu: every kernel over the p2p transport, the instances
+# the launchers use) and this prints one line per kernel — registers, spill stores / loads in bytes,
+# stack frame — spilling kernels first. A kernel change that makes a hot loop spill shows here in
+# ~30 s of CPU, before any device time is spent on it (issue 14's copy-width experiment did).
+#   scripts/kernel_resources.sh [extra nvcc flags, e.g. -DSOMETHING]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+[[ -x "$NVCC" ]] || { echo "kernel_resources: no nvcc (set NVCC=)"; exit 2; }
+log=$(mktemp)
+trap 'rm -f "$log" "$log.o"' EXIT
+"$NVCC" -I csrc -I csrc/include -O3 -DNDEBUG -std=c++17 --generate-code=arch=compute_90,code=sm_90 \
+  --expt-relaxed-constexpr -Xptxas=-v -x cu -c csrc/kernels/instantiate_all.cu -o "$log.o" "$@" >"$log" 2>&1 \
+  || { cat "$log"; exit 1; }
+# ptxas -v: "Compiling entry function 'NAME'", then "N bytes stack frame, S bytes spill stores, L bytes
+# spill loads", then "Used R registers".
+awk '
+  /Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/); name = substr($0, RSTART + 1, RLENGTH - 2); next }
+  /bytes stack frame/ { for (i = 1; i <= NF; i++) { if ($(i+1) == "bytes" && $(i+2) == "stack") frame = $i;
+                                                    if ($(i+1) == "bytes" && $(i+3) == "stores,") st = $i;
+                                                    if ($(i+1) == "bytes" && $(i+3) == "loads") ld = $i } next }
+  /Used [0-9]+ registers/ { match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15);
+                            if (name != "") printf "%6d %6d %6d %6d  %s\n", st + 0, ld + 0, regs, frame + 0, name; name = "" }
+' "$log" | sort -k1,1nr -k5 | c++filt -n 2>/dev/null | sed 's/(omniep::[A-Za-z]*Args, omniep::P2PTransport)//' |
+  { echo "spill-st spill-ld  regs  stack  kernel"; cat; }
