@@ -176,3 +176,24 @@ def test_it_serves_nothing_until_the_adapter_exists():
     caps = lib.NcclEpLibTorch.capabilities()
     assert caps.dtypes == () and caps.layouts == () and caps.devices == ()
     assert lib.PLANNED.layouts and lib.PLANNED.devices == ("gpu",)
+
+
+def test_abi_pins_compiled_where_the_build_had_the_headers():
+    """Given nccl_ep.h (``OMNIEP_NCCL_EP_ROOT``, as CI's .ci/run sets it), the install's compile check
+    compiled the ABI pins (csrc/backends/nccl_ep_lib_abi.cpp); a build that skipped them would leave the
+    struct sizes / magic / version of NCCL EP API 2 unchecked while CI passes."""
+    import importlib.util as iu
+    import json
+
+    ep_root = os.environ.get("OMNIEP_NCCL_EP_ROOT")
+    if not ep_root or not os.path.isfile(os.path.join(ep_root, "include", "nccl_ep.h")):
+        pytest.skip("OMNIEP_NCCL_EP_ROOT does not name NCCL EP headers (CI sets it: .ci/run)")
+    out = subprocess.run([sys.executable, "-m", "omniep.cli", "info", "--build", "--json"], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    build = json.loads(out)
+    if build.get("note") or iu.find_spec("omniep._build_info") is None:
+        pytest.skip(f"this install ran no CMake: {build.get('note')}")
+    part = build["parts"].get("check_nccl_ep_abi")
+    if part is None:
+        pytest.skip("this install ran without OMNIEP_COMPILE_CHECK (the ABI pins are part of the compile check)")
+    assert part["state"] == "built", part
