@@ -7,7 +7,8 @@ Status, plainly: this is the first slice. What exists is the availability check 
 cannot run here, without initialising CUDA and without loading ``libnccl_ep.so``), the registry entry
 (``omniep info`` lists it with the reason), and a CPU compile-time check of the ABI our adapter will rely
 on (``csrc/backends/nccl_ep_lib_abi.cpp``, compiled by the CMake project's compile check,
-``cmake/compile_check.cmake``, where ``nccl_ep.h`` is found; CI fetches the headers, ``.ci/run``). The adapter from :class:`~omniep.ep_core.backend.EPBackend` to
+``cmake/compile_check.cmake``, where ``nccl_ep.h`` is found; CI fetches the headers, ``.ci/run``).
+The adapter from :class:`~omniep.ep_core.backend.EPBackend` to
 ``ncclEpCreateGroup`` / ``ncclEpInitHandle`` / ``ncclEpDispatch`` / ``ncclEpCombine`` is NOT written:
 the backend is unavailable for every op everywhere, and its ops raise :class:`BackendUnavailableError`.
 
