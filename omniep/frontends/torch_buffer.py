@@ -350,9 +350,7 @@ class Buffer:
             raise InputError(f"previous_event must be an EventOverlap (or None), got {type(previous_event).__name__}")
         if device.type != "cuda" or (previous_event is None and not async_finish):
             return _NO_STREAM
-        comm = self._comm_streams.get(device.index)
-        if comm is None:
-            comm = self._comm_streams[device.index] = torch.cuda.Stream(device)
+        comm = self.get_comm_stream(device)
         compute = torch.cuda.current_stream(device)
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
@@ -716,7 +714,7 @@ class Buffer:
         with self._stream(x.device, None, async_finish) as on:
             with self._sends_only(return_recv_hook and x.is_cuda) as hook:
                 combined = combine(x, handle.replace(topk_weights=weights))
-            if out is not None:  # (outside the split: the hook knows its receive only when the op is over)
+            if out is not None:
                 hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
                 combined = out
         # (`out`, the caller's, is written on the op's stream: recorded there too)
@@ -739,10 +737,10 @@ class _ReceiveHook:
     omniep op runs it first if the hook was not called). Without ``ctx`` the op is whole and ``call``
     does nothing but what :meth:`then` added. Nothing here waits on the host."""
 
-    __slots__ = ("ctx", "seq", "after")
+    __slots__ = ("ctx", "seq", "after", "inside")
 
     def __init__(self, ctx) -> None:
-        self.ctx, self.seq, self.after = ctx, 0, []
+        self.ctx, self.seq, self.after, self.inside = ctx, 0, [], False
 
     @property
     def split(self) -> bool:
@@ -750,18 +748,26 @@ class _ReceiveHook:
         return self.ctx is not None
 
     def __enter__(self) -> "_ReceiveHook":
+        self.inside = True
         if self.ctx is not None:
             self.ctx.send_only_next(True)
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        self.inside = False
         if self.ctx is not None:
             self.ctx.send_only_next(False)  # the op consumed it; an op that failed before may not have
             self.seq = self.ctx.pending_receive() if exc_type is None else 0
+        if not self.seq:  # the op is whole (or failed): what was added inside runs now (or never)
+            after, self.after = self.after, []
+            if exc_type is None:
+                for fn in after:
+                    fn()
 
     def then(self, fn) -> None:
-        """Run ``fn()`` after the rest of the op: now without a split, else inside :meth:`call`."""
-        if self.seq:
+        """Run ``fn()`` after the rest of the op: now without a split, else inside :meth:`call`. Added
+        inside the ``with`` (before it is known whether the op split), it waits for the ``with``'s end."""
+        if self.seq or self.inside:
             self.after.append(fn)
         else:
             fn()
