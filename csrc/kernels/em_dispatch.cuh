@@ -114,15 +114,35 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
 }
 
 // After the end barrier: the counted slots of the symmetric receive buffers into the caller's results.
+// One pass over the counted rows moves each row's payload, its scales row and its routing entry
+// together (one scan of the counts, the loads of both rows in flight at once); padding after it.
 template <typename Tr>
 OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   const int L = a.num_experts / tr.num_ranks(), C = a.capacity;
   const int32_t* count = tr.local(a.recv_expert_count);
-  em_copy_slots(tr.local(a.out_x), tr.local(a.recv_x), count, L, C, a.row_bytes, a.unit, a.zero_padding);
-  if (a.row2_bytes > 0) em_copy_slots(tr.local(a.out_x2), tr.local(a.recv_x2), count, L, C, a.row2_bytes, a.unit2,
-                                    a.zero_padding);
-  em_routing_padding(tr.local(a.out_topk_idx), tr.local(a.out_topk_weights), tr.local(a.recv_topk_idx),
-                     tr.local(a.recv_topk_weights), count, L, C);
+  uint8_t* out_x = tr.local(a.out_x);
+  uint8_t* out_x2 = tr.local(a.out_x2);
+  const uint8_t* recv_x = tr.local(a.recv_x);
+  const uint8_t* recv_x2 = tr.local(a.recv_x2);
+  int32_t* out_idx = tr.local(a.out_topk_idx);
+  float* out_w = tr.local(a.out_topk_weights);
+  const int32_t* recv_idx = tr.local(a.recv_topk_idx);
+  const float* recv_w = tr.local(a.recv_topk_weights);
+  em_for_each_row(count, L, C, 0, [&](int64_t j) {
+    if (gpu::lane_id() == 0) {
+      out_idx[j] = recv_idx[j];
+      out_w[j] = recv_w[j];
+    }
+    if (a.row2_bytes > 0) warp_copy_row(out_x2 + j * a.row2_bytes, recv_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
+    warp_copy_row(out_x + j * a.row_bytes, recv_x + j * a.row_bytes, a.row_bytes, a.unit);
+  });
+  if (a.zero_padding) {
+    em_for_each_row(count, L, C, 1, [&](int64_t j) {
+      if (a.row2_bytes > 0) warp_zero_row(out_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
+      warp_zero_row(out_x + j * a.row_bytes, a.row_bytes, a.unit);
+    });
+  }
+  em_routing_padding(out_idx, out_w, nullptr, nullptr, count, L, C);  // the padding's routing: -1 / 0
 }
 
 namespace em {  // profilers show "omniep::em::dispatch_kernel": DeepEP's tests find kernels by "::dispatch"

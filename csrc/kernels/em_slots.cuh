@@ -5,48 +5,79 @@
 #pragma once
 
 #include "kernels/rows.cuh"
+#include "omniep/transport.h"
 
 namespace omniep {
 
+// Every thread of the block: s_upto[l] = rows_of(0) + ... + rows_of(l) for l < L (L <= kMaxLocalExperts),
+// and the total is returned. A block-wide scan: each thread loads one count per round of blockDim.x
+// experts, so the counts cost one memory latency per round, not one per expert or per warp's width
+// of experts (a warp that walked them in series spent ~9 dependent loads at L = 288).
+// Row counts fit int32: a pass has at most L * C rows of a buffer that exists.
+template <typename RowsOf>
+OMNIEP_DEVICE int block_rows_prefix(int* s_upto, int L, RowsOf rows_of) {
+  __shared__ int s_warp[1024 / gpu::kWarpSize];  // a warp's total per round (at most 1024 threads a block)
+  const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
+  int carry = 0;  // rows of the rounds before (the same in every thread)
+  for (int l0 = 0; l0 < L; l0 += blockDim.x) {
+    const int l = l0 + static_cast<int>(threadIdx.x);
+    int v = l < L ? rows_of(l) : 0;
+    for (int d = 1; d < gpu::kWarpSize; d *= 2) {  // inclusive scan over the warp
+      const int u = gpu::shfl(v, lane >= d ? lane - d : lane);
+      if (lane >= d) v += u;
+    }
+    if (lane == gpu::kWarpSize - 1) s_warp[warp] = v;
+    __syncthreads();
+    int before = carry, round = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int n = s_warp[w];
+      if (w < warp) before += n;
+      round += n;
+    }
+    if (l < L) s_upto[l] = before + v;
+    carry += round;
+    __syncthreads();  // s_warp read by every thread before the next round rewrites it; s_upto complete
+  }
+  return carry;
+}
+
+// fn(j) for every row j = l * C + c of one pass — pass 0: the counted rows (c < count[l]), pass 1: the
+// padding rows — dealt round-robin over every warp of the rank in (l, c) order, so the cost follows
+// the rows moved, balanced however skewed the experts. fn is called by the whole warp (warp-uniform).
+// Every thread of every block must call it (a block-wide scan of the counts, block_rows_prefix).
+template <typename Fn>
+OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass, Fn fn) {
+  __shared__ int s_upto[kMaxLocalExperts];
+  const int total = block_rows_prefix(s_upto, L, [count, C, pass](int l) {
+    const int n = count == nullptr ? C : count[l];
+    return pass == 0 ? n : C - n;
+  });
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
+  for (int64_t next = static_cast<int64_t>(blockIdx.x) * gpu::warps_per_block() + gpu::warp_id(); next < total;
+       next += warps) {
+    const int off = static_cast<int>(next);
+    int lo = 0, hi = L - 1;  // the first expert whose inclusive prefix passes `off`
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (s_upto[mid] > off) hi = mid; else lo = mid + 1;
+    }
+    const int before = lo > 0 ? s_upto[lo - 1] : 0;
+    const int first = pass == 0 ? 0 : (count == nullptr ? C : count[lo]);
+    fn(static_cast<int64_t>(lo) * C + first + (off - before));
+  }
+  __syncthreads();  // s_upto is reused by the next pass
+}
+
 // Counted slots: dst[j] = src[j] (null src: left as they are); padding: zeroed when `zero`, else
-// untouched. One warp per row, the rows dealt round-robin over every warp of the rank in (l, c)
-// order — counted rows first, then (zero) the padding rows — so the cost follows the rows moved
-// (balanced however skewed the experts), and no pass over L * C slots. The warp reads the counts a
-// warp's width of experts at a time (one load, a scan over the lanes, a ballot per row): a loop over
-// the experts one by one was a chain of L dependent loads in every warp (tens of µs at L = 144).
+// untouched. One warp per row (em_for_each_row). Every thread of every block must call it.
 OMNIEP_DEVICE void em_copy_slots(uint8_t* dst, const uint8_t* src, const int32_t* count, int L, int C,
                                  int64_t row_bytes, int unit, int zero) {
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
-  const int64_t me = static_cast<int64_t>(blockIdx.x) * gpu::warps_per_block() + gpu::warp_id();
-  const int lane = gpu::lane_id();
-  for (int pass = src != nullptr ? 0 : 1; pass < (zero ? 2 : 1); ++pass) {  // 0: counted rows, 1: padding
-    int64_t base = 0;   // rows of this pass before expert l0 (the same in every warp)
-    int64_t next = me;  // my next row of this pass (rows me, me + warps, ...)
-    for (int l0 = 0; l0 < L; l0 += gpu::kWarpSize) {
-      const int l = l0 + lane;
-      const int n = l >= L ? 0 : count == nullptr ? C : count[l];
-      const int rows = l >= L ? 0 : pass == 0 ? n : C - n;
-      int64_t upto = rows;  // inclusive scan over the lanes: rows of experts l0 .. l
-      for (int d = 1; d < gpu::kWarpSize; d *= 2) {
-        const int64_t v = gpu::shfl(upto, lane >= d ? lane - d : lane);
-        if (lane >= d) upto += v;
-      }
-      const int64_t end = base + gpu::shfl(upto, gpu::kWarpSize - 1);
-      for (; next < end; next += warps) {  // (warp-uniform)
-        const int64_t off = next - base;
-        const int at = gpu::lowest_lane(gpu::ballot(upto > off));  // the expert holding row `off`
-        const int64_t before = gpu::shfl(upto - rows, at);
-        const int first = pass == 0 ? 0 : gpu::shfl(n, at);
-        const int64_t j = static_cast<int64_t>(l0 + at) * C + first + (off - before);
-        if (pass == 0) {
-          warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, unit);
-        } else {
-          warp_zero_row(dst + j * row_bytes, row_bytes, unit);
-        }
-      }
-      base = end;
-    }
+  if (src != nullptr) {
+    em_for_each_row(count, L, C, 0, [&](int64_t j) {
+      warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, unit);
+    });
   }
+  if (zero) em_for_each_row(count, L, C, 1, [&](int64_t j) { warp_zero_row(dst + j * row_bytes, row_bytes, unit); });
 }
 
 // Zero rows [0, rows) of dst. One warp per row.
