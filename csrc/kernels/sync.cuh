@@ -2,10 +2,11 @@
 //
 // A rank runs as gridDim.x blocks (all co-resident: the launcher guarantees it). A barrier is
 //   1. every block: __syncthreads, then thread 0 arrives on the rank's `arrive` counter with a release
-//      add (system scope), which carries the block's writes;
+//      add (device scope: only the rank's own blocks read it), which carries the block's writes;
 //   2. block 0 waits for all arrivals, then thread s < R signals peer s (release add on
 //      signals[me] in s's workspace) and waits until its own signals[s] reaches expected[s] + 1;
-//   3. block 0 bumps the rank's `release` generation; the other blocks (if they must wait) spin on it.
+//   3. block 0 bumps the rank's `release` generation (device scope); the other blocks (if they must
+//      wait) spin on it.
 // Release cumulativity carries every block's writes (to local or peer memory) to the peers that
 // acquire the signal. A remote peer (omniep/transport.h) is signalled with the transport's signal
 // op, by the thread that first issued this barrier's puts to it (the `puts` hook: rows the blocks
@@ -229,15 +230,17 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
     // A later kernel of an op that stopped at its first exchange: every rank stopped it there, so no
     // rank takes part in this barrier (an earlier kernel on this stream wrote abort_seq).
     if (desc != nullptr && desc->w[kDescPart] > 0 && ws->abort_seq == desc->w[kDescSeq] + 1) s_ok = 0;
-    s_gen = gpu::load_acquire_sys(&ws->release);  // read before arriving: cannot change until all arrive
-    if (s_ok) gpu::add_release_sys(&ws->arrive, 1u);  // a release: the block's writes (ordered by the
-                                                       // __syncthreads above) go with it
+    s_gen = gpu::load_acquire_gpu(&ws->release);  // read before arriving: cannot change until all arrive
+    // A release of device scope (the rank's own blocks meet here): the block's writes, ordered by the
+    // __syncthreads above, go with it, and on to the peers with block 0's system-scope signal.
+    if (s_ok) gpu::add_release_gpu(&ws->arrive, 1u);
   }
   __syncthreads();
   if (!s_ok) return false;
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
-      if (!wait_at_least(&ws->arrive, static_cast<uint32_t>(gridDim.x), tr.timeout_ns())) {
+      if (!wait_for([ws] { return gpu::load_acquire_gpu(&ws->arrive); }, static_cast<uint32_t>(gridDim.x),
+                    tr.timeout_ns())) {
         record_local_timeout(ws, me, phase, tr.timeout_ns());
         s_ok = 0;
       }
@@ -286,11 +289,11 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
         s_ok = exchange_verdict(tr, ws, *desc, s_slot);
       }
       ws->arrive = 0;  // nobody arrives again before the release below (a release store: it orders this)
-      gpu::store_release_sys(&ws->release, s_gen + 1);
+      gpu::store_release_gpu(&ws->release, s_gen + 1);
     }
   } else if (all_wait) {
     if (threadIdx.x == 0) {
-      if (!wait_at_least(&ws->release, s_gen + 1, tr.timeout_ns())) {
+      if (!wait_for([ws] { return gpu::load_acquire_gpu(&ws->release); }, s_gen + 1, tr.timeout_ns())) {
         record_local_timeout(ws, me, phase, tr.timeout_ns());
       }
       s_ok = !has_error(ws);

@@ -124,6 +124,21 @@ OMNIEP_DEVICE void add_release_sys(uint64_t* p, uint64_t v) {
 OMNIEP_DEVICE void add_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Device scope: a rank's own blocks meeting each other (the arrival and release of rank_barrier). A
+// release / acquire pair of this scope is cheaper than the system's, and happens-before stays
+// transitive across scopes, so writes a block made anywhere (peers' memory included) still reach a
+// peer through block 0's system-scope signal that follows.
+OMNIEP_DEVICE uint32_t load_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+OMNIEP_DEVICE void store_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+OMNIEP_DEVICE void add_release_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 OMNIEP_DEVICE void add_relaxed_sys(int32_t* p, int32_t v) { atomicAdd_system(p, v); }
 OMNIEP_DEVICE int32_t cas_relaxed_sys(int32_t* p, int32_t expect, int32_t v) {
   return atomicCAS_system(p, expect, v);
@@ -154,6 +169,15 @@ OMNIEP_DEVICE void add_release_sys(uint64_t* p, uint64_t v) {
 }
 OMNIEP_DEVICE void add_release_sys(uint32_t* p, uint32_t v) {
   __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+OMNIEP_DEVICE uint32_t load_acquire_gpu(const uint32_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
+OMNIEP_DEVICE void store_release_gpu(uint32_t* p, uint32_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+}
+OMNIEP_DEVICE void add_release_gpu(uint32_t* p, uint32_t v) {
+  __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
 }
 OMNIEP_DEVICE void add_relaxed_sys(int32_t* p, int32_t v) {
   __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
