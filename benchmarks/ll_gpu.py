@@ -75,6 +75,12 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                                                                              ll_dispatch),
                            ("Buffer.low_latency_combine", ll_combine)):
                 steps.append((name, op, fn))
+        if args["plain"]:  # for an outside profiler (ncu): the ops only, no CUPTI of our own, no timing
+            for name, op, step in steps:
+                for _ in range(args["plain"]):
+                    step()
+                torch.cuda.synchronize()
+            steps = []
         for name, op, step in steps:
             for _ in range(5):
                 step()
@@ -110,15 +116,19 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
+    p.add_argument("--plain", type=int, default=0, metavar="N",
+                   help="run each op N times and time nothing (under ncu: scripts/profile_ll.sh)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu)
+    args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
     results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
+    if a.plain:
+        return 0
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}")
     lines = []
     for name in args["variants"]:
