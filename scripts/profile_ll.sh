@@ -13,7 +13,7 @@ NCU="${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null 
 for k in dispatch combine; do
   # Skip the warm-up calls: the 7th launch of the kernel is a steady-state ep.dispatch / ep.combine.
   step "ncu_$k" 300 "$NCU" --target-processes all --clock-control none --set full --import-source yes \
-    -k "regex:em::${k}_kernel" --launch-skip 6 --launch-count 1 -f -o "$OUT/ll_$k" \
+    --kernel-name-base demangled -k "regex:em::${k}_kernel<" --launch-skip 6 --launch-count 1 -f -o "$OUT/ll_$k" \
     "$PY" benchmarks/ll_gpu.py --world 1 --variants base --plain 10
   "$NCU" --import "$OUT/ll_$k.ncu-rep" --page details > "$OUT/ll_${k}_details.txt" 2>&1
   "$NCU" --import "$OUT/ll_$k.ncu-rep" --page source --csv --print-source cuda > "$OUT/ll_${k}_source.csv" 2>&1
