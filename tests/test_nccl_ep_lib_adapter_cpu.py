@@ -48,8 +48,9 @@ def test_adapter_module_built_where_the_build_had_the_headers():
     if build.get("note") or iu.find_spec("omniep._build_info") is None:
         pytest.skip(f"this install ran no CMake: {build.get('note')}")
     part = build["parts"].get("_native_nccl_ep_lib")
-    if part is None:
-        pytest.skip("this install's build made no GPU modules (no nvcc): the adapter's part is not recorded")
+    if part is None or not str(build.get("gpu", "")).startswith("CUDA"):
+        pytest.skip(f"this install's build made no CUDA modules (gpu: {build.get('gpu')!r}; no nvcc), so not the "
+                    f"adapter either: {part}")
     assert part["state"] == "built", part
     native = importlib.import_module("omniep._native_nccl_ep_lib")  # imports without a GPU or the library
     assert native.API_VERSION == 2
