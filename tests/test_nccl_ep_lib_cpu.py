@@ -1,7 +1,9 @@
 """``nccl_ep_lib`` (NVIDIA's NCCL EP library, issue 18 item 2) on CPU: registered, listed by ``omniep info``
 with its reason, the reason walking down the checks as each is met with real files (an empty
 ``libnccl_ep.so``, fake ``libnccl.so.2`` libraries compiled here with the version and symbols asked for),
-and every op raising :class:`BackendUnavailableError` naming the backend (no adapter yet)."""
+selecting it where it cannot run raising :class:`BackendUnavailableError` naming the backend, and the JAX
+side saying it is not wired. The adapter's native module (``omniep._native_nccl_ep_lib``, no GPU needed to
+import it) is tested in tests/test_nccl_ep_lib_adapter_cpu.py."""
 
 import json
 import os
@@ -15,7 +17,11 @@ from omniep.backends import nccl_ep_lib as lib
 from omniep.ep_core import registry
 from omniep.ep_core.errors import BackendUnavailableError
 
-ADAPTER_NOTE = "adapter is not implemented yet"
+JAX_NOTE = "the JAX frontend is not wired to the adapter"
+
+
+def torch_class():
+    return pytest.importorskip("omniep.backends.nccl_ep_lib.torch_backend").NcclEpLibTorch
 
 
 @pytest.fixture
@@ -54,18 +60,21 @@ def test_listed_by_the_registry_and_by_omniep_info_json(tmp_path):
         entry = data["backends"]["nccl_ep_lib"][fw]
         assert entry["available"] is False
         assert entry["reason"].startswith("NCCL EP library (libnccl_ep.so) not found"), entry
-        assert str(missing) in entry["reason"] and ADAPTER_NOTE in entry["reason"]
+        assert str(missing) in entry["reason"]
+        assert (JAX_NOTE in entry["reason"]) is (fw == "jax"), entry
     assert "nccl_ep_lib" in data["not_run_on_hardware"]
     setting = {v["name"]: v for v in data["environment"]}["OMNIEP_NCCL_EP_LIB"]
     assert setting["value"] == str(missing) and setting["error"] is None
 
 
-def test_library_absent_names_where_it_looked_and_the_adapter_comes_last(tmp_path, monkeypatch):
+def test_library_absent_names_where_it_looked_and_jax_says_it_is_not_wired_last(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
-    avail = lib.NcclEpLibTorch.availability()
-    assert not avail
-    assert avail.reason.startswith("NCCL EP library (libnccl_ep.so) not found (looked at: " + str(tmp_path / "none"))
-    assert avail.reason.index("not found") < avail.reason.index(ADAPTER_NOTE)
+    for cls in (torch_class(), lib.NcclEpLibJax):
+        avail = cls.availability()
+        assert not avail
+        assert avail.reason.startswith("NCCL EP library (libnccl_ep.so) not found (looked at: " + str(tmp_path / "none"))
+    reason = lib.NcclEpLibJax.availability().reason
+    assert reason.index("not found") < reason.index(JAX_NOTE)
 
 
 def test_without_the_setting_it_looks_in_the_nccl_package_cu13_then_cu12(tmp_path, monkeypatch):
@@ -86,22 +95,22 @@ def test_library_found_but_no_nccl_runtime(ep_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [absent])
     reason = lib.NcclEpLibJax.availability().reason
     assert reason.startswith(f"libnccl_ep.so found at {ep_dir / 'libnccl_ep.so'}, but no NCCL runtime"), reason
-    assert absent in reason and ">= 2.30.4" in reason and reason.endswith(lib.ADAPTER)
+    assert absent in reason and ">= 2.30.4" in reason and reason.endswith(lib.JAX_NOT_WIRED)
 
 
 def test_too_old_nccl_is_reported_with_both_versions_and_the_missing_symbols(ep_dir, tmp_path, monkeypatch):
     old = fake_nccl(tmp_path, 22809)
     monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [old])
-    reason = lib.NcclEpLibTorch.availability().reason
-    assert reason.startswith(f"NCCL 2.28.9 at {old} is too old: the NCCL EP library needs NCCL >= 2.30.4"), reason
-    assert "ncclCommQueryProperties, ncclGetPeerDevicePointer, ncclWinGetUserPtr" in reason
-    assert reason.index("too old") < reason.index(ADAPTER_NOTE)
+    reason = torch_class().availability().reason
+    # exactly the environment's reason: the adapter exists, so nothing else is appended for torch
+    assert reason == (f"NCCL 2.28.9 at {old} is too old: the NCCL EP library needs NCCL >= 2.30.4 (found 2.28.9); "
+                      f"it lacks ncclCommQueryProperties, ncclGetPeerDevicePointer, ncclWinGetUserPtr"), reason
 
 
 def test_new_enough_nccl_without_the_symbols_names_the_missing_ones(ep_dir, tmp_path, monkeypatch):
     partial = fake_nccl(tmp_path, 23004, ["ncclGetPeerDevicePointer"])
     monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [partial])
-    reason = lib.NcclEpLibTorch.availability().reason
+    reason = torch_class().availability().reason
     assert reason.startswith(f"NCCL at {partial} (2.30.4) lacks ncclCommQueryProperties, ncclWinGetUserPtr,"), reason
 
 
@@ -109,11 +118,19 @@ def test_everything_but_a_gpu(ep_dir, tmp_path, monkeypatch):
     full = fake_nccl(tmp_path, 23100, lib.NEEDED_SYMBOLS)
     monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [full])
     monkeypatch.setattr(lib, "nvidia_gpus", lambda: 0)
-    reason = lib.NcclEpLibTorch.availability().reason
+    reason = torch_class().availability().reason
     assert reason.startswith(f"libnccl_ep.so at {ep_dir / 'libnccl_ep.so'} and NCCL 2.31.0 found, but no NVIDIA GPU")
-    monkeypatch.setattr(lib, "nvidia_gpus", lambda: 8)  # then only the adapter is missing: still unavailable
-    avail = lib.NcclEpLibTorch.availability()
-    assert not avail and avail.reason == f"library, NCCL and GPU found, but the {lib.ADAPTER}"
+    monkeypatch.setattr(lib, "nvidia_gpus", lambda: 8)  # then the adapter module, then torch's CUDA decide
+    monkeypatch.setattr(lib, "MODULE", "omniep._no_such_module")
+    avail = torch_class().availability()
+    assert not avail and avail.reason.startswith("the adapter module omniep._no_such_module is not built"), avail
+    monkeypatch.setattr(lib, "MODULE", "json")  # a module that imports: past the module check
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the next verdict is the real one")
+    avail = torch_class().availability()
+    assert not avail and avail.reason == f"torch {torch.__version__} sees no CUDA device", avail
+    assert lib.NcclEpLibJax.availability().reason == lib.JAX_NOT_WIRED
 
 
 @pytest.mark.parametrize("code,ok", [(22809, False), (23003, False), (23004, True), (23100, True),
@@ -130,16 +147,15 @@ def test_version_without_an_answer():
     assert lib.version_string(22809) == "2.28.9" and lib.version_string(23004) == "2.30.4"
 
 
-@pytest.mark.parametrize("cls", [lib.NcclEpLibTorch, lib.NcclEpLibJax])
-def test_every_op_raises_naming_the_backend(cls, tmp_path, monkeypatch):
+def test_every_jax_op_raises_naming_the_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
-    backend = cls(group=None)
+    backend = lib.NcclEpLibJax(group=None)
     for op, args in [("prepare", (None, None)), ("dispatch", (None, None, None)), ("combine", (None, None)),
                      ("dispatch_bwd", (None, None, None)), ("combine_bwd", (None, None)), ("num_ranks", ())]:
         with pytest.raises(BackendUnavailableError) as info:
             getattr(backend, op)(*args)
         assert info.value.backend == "nccl_ep_lib" and "'nccl_ep_lib' is not available here" in str(info.value)
-        assert "libnccl_ep.so) not found" in info.value.reason and ADAPTER_NOTE in info.value.reason
+        assert "libnccl_ep.so) not found" in info.value.reason and JAX_NOTE in info.value.reason
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
@@ -172,10 +188,12 @@ def test_torch_dispatch_on_it_raises(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
-def test_it_serves_nothing_until_the_adapter_exists():
-    caps = lib.NcclEpLibTorch.capabilities()
-    assert caps.dtypes == () and caps.layouts == () and caps.devices == ()
-    assert lib.PLANNED.layouts and lib.PLANNED.devices == ("gpu",)
+def test_capabilities_say_what_the_adapter_serves():
+    caps = torch_class().capabilities()
+    assert caps.dtypes == ("bfloat16",) and not caps.fp8 and caps.devices == ("gpu",) and caps.frameworks == ("torch",)
+    assert set(caps.layouts) == {lib.Layout.RANK_MAJOR, lib.Layout.EXPERT_MAJOR} and not caps.internode
+    jax_caps = lib.NcclEpLibJax.capabilities()  # not wired: serves nothing, so no error names it
+    assert jax_caps.dtypes == () and jax_caps.layouts == () and jax_caps.devices == ()
 
 
 def test_abi_pins_compiled_where_the_build_had_the_headers():

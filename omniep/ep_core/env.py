@@ -39,7 +39,8 @@ class Variable:
     default: str
     doc: str
     choices: Optional[Callable[[], Optional[tuple]]] = None  # names (case-folded); None: `number` says what
-    number: Optional[str] = None  # "seconds": a float > 0; "bytes": an int >= 0; "flag": 0 or 1; "path": any
+    number: Optional[str] = None  # "seconds": a float > 0; "bytes": an int >= 0; "count": an int >= 1;
+    #                               "flag": 0 or 1; "path": any
 
     def parse(self, raw: str):
         """The value of ``raw`` (already stripped), or ValueError saying what the variable accepts."""
@@ -57,6 +58,10 @@ class Variable:
             if not raw.isdigit():
                 raise ValueError("expected a whole number of bytes >= 0")
             return int(raw)
+        if self.number == "count":
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError("expected a whole number >= 1")
+            return int(raw)
         if self.number == "path":
             return raw
         if raw not in ("0", "1"):
@@ -66,7 +71,8 @@ class Variable:
     def accepts(self) -> str:
         if self.choices is not None:
             return " | ".join(self.choices() or ("a registered backend's name",))
-        return {"seconds": "seconds > 0", "bytes": "bytes >= 0", "flag": "0 | 1", "path": "a path"}[self.number]
+        return {"seconds": "seconds > 0", "bytes": "bytes >= 0", "count": "a whole number >= 1", "flag": "0 | 1",
+                "path": "a path"}[self.number]
 
 
 def _is_float(raw: str) -> bool:
@@ -96,6 +102,8 @@ VARIABLES = {v.name: v for v in (
              "backend passed, `omniep info`); unset: ~/.cache/omniep", number="path"),
     Variable("OMNIEP_NCCL_EP_LIB", "", "nccl_ep_lib: NVIDIA's libnccl_ep.so (the file or its folder); unset: "
              "the installed nccl-extensions package's ep/lib/cu13, then cu12", number="path"),
+    Variable("OMNIEP_NCCL_EP_LIB_MAX_TOKENS", "4096", "nccl_ep_lib: the most tokens any rank dispatches (NCCL EP's "
+             "max_dispatch_tokens_per_rank, sizing its buffers); the same on every rank", number="count"),
 )}
 
 

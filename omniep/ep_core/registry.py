@@ -30,11 +30,11 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "jax": "omniep.backends.rocm_rocshmem.jax_backend:RocmRocshmemJax",
         "torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch",
     },
-    # NVIDIA's NCCL EP library (nccl-extensions): registered so that `omniep info` says why it cannot run;
-    # no adapter yet, so it is never available.
+    # NVIDIA's NCCL EP library (nccl-extensions) through omniep's adapter: torch where the library, a new
+    # enough NCCL and the adapter module are present; JAX not wired (`omniep info` says why, either way).
     "nccl_ep_lib": {
         "jax": "omniep.backends.nccl_ep_lib:NcclEpLibJax",
-        "torch": "omniep.backends.nccl_ep_lib:NcclEpLibTorch",
+        "torch": "omniep.backends.nccl_ep_lib.torch_backend:NcclEpLibTorch",
     },
     "collective": {
         "jax": "omniep.backends.collective.jax_backend:CollectiveJax",

@@ -3,14 +3,47 @@ wheel, API version 2) as an optional engine under omniep's interface (issue 18 i
 
 Not to be confused with ``nccl_ep``, which is omniep's own kernels over the NCCL device API.
 
-Status, plainly: this is the first slice. What exists is the availability check below (why the library
-cannot run here, without initialising CUDA and without loading ``libnccl_ep.so``), the registry entry
-(``omniep info`` lists it with the reason), and a CPU compile-time check of the ABI our adapter will rely
-on (``csrc/backends/nccl_ep_lib_abi.cpp``, compiled by the CMake project's compile check,
-``cmake/compile_check.cmake``, where ``nccl_ep.h`` is found; CI fetches the headers, ``.ci/run``).
-The adapter from :class:`~omniep.ep_core.backend.EPBackend` to
-``ncclEpCreateGroup`` / ``ncclEpInitHandle`` / ``ncclEpDispatch`` / ``ncclEpCombine`` is NOT written:
-the backend is unavailable for every op everywhere, and its ops raise :class:`BackendUnavailableError`.
+What it is. A C++ adapter (``csrc/backends/nccl_ep_lib.{h,cpp}``, order kernels in
+``csrc/backends/nccl_ep_lib_order.cu``, module ``omniep._native_nccl_ep_lib``) written against
+``nccl_ep.h``; it opens ``libnccl_ep.so`` with ``dlopen`` at run time, makes one NCCL EP group per layout
+over the torch process group's NCCL communicator (or its own), and runs every op as one native call:
+
+* rank-major (DESIGN §2 "normal" mode) on NCCL EP's HT algorithm, ``NCCL_EP_LAYOUT_FLAT``; expert-major
+  (``[L, C, H]``) on LL, ``NCCL_EP_LAYOUT_EXPERT_MAJOR``;
+* ``prepare`` + ``dispatch``: ``ncclEpUpdateHandle`` with ``topk_idx``, ``ncclEpDispatch``; a cached
+  dispatch / ``combine_bwd``: ``ncclEpDispatch`` with the handle's routing (HT: ``NCCL_EP_BWD_PASS``);
+  ``combine``: ``ncclEpCombine`` (LL applies ``topk_weights`` itself); rank-major ``dispatch_bwd``:
+  ``ncclEpCombine`` with ``NCCL_EP_BWD_PASS`` (the rows' and the weights' gradients); expert-major
+  ``dispatch_bwd``: ``ncclEpCombine`` with unit weights.
+
+The order (the one thing NCCL EP leaves open). ``nccl_ep.h`` says HT flat tokens "arrive as a single
+contiguous sequence with no rank-major or expert-major structure", gives no order inside an LL expert,
+and returns no source information with either; combine returns "tokens in the original order". So the
+adapter assumes no order: every row it sends carries a tag (source rank, source token; expert-major also
+the token's expert ids and weights) after its payload, and on the device the receiver flags each filled
+slot's key ``source rank * max_tokens + source token``; an exclusive prefix sum of the flags is each
+row's contract position -- rank-major rows by (source rank, source token), expert-major copies by the
+same inside each expert (one copy per (token, expert), which NCCL EP's layout guarantees and the adapter
+enforces by rejecting duplicate expert ids in a row). Rows past the capacity are the last in that order
+(dropped, counted). Combine writes each contract row back into the slot its dispatch filled. The full
+statement is in ``csrc/backends/nccl_ep_lib_order.h``; the CPU tests run the same mapping code against
+:mod:`omniep.ep_core.reference`.
+
+What it serves (``capabilities()``): PyTorch, bfloat16 rows, both layouts, one process per GPU. Not
+served, each raising :class:`~omniep.ep_core.errors.UnsupportedError`: fp8 rows, combine ``bias`` (NCCL EP
+rounds the sum; a bias added after it would round twice), the expert-major combine's backward (the
+gradient of ``topk_weights`` needs one value per (token, k) back at the source, and NCCL EP's LL combine
+returns one weighted sum per token), the expert-major ``dispatch_bwd`` with a non-zero gradient of
+``recv_topk_weights`` (same reason), and JAX (no XLA FFI handlers for the adapter yet). Bitwise equality
+of combine with the contract (fp32 sums in ascending rank / k order, rounded once) depends on how NCCL EP
+reduces, which its header does not state: the GPU property suite checks it wherever the library loads.
+
+Status, plainly: NOTHING of it has run. ``libnccl_ep.so`` (nccl-extensions 0.1.0) needs NCCL >= 2.30.4;
+our GPU machines have 2.28.9, which lacks ``ncclCommQueryProperties``, ``ncclGetPeerDevicePointer`` and
+``ncclWinGetUserPtr``. What is checked without it: the adapter compiles against ``nccl_ep.h`` wherever the
+header is found (CI takes it from the wheels, ``.ci/run``; ``cmake/nccl_ep_lib.cmake``), together with the
+ABI pins (``csrc/backends/nccl_ep_lib_abi.cpp``); on CPU, the module imports, its host-side argument
+checks and its order mapping run, and its loader reports why a library cannot be used.
 
 Availability is checked in this order, the first failure being the reason given:
 
@@ -22,8 +55,11 @@ b. the NCCL runtime ``libnccl_ep.so`` would bind to (it has no RUNPATH: ``libncc
    through the loader; loaded with ``ctypes.CDLL`` and asked ``ncclGetVersion``; it must be >= 2.30.4;
 c. the NCCL symbols ``libnccl_ep.so`` imports that older releases lack (looked up by name only);
 d. an NVIDIA GPU (``/proc/driver/nvidia/gpus``; no CUDA call);
+e. the adapter module ``omniep._native_nccl_ep_lib`` (built where ``nccl_ep.h`` was found at build time);
+f. per framework: PyTorch needs a CUDA build of torch with ``torch.distributed``; JAX is not wired.
 
-and then, whatever the environment, "adapter not implemented yet".
+When all pass, the library is opened at the group's first op (``dlopen`` + ``dlsym``, its NCCL's version
+checked again), and a failure there is raised with the loader's words.
 """
 
 from __future__ import annotations
@@ -45,16 +81,20 @@ NEEDED_SYMBOLS = ("ncclCommQueryProperties", "ncclGetPeerDevicePointer", "ncclWi
 LIB_NAME = "libnccl_ep.so"
 CUDA_FLAVOURS = ("cu13", "cu12")
 LOADER_NCCL = "libnccl.so.2"  # what libnccl_ep.so names in DT_NEEDED (it has no RUNPATH)
-ADAPTER = "adapter is not implemented yet (omniep -> ncclEpDispatch/ncclEpCombine; issue 18 item 2)"
+MODULE = "omniep._native_nccl_ep_lib"
+JAX_NOT_WIRED = ("the JAX frontend is not wired to the adapter (no XLA FFI handlers for nccl_ep_lib yet; "
+                 "the PyTorch one is)")
 # What has not run on the hardware it is for (``omniep info`` prints it).
-NOT_RUN = ("all of it: the adapter is not written, and libnccl_ep.so has never loaded here "
-           "(it needs NCCL >= 2.30.4; our GPU machines have 2.28.9)")
+NOT_RUN = ("all of it: the adapter (torch, HT rank-major and LL expert-major) is built and its host side "
+           "tested on CPU, but libnccl_ep.so has never loaded here (it needs NCCL >= 2.30.4; our GPU "
+           "machines have 2.28.9)")
 
-
-# What the adapter is meant to serve first (not served today): bf16, rank-major through NCCL EP's HT
-# algorithm and expert-major through LL, arrays on NVIDIA GPUs, one process per GPU.
-PLANNED = Capabilities(dtypes=("bfloat16",), layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
-                       process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,), devices=("gpu",))
+# What the adapter serves (the PyTorch backend's capabilities): bf16, rank-major through NCCL EP's HT
+# algorithm and expert-major through LL, CUDA tensors, one process per GPU.
+SERVED = Capabilities(dtypes=("bfloat16",), fp8=False, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
+                      max_ranks=None, intranode=True, internode=False,
+                      process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,), frameworks=("torch",),
+                      cuda_graph_safe=False, hidden_multiple=1, devices=("gpu",))
 
 
 def version_string(code: int) -> str:
@@ -169,38 +209,43 @@ def environment_reason() -> str:
     return ""
 
 
+def native_module():
+    """``(module, "")`` when the adapter module imports, else ``(None, why)``."""
+    try:
+        return importlib.import_module(MODULE), ""
+    except ImportError as exc:
+        return None, (f"the adapter module {MODULE} is not built (it is built where nccl_ep.h is found at build "
+                      f"time: pip install nccl-extensions, or -DOMNIEP_NCCL_EP_ROOT=<dir>; `omniep info --build` "
+                      f"says why it was skipped): {exc}")
+
+
 def availability_reason() -> str:
-    """The full reason: the environment's blocker first, then that the adapter does not exist."""
+    """Why the adapter cannot run here, framework aside (d.-e. of the module docstring), or ``""``."""
     why = environment_reason()
-    return f"{why}; and the {ADAPTER}" if why else f"library, NCCL and GPU found, but the {ADAPTER}"
+    if why:
+        return why
+    _, why = native_module()
+    return why
 
 
-class NcclEpLibBackend(EPBackend):
-    """Placeholder for the adapter: unavailable everywhere, every op raises :class:`BackendUnavailableError`
-    with the reason. ``capabilities()`` serves nothing (no dtype, layout or device), so that no other
-    backend's error names this one as serving a feature; :data:`PLANNED` is what the adapter is meant to
-    serve first."""
+class NcclEpLibJax(EPBackend):
+    """The JAX side: not wired (no XLA FFI handlers for the adapter), so unavailable everywhere; every op
+    raises :class:`BackendUnavailableError` with the reason, environment first. ``capabilities()`` serves
+    nothing, so that no other backend's error names this one as serving a JAX feature."""
 
     name = NAME
-    framework = ""
+    framework = "jax"
 
     @classmethod
     def availability(cls) -> Availability:
-        return Availability(False, availability_reason())
+        why = availability_reason()
+        return Availability(False, f"{why}; and {JAX_NOT_WIRED}" if why else JAX_NOT_WIRED)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
-        return Capabilities(dtypes=(), layouts=(), devices=())
+        return Capabilities(dtypes=(), layouts=(), frameworks=(), devices=())
 
     def _unavailable(self, *_args, **_kwargs):
-        raise BackendUnavailableError(self.name, availability_reason())
+        raise BackendUnavailableError(self.name, self.availability().reason)
 
     num_ranks = prepare = dispatch = combine = dispatch_bwd = combine_bwd = _unavailable
-
-
-class NcclEpLibTorch(NcclEpLibBackend):
-    framework = "torch"
-
-
-class NcclEpLibJax(NcclEpLibBackend):
-    framework = "jax"
