@@ -205,17 +205,10 @@ struct NoPuts {
 // they have all arrived.
 enum BarrierMode : int { kBarrierFull = 0, kBarrierSignalOnly = 1, kBarrierWaitOnly = 2 };
 
-// The barrier described above. `all_wait`: every block leaves only after the peers signalled
-// (use before reading peer data); otherwise only block 0 waits for the peers (use at the end of a
-// kernel: the kernel completes only when block 0 does). Returns false if this rank is in error or
-// the op stopped at this barrier. `puts(peer)`: called for each REMOTE peer by the thread that
-// signals it, after every block arrived and before the signal (the barrier's bulk puts to that peer).
-// `desc`: this rank's op descriptor, exchanged and compared at this barrier (the op's first; read by
-// block 0 only). `mode`: the whole barrier, or one of its halves (BarrierMode). Must be called by
-// every thread of every block of the rank.
-template <typename Tr, typename Puts = NoPuts>
-__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{},
-                             const OpDesc* desc = nullptr, int mode = kBarrierFull) {
+// The barrier with a remote peer (the scheme at the top of this file: block 0 gathers the blocks,
+// signals and waits, then releases them), where a peer is reached by the transport's puts and signals.
+template <typename Tr, typename Puts>
+__device__ bool rank_barrier_gather(const Tr& tr, int phase, bool all_wait, Puts puts, const OpDesc* desc, int mode) {
   __shared__ int s_ok;
   __shared__ int s_slot;
   __shared__ uint32_t s_gen;
@@ -303,6 +296,105 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
   }
   __syncthreads();
   return s_ok != 0;
+}
+
+// Thread 0 of a block other than 0, once every peer's descriptor of this barrier (slot) has arrived:
+// the verdict of exchange_verdict without recording it (block 0 records it): the op goes on when
+// every descriptor agrees with mine and reports good input, and no earlier kernel of it stopped it.
+template <typename Tr>
+OMNIEP_DEVICE bool exchange_goes_on(const Tr& tr, const RankWorkspace* ws, const OpDesc& mine, int slot) {
+  for (int s = 0; s < tr.num_ranks(); ++s) {
+    const volatile int32_t* d = ws->desc[slot][s].w;
+    if (d[kDescInputStatus] != kInputOk) return false;
+    for (int i = 0; i < kDescCompared; ++i) {
+      if (d[i] != mine.w[i]) return false;
+    }
+  }
+  return !(mine.w[kDescPart] > 0 && ws->abort_seq == mine.w[kDescSeq] + 1);
+}
+
+// The barrier among peers reached by loads and stores (no remote peer): no gather on block 0 and no
+// release broadcast. Every block reads its targets (expected[s] + 1) and arrives with an acq_rel add of
+// device scope; the LAST block to arrive (the add's acquire makes every block's writes its own) records
+// the new expected[] and signals every peer itself; then every block that must wait polls the peers'
+// signals directly. Two hops from the slowest block's arrival to every waiting block of every peer,
+// where the gather took four (arrive, block 0's signal, block 0's release, the blocks' poll) —
+// benchmarks/RESULTS.md, 2026-11-26. Block 0's descriptor is the op's (routing fronts put their verdict
+// on the ids there): block 0 stores it into every peer's slot before it arrives, so the last block's
+// signal carries it; every waiting block then judges the descriptors itself, block 0 recording the
+// verdict (exchange_verdict). The counters are the gather's (one signal per barrier per peer), so both
+// schemes count alike. A wait for my own signal that times out is my own blocks' (LOCAL_TIMEOUT).
+template <typename Tr>
+__device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const OpDesc* desc, int mode) {
+  __shared__ int s_ok;
+  __shared__ int s_slot;
+  __shared__ int s_last;
+  __shared__ uint64_t s_target[kMaxRanks];
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int t = static_cast<int>(threadIdx.x);
+  RankWorkspace* ws = tr.workspace(me);
+  __syncthreads();  // the block's work is done: thread 0's arrival below carries it
+  // expected[] as this barrier found it: the last block rewrites it only after every block arrived.
+  if (t < R) s_target[t] = ws->expected[t] + (mode == kBarrierWaitOnly ? 0 : 1);
+  if (t == 0) {
+    s_ok = !has_error(ws);
+    // A later kernel of an op that stopped at its first exchange: no rank takes part in this barrier.
+    if (desc != nullptr && desc->w[kDescPart] > 0 && ws->abort_seq == desc->w[kDescSeq] + 1) s_ok = 0;
+    s_slot = static_cast<int>((ws->expected[me] + (mode == kBarrierWaitOnly ? 0 : 1)) & 1u);
+    s_last = 0;
+  }
+  __syncthreads();
+  if (!s_ok) return false;
+  if (mode != kBarrierWaitOnly) {
+    if (desc != nullptr && blockIdx.x == 0 && t < R) tr.workspace(t)->desc[s_slot][me] = *desc;  // mine too
+    __syncthreads();  // (block 0: the descriptor's stores go with the arrival)
+    if (t == 0) s_last = gpu::fetch_add_acq_rel_gpu(&ws->arrive, 1u) + 1 == gridDim.x;
+    __syncthreads();
+    if (s_last) {  // (block-uniform)
+      // No block arrives again before it acquired the signals below (an all_wait barrier), or before
+      // the kernel ended (one that is not: the last of its kernel), so the reset cannot be lost.
+      if (t == 0) ws->arrive = 0;
+      __syncthreads();  // the reset goes with every signal, my own included
+      if (t < R) {
+        ws->expected[t] = s_target[t];
+        signal_peer(tr, t, me);  // a release add: every block's writes (acquired above) go with it
+      }
+    }
+  }
+  if (mode == kBarrierSignalOnly || (!all_wait && blockIdx.x != 0)) return true;
+  if (t < R && !wait_for([&] { return signals_from(tr, ws, t); }, s_target[t], tr.timeout_ns())) {
+    if (t == me) {
+      record_local_timeout(ws, me, phase, tr.timeout_ns());
+    } else {
+      record_timeout(ws, kStatusPeerTimeout, me, t, phase);
+    }
+    s_ok = 0;  // benign race: every writer stores 0
+  }
+  __syncthreads();
+  if (t == 0 && s_ok && desc != nullptr) {
+    s_ok = blockIdx.x == 0 ? exchange_verdict(tr, ws, *desc, s_slot) : exchange_goes_on(tr, ws, *desc, s_slot);
+  }
+  __syncthreads();
+  return s_ok != 0;
+}
+
+// The barrier of a rank with every peer: on return the peers have reached it too. `all_wait`: every
+// block leaves only after the peers signalled (use before reading peer data); otherwise only block 0
+// waits for the peers (use at the end of a kernel: the kernel completes only when block 0 does).
+// Returns false if this rank is in error or the op stopped at this barrier. `puts(peer)`: called for
+// each REMOTE peer by the thread that signals it, after every block arrived and before the signal
+// (the barrier's bulk puts to that peer). `desc`: this rank's op descriptor, exchanged and compared at
+// this barrier (the op's first; block 0's is the one sent). `mode`: the whole barrier, or one of its
+// halves (BarrierMode). Must be called by every thread of every block of the rank. Without a remote
+// peer it is rank_barrier_flat, else rank_barrier_gather (the same counters: a group uses one or the
+// other on every rank, as it has remote peers or not).
+template <typename Tr, typename Puts = NoPuts>
+__device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{},
+                             const OpDesc* desc = nullptr, int mode = kBarrierFull) {
+  if constexpr (Tr::kHasRemote) {
+    if (tr.any_remote()) return rank_barrier_gather(tr, phase, all_wait, puts, desc, mode);
+  }
+  return rank_barrier_flat(tr, phase, all_wait, desc, mode);
 }
 
 // One thread: zero the transport's counters of signals from remote peers (after a reset of the

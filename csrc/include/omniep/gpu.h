@@ -139,6 +139,11 @@ OMNIEP_DEVICE void store_release_gpu(uint32_t* p, uint32_t v) {
 OMNIEP_DEVICE void add_release_gpu(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+OMNIEP_DEVICE uint32_t fetch_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 OMNIEP_DEVICE void add_relaxed_sys(int32_t* p, int32_t v) { atomicAdd_system(p, v); }
 OMNIEP_DEVICE int32_t cas_relaxed_sys(int32_t* p, int32_t expect, int32_t v) {
   return atomicCAS_system(p, expect, v);
@@ -178,6 +183,9 @@ OMNIEP_DEVICE void store_release_gpu(uint32_t* p, uint32_t v) {
 }
 OMNIEP_DEVICE void add_release_gpu(uint32_t* p, uint32_t v) {
   __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+}
+OMNIEP_DEVICE uint32_t fetch_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
 }
 OMNIEP_DEVICE void add_relaxed_sys(int32_t* p, int32_t v) {
   __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
