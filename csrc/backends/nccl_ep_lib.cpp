@@ -327,9 +327,11 @@ Handle::Handle(std::shared_ptr<Group> group) : group_(std::move(group)) {
   cfg.dispatch_output_per_expert_alignment = 0;  // HT expert-major only; omniep aligns the counts itself
   ncclEpHandle_t h = nullptr;
   const auto& fn = group_->lib().fn();
+  // num_topk for both algorithms: nccl_ep.h says "pass -1 for HT", but the library (nccl-extensions
+  // 0.1.0) refuses it there ("HT mode requires num_topk > 0 (pass top_k to ncclEpInitHandle)").
   fn.check(fn.init_handle(&h, static_cast<ncclEpGroup_t>(group_->ep_group()),
-                          em ? NCCL_EP_LAYOUT_EXPERT_MAJOR : NCCL_EP_LAYOUT_FLAT, &cfg,
-                          em ? group_->shape().num_topk : -1, nullptr),
+                          em ? NCCL_EP_LAYOUT_EXPERT_MAJOR : NCCL_EP_LAYOUT_FLAT, &cfg, group_->shape().num_topk,
+                          nullptr),
            "ncclEpInitHandle");
   handle_ = h;
   keys_ = (em ? group_->num_local_experts() : 1) * group_->recv_slots();
