@@ -294,7 +294,7 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupShape& shape, uint64
     staging_.recv = device_alloc<uint8_t>(static_cast<size_t>(recv_rows) * shape.row_bytes, "staging (receive)");
     if (!em) {
       staging_.slot_weights = device_alloc<float>(static_cast<size_t>(recv_slots() * K), "staging (weights)");
-      staging_.slot_ids = device_alloc<int32_t>(static_cast<size_t>(recv_slots() * K), "staging (ids)");
+      staging_.slot_ids = device_alloc<int64_t>(static_cast<size_t>(recv_slots() * K), "staging (ids)");
     }
     staging_.ones = device_alloc<float>(static_cast<size_t>(shape.max_tokens * K), "staging (unit weights)");
     launch_fill(staging_.ones, shape.max_tokens * K, 1.0f, nullptr);
@@ -391,7 +391,9 @@ void Handle::run_dispatch(const OpShape& op, const void* x, const int32_t* ids, 
   // HT flat: tokens [recv_slots, width]; forward also the weights and local ids per slot.
   Tensor out_tokens(g.staging().recv, dt, {g.recv_slots(), width});
   Tensor out_weights(g.staging().slot_weights, ncclFloat32, {g.recv_slots(), K});
-  Tensor out_ids(g.staging().slot_ids, ncclInt32, {g.recv_slots(), K});
+  // ncclEpDispatch (HT flat) asserts recv_topk_idx->datatype == ncclInt64 (libnccl_ep.so of
+  // nccl-extensions 0.1.0; the header does not say): an int32 tensor would abort the process.
+  Tensor out_ids(g.staging().slot_ids, ncclInt64, {g.recv_slots(), K});
   outputs.tokens = out_tokens.get();
   if (forward) {
     inputs.topk_weights = in_weights.get();

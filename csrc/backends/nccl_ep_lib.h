@@ -155,7 +155,7 @@ class Group {
     void* send = nullptr;        // [max_tokens, row_bytes]   tagged rows to dispatch / combine output
     void* recv = nullptr;        // HT [recv_slots, row_bytes]; LL [L, recv_slots, row_bytes]
     float* slot_weights = nullptr;   // HT [recv_slots, K]: dispatch's weights out / BWD combine's in
-    int32_t* slot_ids = nullptr;     // HT [recv_slots, K]: dispatch's local ids out
+    int64_t* slot_ids = nullptr;     // HT [recv_slots, K]: dispatch's local ids out (HT flat wants int64)
     float* ones = nullptr;       // [max_tokens, K] 1.0f: LL combine weights for dispatch_bwd
     void* scan_temp = nullptr;   // cub's scratch for the handle's prefix sums
     size_t scan_temp_bytes = 0;
@@ -248,7 +248,7 @@ size_t exclusive_scan_temp_bytes(int64_t n);
 struct GatherArgs {
   const void* recv;            // NCCL EP's receive rows
   int64_t row_bytes, payload_bytes, tag_offset;
-  const int32_t* slot_ids;     // HT: NCCL EP's recv topk_idx per slot (local ids), or null
+  const int64_t* slot_ids;     // HT: NCCL EP's recv topk_idx per slot (local ids, int64), or null
   const float* slot_weights;   // HT: NCCL EP's recv topk_weights per slot, or null
   const float* scale_weights;  // LL cached dispatch: scale each copy by its tag weight (combine_bwd), or null
   int num_topk, num_ranks, num_local_experts, rank, dtype;

@@ -135,9 +135,10 @@ __global__ void gather_kernel(GatherArgs a, bool em, DispatchOut out) {
       out.recv_topk_weights[g * a.capacity + p] = k >= 0 ? __int_as_float(tag[2 + K + k]) : 0.0f;
     } else {
       for (int k = 0; k < K; ++k) {
-        const int32_t id = a.slot_ids[s * K + k];
-        out.recv_topk_idx[p * K + k] = id >= 0 ? id : -1;
-        out.recv_topk_weights[p * K + k] = id >= 0 ? a.slot_weights[s * K + k] : 0.0f;
+        const int64_t id = a.slot_ids[s * K + k];
+        const bool local = id >= 0 && id < a.num_local_experts;
+        out.recv_topk_idx[p * K + k] = local ? static_cast<int32_t>(id) : -1;
+        out.recv_topk_weights[p * K + k] = local ? a.slot_weights[s * K + k] : 0.0f;
       }
     }
   }
