@@ -259,12 +259,14 @@ std::string check_op(const OpShape& op, const GroupShape& group, int num_ranks) 
 Group::Group(std::shared_ptr<Communicator> comm, const GroupShape& shape, uint64_t timeout_ns)
     : comm_(std::move(comm)), shape_(shape) {
   const int R = comm_->num_ranks();
+  const int64_t row_align = shape.layout == Layout::kExpertMajor ? kLowLatencyRowAlign : 16;
   if (shape.num_experts <= 0 || shape.num_experts % R != 0 || shape.max_tokens <= 0 || shape.num_topk <= 0 ||
-      shape.row_bytes <= 0 || shape.row_bytes % 16 != 0) {
+      shape.row_bytes <= 0 || shape.row_bytes % row_align != 0) {
     throw ArgumentError("NCCL EP group shape: num_experts " + std::to_string(shape.num_experts) + ", num_topk " +
                         std::to_string(shape.num_topk) + ", max_tokens " + std::to_string(shape.max_tokens) +
                         ", row_bytes " + std::to_string(shape.row_bytes) +
-                        ": expected positive values, experts a multiple of the ranks, row bytes a multiple of 16");
+                        ": expected positive values, experts a multiple of the ranks, row bytes a multiple of " +
+                        std::to_string(row_align));
   }
   const bool em = shape.layout == Layout::kExpertMajor;
   auto cfg = versioned<ncclEpGroupConfig_t>();
@@ -365,7 +367,7 @@ void Handle::run_dispatch(const OpShape& op, const void* x, const int32_t* ids, 
   const bool em = op.layout == Layout::kExpertMajor;
   const int elt = dtype_bytes(op.dtype);
   const int64_t row = g.shape().row_bytes;  // every row of the group has the group's stride
-  const int64_t width = row / elt;          // the row as `dtype` elements (row is a multiple of 16)
+  const int64_t width = row / elt;          // the row as `dtype` elements (row is a multiple of 16 or 1024)
   const int64_t K = op.num_topk;
   launch_stage_rows(x, op.num_tokens, op.hidden * elt, row, tag_offset(op.hidden, elt), ids, weights, op.num_topk,
                     em, g.rank(), g.staging().send, stream);
