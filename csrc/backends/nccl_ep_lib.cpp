@@ -417,6 +417,28 @@ void Handle::map_order(const OpShape& op, cudaStream_t stream) {
   launch_exclusive_scan(flags_, pos_, keys_ + 1, g.staging().scan_temp, g.staging().scan_temp_bytes, stream);
 }
 
+GatherArgs Handle::gather_args(const OpShape& op) const {
+  const Group& g = *group_;
+  GatherArgs a{};
+  a.recv = g.staging().recv;
+  a.row_bytes = g.shape().row_bytes;
+  a.payload_bytes = op.hidden * dtype_bytes(op.dtype);
+  a.tag_offset = tag_offset(op.hidden, dtype_bytes(op.dtype));
+  a.num_topk = op.num_topk;
+  a.num_ranks = g.num_ranks();
+  a.num_local_experts = g.num_local_experts();
+  a.rank = g.rank();
+  a.dtype = static_cast<int>(op.dtype);
+  a.max_tokens = g.shape().max_tokens;
+  a.capacity = op.capacity;
+  a.slots_per_group = g.recv_slots();
+  a.expert_alignment = op.expert_alignment;
+  a.flags = flags_;
+  a.slot_of = slot_of_;
+  a.pos = pos_;
+  return a;
+}
+
 void Handle::dispatch(const OpShape& op, const void* x, const int32_t* topk_idx, const float* topk_weights,
                       const DispatchOut& out, cudaStream_t stream) {
   const Group& g = *group_;
@@ -439,25 +461,9 @@ void Handle::dispatch(const OpShape& op, const void* x, const int32_t* topk_idx,
   num_tokens_ = op.num_tokens;
   run_dispatch(op, x, topk_idx, topk_weights, /*forward=*/true, stream);
   map_order(op, stream);
-  GatherArgs a{};
-  a.recv = g.staging().recv;
-  a.row_bytes = g.shape().row_bytes;
-  a.payload_bytes = op.hidden * dtype_bytes(op.dtype);
-  a.tag_offset = tag_offset(op.hidden, dtype_bytes(op.dtype));
+  GatherArgs a = gather_args(op);
   a.slot_ids = em ? nullptr : g.staging().slot_ids;
   a.slot_weights = em ? nullptr : g.staging().slot_weights;
-  a.num_topk = op.num_topk;
-  a.num_ranks = g.num_ranks();
-  a.num_local_experts = g.num_local_experts();
-  a.rank = g.rank();
-  a.dtype = static_cast<int>(op.dtype);
-  a.max_tokens = g.shape().max_tokens;
-  a.capacity = op.capacity;
-  a.slots_per_group = g.recv_slots();
-  a.expert_alignment = op.expert_alignment;
-  a.flags = flags_;
-  a.slot_of = slot_of_;
-  a.pos = pos_;
   launch_gather(a, em, out, stream);
 }
 
@@ -478,24 +484,8 @@ void Handle::cached_dispatch(const OpShape& op, const void* x, const int32_t* to
   }
   run_dispatch(op, x, topk_idx, topk_weights, /*forward=*/false, stream);
   map_order(op, stream);
-  GatherArgs a{};
-  a.recv = g.staging().recv;
-  a.row_bytes = g.shape().row_bytes;
-  a.payload_bytes = op.hidden * dtype_bytes(op.dtype);
-  a.tag_offset = tag_offset(op.hidden, dtype_bytes(op.dtype));
+  GatherArgs a = gather_args(op);
   a.scale_weights = em ? topk_weights : nullptr;
-  a.num_topk = op.num_topk;
-  a.num_ranks = g.num_ranks();
-  a.num_local_experts = g.num_local_experts();
-  a.rank = g.rank();
-  a.dtype = static_cast<int>(op.dtype);
-  a.max_tokens = g.shape().max_tokens;
-  a.capacity = op.capacity;
-  a.slots_per_group = g.recv_slots();
-  a.expert_alignment = op.expert_alignment;
-  a.flags = flags_;
-  a.slot_of = slot_of_;
-  a.pos = pos_;
   DispatchOut out;
   out.recv_x = recv_x;
   launch_gather(a, em, out, stream);

@@ -185,6 +185,8 @@ struct DispatchOut {
   int32_t* recv_counts = nullptr;
 };
 
+struct GatherArgs;  // the order kernels' arguments (below)
+
 class Handle {
  public:
   // ncclEpInitHandle (NCCL EP: may be collective when it sizes buffers; every rank makes its handles in
@@ -219,6 +221,7 @@ class Handle {
  private:
   void release();
   void map_order(const OpShape& op, cudaStream_t stream);  // flags, slot_of, positions of the last dispatch
+  GatherArgs gather_args(const OpShape& op) const;         // the mapping's arguments for `op` (no slot data)
   void run_dispatch(const OpShape& op, const void* x, const int32_t* ids, const float* weights, bool forward,
                     cudaStream_t stream);
   void run_combine(const OpShape& op, const void* rows, const float* rows_weights, const int32_t* recv_topk_idx,
