@@ -27,9 +27,10 @@
 //                  weights (the gradient of the rows only);
 //   combine_bwd    cached_dispatch (above).
 // Nothing here has run: libnccl_ep.so needs NCCL >= 2.30.4 and our GPU machines have 2.28.9. What
-// is checked without the library: this code compiles against nccl_ep.h (the CMake project builds the
-// module wherever the header is found, CI included), the host-side argument checks and the order
-// mapping run on CPU (tests/test_nccl_ep_lib_cpu.py), and opening the library reports why it fails.
+// is checked without the library: this code compiles against nccl_ep.h (a CUDA build of the CMake
+// project makes the module wherever the header is found, CI with nvcc included), the host-side
+// argument checks and the order mapping run on CPU (tests/test_nccl_ep_lib_adapter_cpu.py), and opening
+// the library reports why it fails.
 #pragma once
 
 #include <cuda_runtime.h>
