@@ -1,10 +1,11 @@
 # omniep._native_nccl_ep_lib: the adapter to NVIDIA's NCCL EP library (csrc/backends/nccl_ep_lib.*,
-# issue 18 item 2). It needs only headers to build -- nccl_ep.h of the nccl-extensions wheel
-# (OMNIEP_NCCL_EP_ROOT, or the ep/ folder of the `nccl` package of ${Python_EXECUTABLE}) and nccl.h
-# (OMNIEP_NCCL_ROOT, or the nvidia-nccl wheel) -- because it loads libnccl_ep.so with dlopen at run
-# time; so it is built wherever both headers are found (CI takes them from the two wheels, .ci/run),
-# and skipped with the reason elsewhere. cmake/compile_check.cmake uses the roots found here for the
-# ABI pins.
+# issue 18 item 2). Besides nvcc (its order kernels are CUDA: this file is included by the CUDA build
+# only; a build without nvcc records the module as skipped with the no-GPU reason) it needs only
+# headers -- nccl_ep.h of the nccl-extensions wheel (OMNIEP_NCCL_EP_ROOT, or the ep/ folder of the
+# `nccl` package of ${Python_EXECUTABLE}) and nccl.h (OMNIEP_NCCL_ROOT, or the nvidia-nccl wheel) --
+# because it loads libnccl_ep.so with dlopen at run time; so a CUDA build makes it wherever both
+# headers are found (CI takes them from the two wheels, .ci/run), and skips it with the reason
+# elsewhere. cmake/compile_check.cmake uses the roots found here for the ABI pins.
 if(NOT OMNIEP_NCCL_EP_ROOT AND DEFINED ENV{OMNIEP_NCCL_EP_ROOT})
   set(OMNIEP_NCCL_EP_ROOT "$ENV{OMNIEP_NCCL_EP_ROOT}")
 endif()

@@ -163,13 +163,21 @@ def test_unknown_layout_or_dtype_is_a_value_error():
         check(dtype=7)
 
 
-@pytest.mark.parametrize("hidden,elt,K,em", [(256, 2, 4, False), (3, 2, 8, True), (7168, 2, 8, True), (5, 4, 1, False)])
+@pytest.mark.parametrize("hidden,elt,K,em", [(256, 2, 4, False), (3, 2, 8, True), (7168, 2, 8, True), (5, 4, 1, False),
+                                            (7168, 4, 8, True), (512, 2, 1, True)])
 def test_rows_are_16_byte_multiples_with_the_tag_after_the_payload(hidden, elt, K, em):
+    """Rank-major (HT) rows: a multiple of 16 bytes (max_token_bytes). Expert-major (LL) rows: a multiple of
+    1024 bytes, since LL's JIT kernels take the width as a template parameter and refuse others
+    (nccl_ep/device/ll_ep.cuh: dispatch 512-byte, combine 1024-byte and 128-element multiples)."""
     at = native.tag_offset(hidden, elt)
     row = native.row_bytes(hidden, elt, K, em)
+    align = 1024 if em else 16
     assert at % 16 == 0 and at >= hidden * elt and at - hidden * elt < 16
-    assert row % 16 == 0 and row - at >= 4 * native.tag_words(K, em) and row - at - 4 * native.tag_words(K, em) < 16
+    assert row % align == 0 and row - at >= 4 * native.tag_words(K, em) and row - at - 4 * native.tag_words(K, em) < align
     assert native.tag_words(K, em) == (2 + 2 * K if em else 2)
+    if em:  # the width in elements LL's dispatch and combine static-assert on
+        width = row // elt
+        assert width * elt % 512 == 0 and width * elt % 1024 == 0 and width % 128 == 0
 
 
 # ---- the order mapping against the reference ----------------------------------------------------------

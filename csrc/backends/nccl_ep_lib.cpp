@@ -259,12 +259,14 @@ std::string check_op(const OpShape& op, const GroupShape& group, int num_ranks) 
 Group::Group(std::shared_ptr<Communicator> comm, const GroupShape& shape, uint64_t timeout_ns)
     : comm_(std::move(comm)), shape_(shape) {
   const int R = comm_->num_ranks();
+  const int64_t row_align = shape.layout == Layout::kExpertMajor ? kLowLatencyRowAlign : 16;
   if (shape.num_experts <= 0 || shape.num_experts % R != 0 || shape.max_tokens <= 0 || shape.num_topk <= 0 ||
-      shape.row_bytes <= 0 || shape.row_bytes % 16 != 0) {
+      shape.row_bytes <= 0 || shape.row_bytes % row_align != 0) {
     throw ArgumentError("NCCL EP group shape: num_experts " + std::to_string(shape.num_experts) + ", num_topk " +
                         std::to_string(shape.num_topk) + ", max_tokens " + std::to_string(shape.max_tokens) +
                         ", row_bytes " + std::to_string(shape.row_bytes) +
-                        ": expected positive values, experts a multiple of the ranks, row bytes a multiple of 16");
+                        ": expected positive values, experts a multiple of the ranks, row bytes a multiple of " +
+                        std::to_string(row_align));
   }
   const bool em = shape.layout == Layout::kExpertMajor;
   auto cfg = versioned<ncclEpGroupConfig_t>();
@@ -294,7 +296,7 @@ Group::Group(std::shared_ptr<Communicator> comm, const GroupShape& shape, uint64
     staging_.recv = device_alloc<uint8_t>(static_cast<size_t>(recv_rows) * shape.row_bytes, "staging (receive)");
     if (!em) {
       staging_.slot_weights = device_alloc<float>(static_cast<size_t>(recv_slots() * K), "staging (weights)");
-      staging_.slot_ids = device_alloc<int32_t>(static_cast<size_t>(recv_slots() * K), "staging (ids)");
+      staging_.slot_ids = device_alloc<int64_t>(static_cast<size_t>(recv_slots() * K), "staging (ids)");
     }
     staging_.ones = device_alloc<float>(static_cast<size_t>(shape.max_tokens * K), "staging (unit weights)");
     launch_fill(staging_.ones, shape.max_tokens * K, 1.0f, nullptr);
@@ -327,9 +329,11 @@ Handle::Handle(std::shared_ptr<Group> group) : group_(std::move(group)) {
   cfg.dispatch_output_per_expert_alignment = 0;  // HT expert-major only; omniep aligns the counts itself
   ncclEpHandle_t h = nullptr;
   const auto& fn = group_->lib().fn();
+  // num_topk for both algorithms: nccl_ep.h says "pass -1 for HT", but the library (nccl-extensions
+  // 0.1.0) refuses it there ("HT mode requires num_topk > 0 (pass top_k to ncclEpInitHandle)").
   fn.check(fn.init_handle(&h, static_cast<ncclEpGroup_t>(group_->ep_group()),
-                          em ? NCCL_EP_LAYOUT_EXPERT_MAJOR : NCCL_EP_LAYOUT_FLAT, &cfg,
-                          em ? group_->shape().num_topk : -1, nullptr),
+                          em ? NCCL_EP_LAYOUT_EXPERT_MAJOR : NCCL_EP_LAYOUT_FLAT, &cfg, group_->shape().num_topk,
+                          nullptr),
            "ncclEpInitHandle");
   handle_ = h;
   keys_ = (em ? group_->num_local_experts() : 1) * group_->recv_slots();
@@ -363,7 +367,7 @@ void Handle::run_dispatch(const OpShape& op, const void* x, const int32_t* ids, 
   const bool em = op.layout == Layout::kExpertMajor;
   const int elt = dtype_bytes(op.dtype);
   const int64_t row = g.shape().row_bytes;  // every row of the group has the group's stride
-  const int64_t width = row / elt;          // the row as `dtype` elements (row is a multiple of 16)
+  const int64_t width = row / elt;          // the row as `dtype` elements (row is a multiple of 16 or 1024)
   const int64_t K = op.num_topk;
   launch_stage_rows(x, op.num_tokens, op.hidden * elt, row, tag_offset(op.hidden, elt), ids, weights, op.num_topk,
                     em, g.rank(), g.staging().send, stream);
@@ -389,7 +393,9 @@ void Handle::run_dispatch(const OpShape& op, const void* x, const int32_t* ids, 
   // HT flat: tokens [recv_slots, width]; forward also the weights and local ids per slot.
   Tensor out_tokens(g.staging().recv, dt, {g.recv_slots(), width});
   Tensor out_weights(g.staging().slot_weights, ncclFloat32, {g.recv_slots(), K});
-  Tensor out_ids(g.staging().slot_ids, ncclInt32, {g.recv_slots(), K});
+  // ncclEpDispatch (HT flat) asserts recv_topk_idx->datatype == ncclInt64 (libnccl_ep.so of
+  // nccl-extensions 0.1.0; the header does not say): an int32 tensor would abort the process.
+  Tensor out_ids(g.staging().slot_ids, ncclInt64, {g.recv_slots(), K});
   outputs.tokens = out_tokens.get();
   if (forward) {
     inputs.topk_weights = in_weights.get();
@@ -409,6 +415,28 @@ void Handle::map_order(const OpShape& op, cudaStream_t stream) {
               em ? g.num_local_experts() : 1, g.recv_slots(), g.num_ranks(), g.shape().max_tokens, flags_, slot_of_,
               bad_tag_, stream);
   launch_exclusive_scan(flags_, pos_, keys_ + 1, g.staging().scan_temp, g.staging().scan_temp_bytes, stream);
+}
+
+GatherArgs Handle::gather_args(const OpShape& op) const {
+  const Group& g = *group_;
+  GatherArgs a{};
+  a.recv = g.staging().recv;
+  a.row_bytes = g.shape().row_bytes;
+  a.payload_bytes = op.hidden * dtype_bytes(op.dtype);
+  a.tag_offset = tag_offset(op.hidden, dtype_bytes(op.dtype));
+  a.num_topk = op.num_topk;
+  a.num_ranks = g.num_ranks();
+  a.num_local_experts = g.num_local_experts();
+  a.rank = g.rank();
+  a.dtype = static_cast<int>(op.dtype);
+  a.max_tokens = g.shape().max_tokens;
+  a.capacity = op.capacity;
+  a.slots_per_group = g.recv_slots();
+  a.expert_alignment = op.expert_alignment;
+  a.flags = flags_;
+  a.slot_of = slot_of_;
+  a.pos = pos_;
+  return a;
 }
 
 void Handle::dispatch(const OpShape& op, const void* x, const int32_t* topk_idx, const float* topk_weights,
@@ -433,25 +461,9 @@ void Handle::dispatch(const OpShape& op, const void* x, const int32_t* topk_idx,
   num_tokens_ = op.num_tokens;
   run_dispatch(op, x, topk_idx, topk_weights, /*forward=*/true, stream);
   map_order(op, stream);
-  GatherArgs a{};
-  a.recv = g.staging().recv;
-  a.row_bytes = g.shape().row_bytes;
-  a.payload_bytes = op.hidden * dtype_bytes(op.dtype);
-  a.tag_offset = tag_offset(op.hidden, dtype_bytes(op.dtype));
+  GatherArgs a = gather_args(op);
   a.slot_ids = em ? nullptr : g.staging().slot_ids;
   a.slot_weights = em ? nullptr : g.staging().slot_weights;
-  a.num_topk = op.num_topk;
-  a.num_ranks = g.num_ranks();
-  a.num_local_experts = g.num_local_experts();
-  a.rank = g.rank();
-  a.dtype = static_cast<int>(op.dtype);
-  a.max_tokens = g.shape().max_tokens;
-  a.capacity = op.capacity;
-  a.slots_per_group = g.recv_slots();
-  a.expert_alignment = op.expert_alignment;
-  a.flags = flags_;
-  a.slot_of = slot_of_;
-  a.pos = pos_;
   launch_gather(a, em, out, stream);
 }
 
@@ -472,24 +484,8 @@ void Handle::cached_dispatch(const OpShape& op, const void* x, const int32_t* to
   }
   run_dispatch(op, x, topk_idx, topk_weights, /*forward=*/false, stream);
   map_order(op, stream);
-  GatherArgs a{};
-  a.recv = g.staging().recv;
-  a.row_bytes = g.shape().row_bytes;
-  a.payload_bytes = op.hidden * dtype_bytes(op.dtype);
-  a.tag_offset = tag_offset(op.hidden, dtype_bytes(op.dtype));
+  GatherArgs a = gather_args(op);
   a.scale_weights = em ? topk_weights : nullptr;
-  a.num_topk = op.num_topk;
-  a.num_ranks = g.num_ranks();
-  a.num_local_experts = g.num_local_experts();
-  a.rank = g.rank();
-  a.dtype = static_cast<int>(op.dtype);
-  a.max_tokens = g.shape().max_tokens;
-  a.capacity = op.capacity;
-  a.slots_per_group = g.recv_slots();
-  a.expert_alignment = op.expert_alignment;
-  a.flags = flags_;
-  a.slot_of = slot_of_;
-  a.pos = pos_;
   DispatchOut out;
   out.recv_x = recv_x;
   launch_gather(a, em, out, stream);

@@ -27,9 +27,10 @@
 //                  weights (the gradient of the rows only);
 //   combine_bwd    cached_dispatch (above).
 // Nothing here has run: libnccl_ep.so needs NCCL >= 2.30.4 and our GPU machines have 2.28.9. What
-// is checked without the library: this code compiles against nccl_ep.h (the CMake project builds the
-// module wherever the header is found, CI included), the host-side argument checks and the order
-// mapping run on CPU (tests/test_nccl_ep_lib_cpu.py), and opening the library reports why it fails.
+// is checked without the library: this code compiles against nccl_ep.h (a CUDA build of the CMake
+// project makes the module wherever the header is found, CI with nvcc included), the host-side
+// argument checks and the order mapping run on CPU (tests/test_nccl_ep_lib_adapter_cpu.py), and opening
+// the library reports why it fails.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -155,7 +156,7 @@ class Group {
     void* send = nullptr;        // [max_tokens, row_bytes]   tagged rows to dispatch / combine output
     void* recv = nullptr;        // HT [recv_slots, row_bytes]; LL [L, recv_slots, row_bytes]
     float* slot_weights = nullptr;   // HT [recv_slots, K]: dispatch's weights out / BWD combine's in
-    int32_t* slot_ids = nullptr;     // HT [recv_slots, K]: dispatch's local ids out
+    int64_t* slot_ids = nullptr;     // HT [recv_slots, K]: dispatch's local ids out (HT flat wants int64)
     float* ones = nullptr;       // [max_tokens, K] 1.0f: LL combine weights for dispatch_bwd
     void* scan_temp = nullptr;   // cub's scratch for the handle's prefix sums
     size_t scan_temp_bytes = 0;
@@ -184,6 +185,8 @@ struct DispatchOut {
   int32_t* num_recv_tokens_per_expert = nullptr;
   int32_t* recv_counts = nullptr;
 };
+
+struct GatherArgs;  // the order kernels' arguments (below)
 
 class Handle {
  public:
@@ -219,6 +222,7 @@ class Handle {
  private:
   void release();
   void map_order(const OpShape& op, cudaStream_t stream);  // flags, slot_of, positions of the last dispatch
+  GatherArgs gather_args(const OpShape& op) const;         // the mapping's arguments for `op` (no slot data)
   void run_dispatch(const OpShape& op, const void* x, const int32_t* ids, const float* weights, bool forward,
                     cudaStream_t stream);
   void run_combine(const OpShape& op, const void* rows, const float* rows_weights, const int32_t* recv_topk_idx,
@@ -248,7 +252,7 @@ size_t exclusive_scan_temp_bytes(int64_t n);
 struct GatherArgs {
   const void* recv;            // NCCL EP's receive rows
   int64_t row_bytes, payload_bytes, tag_offset;
-  const int32_t* slot_ids;     // HT: NCCL EP's recv topk_idx per slot (local ids), or null
+  const int64_t* slot_ids;     // HT: NCCL EP's recv topk_idx per slot (local ids, int64), or null
   const float* slot_weights;   // HT: NCCL EP's recv topk_weights per slot, or null
   const float* scale_weights;  // LL cached dispatch: scale each copy by its tag weight (combine_bwd), or null
   int num_topk, num_ranks, num_local_experts, rank, dtype;

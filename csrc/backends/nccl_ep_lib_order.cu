@@ -135,9 +135,10 @@ __global__ void gather_kernel(GatherArgs a, bool em, DispatchOut out) {
       out.recv_topk_weights[g * a.capacity + p] = k >= 0 ? __int_as_float(tag[2 + K + k]) : 0.0f;
     } else {
       for (int k = 0; k < K; ++k) {
-        const int32_t id = a.slot_ids[s * K + k];
-        out.recv_topk_idx[p * K + k] = id >= 0 ? id : -1;
-        out.recv_topk_weights[p * K + k] = id >= 0 ? a.slot_weights[s * K + k] : 0.0f;
+        const int64_t id = a.slot_ids[s * K + k];
+        const bool local = id >= 0 && id < a.num_local_experts;
+        out.recv_topk_idx[p * K + k] = local ? static_cast<int32_t>(id) : -1;
+        out.recv_topk_weights[p * K + k] = local ? a.slot_weights[s * K + k] : 0.0f;
       }
     }
   }
@@ -153,13 +154,15 @@ __global__ void finish_rank_major_kernel(GatherArgs a, DispatchOut out) {
   for (int64_t p = warp_global(); p < a.capacity; p += warp_count()) {
     if (p >= kept) {
       warp_zero(static_cast<uint8_t*>(out.recv_x) + p * a.payload_bytes, a.payload_bytes, lane);
-      if (out.recv_topk_idx != nullptr && lane < K) {
-        out.recv_topk_idx[p * K + lane] = -1;
-        out.recv_topk_weights[p * K + lane] = 0.0f;
+      for (int k = lane; out.recv_topk_idx != nullptr && k < K; k += 32) {  // K may pass 32 (HT)
+        out.recv_topk_idx[p * K + k] = -1;
+        out.recv_topk_weights[p * K + k] = 0.0f;
       }
-    } else if (out.num_recv_tokens_per_expert != nullptr && lane < K) {
-      const int32_t id = out.recv_topk_idx[p * K + lane];
-      if (id >= 0) atomicAdd(&out.num_recv_tokens_per_expert[id], 1);
+    } else if (out.num_recv_tokens_per_expert != nullptr) {
+      for (int k = lane; k < K; k += 32) {
+        const int32_t id = out.recv_topk_idx[p * K + k];
+        if (id >= 0) atomicAdd(&out.num_recv_tokens_per_expert[id], 1);
+      }
     }
   }
 }
@@ -239,11 +242,11 @@ __global__ void scatter_kernel(ScatterArgs a) {
     } else {
       warp_zero(dst, a.row_bytes, lane);  // a dropped row adds nothing
     }
-    if (a.dst_weights != nullptr && lane < K) {
+    for (int k = lane; a.dst_weights != nullptr && k < K; k += 32) {  // K may pass 32 (HT)
       // Only the entries of this rank's experts carry a gradient back (DESIGN §2: read back from the
       // slot that carried it); the others are zero so that a sum over ranks leaves the owner's value.
-      const bool local = kept && a.recv_topk_idx[p * K + lane] >= 0;
-      a.dst_weights[s * K + lane] = local ? a.rows_weights[p * K + lane] : 0.0f;
+      const bool local = kept && a.recv_topk_idx[p * K + k] >= 0;
+      a.dst_weights[s * K + k] = local ? a.rows_weights[p * K + k] : 0.0f;
     }
   }
 }

@@ -14,7 +14,8 @@
 // the receiver reads the tags of the slots NCCL EP filled and derives the contract order from them.
 //
 // Row sent through NCCL EP (one per source token; `elt` = bytes of the dtype):
-//   [ payload: H * elt bytes | zero pad to 16 | tag: tag_words(K, em) int32 | zero pad to 16 ]
+//   [ payload: H * elt bytes | zero pad to 16 | tag: tag_words(K, em) int32 | zero pad to 16 (expert-major:
+//     to 1024, the row widths LL's kernels accept; see kLowLatencyRowAlign) ]
 // Tag words: [0] source rank, [1] source token index, and for the expert-major layout also
 // [2, 2 + K) the token's global expert ids and [2 + K, 2 + 2K) the bits of its K fp32 weights (LL's
 // expert-major dispatch returns no weights; the receiver picks the weight of its copy from these).
@@ -49,11 +50,19 @@ OMNIEP_ORDER_HD int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; 
 // int32 words of a row's tag.
 OMNIEP_ORDER_HD int tag_words(int num_topk, bool expert_major) { return expert_major ? 2 + 2 * num_topk : 2; }
 
-// Byte offset of the tag in a sent row, and the bytes of the whole row (a multiple of 16, as HT's
-// max_token_bytes must be).
+// LL's kernels take the row width (the tokens' sizes[1], in elements) as a JIT template parameter and
+// refuse widths that are not whole warp iterations (nccl_ep/device/ll_ep.cuh of nccl-extensions 0.1.0:
+// dispatch `kHidden % (32 * kNumElemsPerRead) == 0`, 512 bytes; combine `kHidden % (kWarpSize *
+// kNumRecvUnrolls * kNumElemsPerInt4) == 0`, 1024 bytes, and `kHidden % 128 == 0`), so an expert-major
+// row is padded to a multiple of 1024 bytes. HT needs only 16 (its max_token_bytes rule).
+constexpr int64_t kLowLatencyRowAlign = 1024;
+
+// Byte offset of the tag in a sent row, and the bytes of the whole row (a multiple of 16; expert-major,
+// of kLowLatencyRowAlign).
 OMNIEP_ORDER_HD int64_t tag_offset(int64_t hidden, int elt) { return align16(hidden * elt); }
 OMNIEP_ORDER_HD int64_t row_bytes(int64_t hidden, int elt, int num_topk, bool expert_major) {
-  return tag_offset(hidden, elt) + align16(4 * static_cast<int64_t>(tag_words(num_topk, expert_major)));
+  const int64_t tagged = tag_offset(hidden, elt) + align16(4 * static_cast<int64_t>(tag_words(num_topk, expert_major)));
+  return expert_major ? (tagged + kLowLatencyRowAlign - 1) / kLowLatencyRowAlign * kLowLatencyRowAlign : tagged;
 }
 
 // The contract order key of a row from `src`, token `t`.

@@ -1,5 +1,5 @@
 // omniep._native_nccl_ep_lib: the nccl_ep_lib adapter (backends/nccl_ep_lib.h) for Python.
-// Built wherever nccl_ep.h and nccl.h are found (cmake/nccl_ep_lib.cmake); it does not link
+// Built by a CUDA build wherever nccl_ep.h and nccl.h are found (cmake/nccl_ep_lib.cmake); it does not link
 // libnccl_ep.so or libnccl.so.2 -- Library.open(path) loads them at run time -- so it imports on any
 // machine, GPU or not, and the host-side pieces (argument checks, the order mapping, the loader's
 // verdict) run there. The ops take device addresses (ints) and a CUDA stream address.

@@ -76,8 +76,10 @@ def _rank_job(rank: int, world: int, port: int):
             x = to_torch(case.x[rank], dev).requires_grad_(not em)
             idx = to_torch(case.topk_idx[rank], dev)
             w = to_torch(case.topk_weights[rank], dev).requires_grad_(not em)
+            # expert-major rows past the counts are unspecified (DESIGN §2; the adapter leaves them): zeroed
+            # here so that the whole [L, C, H] compares with the reference's zero padding
             got = ep.dispatch(x, idx, w, num_experts=case.num_experts, capacity=cfg.capacity,
-                              layout=cfg.layout.value)
+                              layout=cfg.layout.value, zero_padding=em)
             tag = f"case {case.layout.value} T={case.x[rank].shape[0]} cap={cfg.capacity}"
             assert_bits_equal(got.recv_x, want.recv_x, f"{tag}: recv_x")
             assert_bits_equal(got.recv_topk_idx, want.recv_topk_idx, f"{tag}: recv_topk_idx")

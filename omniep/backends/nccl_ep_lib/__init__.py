@@ -40,10 +40,11 @@ reduces, which its header does not state: the GPU property suite checks it where
 
 Status, plainly: NOTHING of it has run. ``libnccl_ep.so`` (nccl-extensions 0.1.0) needs NCCL >= 2.30.4;
 our GPU machines have 2.28.9, which lacks ``ncclCommQueryProperties``, ``ncclGetPeerDevicePointer`` and
-``ncclWinGetUserPtr``. What is checked without it: the adapter compiles against ``nccl_ep.h`` wherever the
-header is found (CI takes it from the wheels, ``.ci/run``; ``cmake/nccl_ep_lib.cmake``), together with the
-ABI pins (``csrc/backends/nccl_ep_lib_abi.cpp``); on CPU, the module imports, its host-side argument
-checks and its order mapping run, and its loader reports why a library cannot be used.
+``ncclWinGetUserPtr``. What is checked without it: a CUDA build (nvcc) compiles the adapter against
+``nccl_ep.h`` wherever the header is found (CI takes it from the wheels, ``.ci/run``;
+``cmake/nccl_ep_lib.cmake``), together with the ABI pins (``csrc/backends/nccl_ep_lib_abi.cpp``); where it
+was built, on CPU, the module imports, its host-side argument checks and its order mapping run, and its
+loader reports why a library cannot be used. A build without nvcc has neither (``omniep info --build``).
 
 Availability is checked in this order, the first failure being the reason given:
 
@@ -214,9 +215,9 @@ def native_module():
     try:
         return importlib.import_module(MODULE), ""
     except ImportError as exc:
-        return None, (f"the adapter module {MODULE} is not built (it is built where nccl_ep.h is found at build "
-                      f"time: pip install nccl-extensions, or -DOMNIEP_NCCL_EP_ROOT=<dir>; `omniep info --build` "
-                      f"says why it was skipped): {exc}")
+        return None, (f"the adapter module {MODULE} is not built (a CUDA build makes it where nccl_ep.h is found "
+                      f"at build time: pip install nccl-extensions, or -DOMNIEP_NCCL_EP_ROOT=<dir>; "
+                      f"`omniep info --build` says why it was skipped): {exc}")
 
 
 def availability_reason() -> str:
