@@ -1,6 +1,8 @@
 // Signals, waits with timeouts and the rank-wide barrier, for any Transport.
 //
-// A rank runs as gridDim.x blocks (all co-resident: the launcher guarantees it). A barrier is
+// A rank runs as gridDim.x blocks (all co-resident: the launcher guarantees it). Among peers reached by
+// loads and stores the barrier is rank_barrier_flat (below: the last block to arrive signals, every
+// block polls the peers itself). With a remote peer it is the gather:
 //   1. every block: __syncthreads, then thread 0 arrives on the rank's `arrive` counter with a release
 //      add (device scope: only the rank's own blocks read it), which carries the block's writes;
 //   2. block 0 waits for all arrivals, then thread s < R signals peer s (release add on
