@@ -92,6 +92,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
         # Each profiled op starts right after a device barrier over the group, so that with several ranks
         # its kernel does not also time the wait for a peer that launched later (the barrier is left out).
         ctx = ep.context(None, None, "cuda")
+        if steps:  # CUPTI's first session delays a rank's launches: the first op profiled read 3x high at
+            # world 2 (RESULTS 2026-11-26 11:02 and 11:22); a throwaway round keeps that out of its figure
+            device_us(torch, lambda: (ctx.barrier(), steps[0][2]()), 2, skip=("barrier_kernel",))
+            dist.barrier()
         for row, (name, op, step) in zip(rows, steps):
             def aligned(step=step):
                 ctx.barrier()
