@@ -356,11 +356,12 @@ __device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const 
       // No block arrives again before it acquired the signals below (an all_wait barrier), or before
       // the kernel ended (one that is not: the last of its kernel), so the reset cannot be lost.
       if (t == 0) ws->arrive = 0;
-      __syncthreads();  // the reset goes with every signal, my own included
-      if (t < R) {
-        ws->expected[t] = s_target[t];
-        signal_peer(tr, t, me);  // a release add: every block's writes (acquired above) go with it
-      }
+      if (t < R) ws->expected[t] = s_target[t];
+      // The reset and EVERY expected[] entry go with every signal, my own included: a block of this
+      // rank that acquired my signal may read them at its next barrier (thread s's signal alone would
+      // carry only expected[s]).
+      __syncthreads();
+      if (t < R) signal_peer(tr, t, me);  // a release add: every block's writes (acquired above) go with it
     }
   }
   if (mode == kBarrierSignalOnly || (!all_wait && blockIdx.x != 0)) return true;
