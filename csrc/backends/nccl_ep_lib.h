@@ -83,6 +83,10 @@ struct OpShape {
   int64_t capacity = 0;     // rows (rank-major) or slots per local expert (expert-major)
   int expert_alignment = 1;
 };
+// The op shape from the codes the bindings pass (layout 0 rank-major / 1 expert-major, DType code);
+// ArgumentError for a code out of range. Shared by the torch binding and the XLA FFI handlers.
+OpShape make_op_shape(int layout, int num_ranks, int num_experts, int64_t num_tokens, int64_t hidden, int num_topk,
+                      int dtype, int64_t capacity, int expert_alignment);
 // "" when `op` fits `group` (a group made for it, or a larger one), else what is wrong and what is
 // expected. Pure host code: the CPU tests call it.
 std::string check_op(const OpShape& op, const GroupShape& group, int num_ranks);
