@@ -220,6 +220,39 @@ def native_module():
                       f"`omniep info --build` says why it was skipped): {exc}")
 
 
+def open_library(native):
+    """The adapter's ``Library`` over the ``libnccl_ep.so`` found here (both frameworks), or
+    :class:`BackendUnavailableError` with where it looked or the loader's words."""
+    path, looked = find_ep_library()
+    if path is None:
+        raise BackendUnavailableError(NAME, f"libnccl_ep.so not found (looked at: {', '.join(looked)})")
+    try:
+        return native.Library.open(path)
+    except native.LoadError as exc:
+        raise BackendUnavailableError(NAME, str(exc)) from None
+
+
+def group_for(groups: dict, native, comm, layout: int, num_experts: int, num_topk: int, hidden: int,
+              dtype_code: int, max_tokens: int, timeout_s: float):
+    """``(key, group)``: the native ``Group`` of ``groups`` that serves this shape -- one per (layout, E, K,
+    tagged row bytes) -- made (collectively: every rank in the same order) when there is none yet."""
+    row = native.row_bytes(hidden, native.dtype_bytes(dtype_code), num_topk, layout == 1)
+    key = (layout, num_experts, num_topk, row)
+    if key not in groups:
+        groups[key] = native.Group(comm, layout, num_experts, num_topk, max_tokens, row, int(timeout_s * 1e9))
+    return key, groups[key]
+
+
+def op_error(native, layout: int, num_ranks: int, num_experts: int, num_tokens: int, hidden: int, num_topk: int,
+             dtype_code: int, capacity: int, expert_alignment: int, max_tokens: int) -> str:
+    """The adapter's host-side check of an op against the group made for it (``check_op``), as the message
+    of an :class:`InputError`; ``""`` when it passes."""
+    row = native.row_bytes(hidden, native.dtype_bytes(dtype_code), num_topk, layout == 1)
+    why = native.check_op(layout, num_ranks, num_experts, num_tokens, hidden, num_topk, dtype_code, capacity,
+                          expert_alignment, max_tokens, row)
+    return f"nccl_ep_lib: {why}" if why else ""
+
+
 def availability_reason() -> str:
     """Why the adapter cannot run here, framework aside (d.-e. of the module docstring), or ``""``."""
     why = environment_reason()
