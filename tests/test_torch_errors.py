@@ -85,7 +85,7 @@ def test_named_backend_that_cannot_serve_raises_unsupported(world_of_one, monkey
     monkeypatch.setitem(registry._REGISTRY, RankMajorOnly.name, {"torch": f"{__name__}:RankMajorOnly"})
     with pytest.raises(UnsupportedError, match="'test_rank_major_only' does not support layout expert_major; "
                                                "backends that serve it: cuda_nvshmem, nccl_ep, rocm_rocshmem, "
-                                               "collective$"):
+                                               "nccl_ep_lib, collective$"):
         ep.dispatch(*_routing(), num_experts=4, layout="expert_major", backend=RankMajorOnly.name)
     d = ep.dispatch(*_routing(), num_experts=4, backend=RankMajorOnly.name)  # rank-major it serves
     assert d.handle.backend == RankMajorOnly.name
