@@ -33,7 +33,7 @@ _REGISTRY: dict[str, dict[str, str]] = {
     # NVIDIA's NCCL EP library (nccl-extensions) through omniep's adapter: torch where the library, a new
     # enough NCCL and the adapter module are present; JAX not wired (`omniep info` says why, either way).
     "nccl_ep_lib": {
-        "jax": "omniep.backends.nccl_ep_lib:NcclEpLibJax",
+        "jax": "omniep.backends.nccl_ep_lib.jax_backend:NcclEpLibJax",
         "torch": "omniep.backends.nccl_ep_lib.torch_backend:NcclEpLibTorch",
     },
     "collective": {
