@@ -78,7 +78,8 @@ def test_the_handlers_are_bound_to_a_cuda_stream():
     jax.ffi.register_ffi_target("test_nccl_ep_lib_combine_on_cpu", native.ffi_targets()[TARGETS[1]], platform="cpu")
     state = native.JaxState(0)
     call = jax.ffi.ffi_call("test_nccl_ep_lib_combine_on_cpu",
-                            (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((10,), jnp.int32)),
+                            (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((10,), jnp.int32),
+                             jax.ShapeDtypeStruct((), jnp.float32)),
                             has_side_effect=True)
     with pytest.raises(Exception) as info:
         jax.block_until_ready(call(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
@@ -135,9 +136,10 @@ class FakeState:
 @pytest.fixture
 def backend(monkeypatch):
     """An NcclEpLibJax whose state, adapter check and FFI calls are stand-ins: the call records the target,
-    operands and attributes and returns zeros of the result types."""
+    operands and attributes and returns zeros of the result types, but ``b.generation`` for the float32
+    scalar (the native handle's dispatch count: the dispatch's ticket, the other ops' generation)."""
     b = jb.NcclEpLibJax("ep")
-    b.calls = []
+    b.calls, b.generation = [], 1
     state = FakeState()
     monkeypatch.setattr(b, "_state", lambda: state)
     monkeypatch.setattr(b, "_check_op", lambda *a: None)
@@ -145,7 +147,8 @@ def backend(monkeypatch):
 
     def call(target, results, *args, **attrs):
         b.calls.append((target, [tuple(np.shape(a)) for a in args], attrs))
-        return tuple(jnp.zeros(s, d) for s, d in results)
+        return tuple(jnp.full(s, b.generation, d) if (s, d) == ((), jnp.float32) else jnp.zeros(s, d)
+                     for s, d in results)
 
     monkeypatch.setattr(b, "_call", call)
     return b
@@ -163,7 +166,7 @@ def test_rank_major_ops_call_their_handlers(backend):
     (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), h = backend.dispatch(
         jnp.zeros((T, H), jnp.bfloat16), jnp.ones((T, K), jnp.float32), h)
     assert recv_x.shape == (12, H) and recv_idx.shape == (12, K) and per_expert.shape == (2,)
-    assert h.native == 7 and backend._state().made == (RM, 4, K, H, BF16)
+    assert h.native == 7 and backend._state().made == (RM, 4, K, H, BF16) and int(h.ticket) == 1
     attrs = {"handle": 7, "layout": RM, "num_experts": 4}
     assert backend.calls[-1] == ("dispatch", [(T, H), (T, K), (T, K)], {**attrs, "expert_alignment": 1})
     out, status = backend.combine(jnp.zeros((12, H), jnp.bfloat16), h)
@@ -175,6 +178,21 @@ def test_rank_major_ops_call_their_handlers(backend):
     g_y, none = backend.combine_bwd(jnp.zeros((T, H), jnp.bfloat16), h)
     assert g_y.shape == (12, H) and none is None
     assert backend.calls[-1] == ("cached_dispatch", [(T, H), (T, K), (T, K)], attrs)
+
+
+def test_ops_on_a_handle_dispatched_again_since_are_nan(backend):
+    """The native handle ran another dispatch after this one (its generation moved past the ticket): every
+    op's outputs are NaN, not the other dispatch's routing applied silently."""
+    T, K, H = 6, 2, 8
+    h = backend.prepare(jnp.zeros((T, K), jnp.int32), config(Layout.RANK_MAJOR))
+    _, h = backend.dispatch(jnp.zeros((T, H), jnp.bfloat16), jnp.ones((T, K), jnp.float32), h)
+    y, g = jnp.zeros((12, H), jnp.bfloat16), jnp.zeros((T, H), jnp.bfloat16)
+    ok = [backend.combine(y, h)[0], *backend.dispatch_bwd(y, None, h), backend.combine_bwd(g, h)[0]]
+    assert not any(np.isnan(np.asarray(a, np.float32)).any() for a in ok)
+    backend.generation = 2
+    stale = [backend.combine(y, h)[0], *backend.dispatch_bwd(y, None, h), backend.combine_bwd(g, h)[0]]
+    assert all(np.isnan(np.asarray(a, np.float32)).all() for a in stale)
+    assert [a.dtype for a in stale] == [a.dtype for a in ok]
 
 
 def test_expert_major_dispatch_bwd_is_nan_where_the_weights_cotangent_is_not_zero(backend):

@@ -476,6 +476,7 @@ void Handle::dispatch(const OpShape& op, const void* x, const int32_t* topk_idx,
     fn.check(fn.update_handle(static_cast<ncclEpHandle_t>(handle_), idx.get(), &info, stream), "ncclEpUpdateHandle (HT)");
   }
   num_tokens_ = op.num_tokens;
+  ++dispatches_;
   run_dispatch(op, x, topk_idx, topk_weights, /*forward=*/true, stream);
   map_order(op, stream);
   GatherArgs a = gather_args(op);

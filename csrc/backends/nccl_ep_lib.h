@@ -222,6 +222,9 @@ class Handle {
   // Slots of the last dispatch whose tag named no token of the group (synchronises `stream`): 0 unless
   // NCCL EP delivered rows the adapter did not send, which the mapping then skipped.
   int bad_tags(cudaStream_t stream) const;
+  // Dispatches (not cached ones) this handle has run: which routing it holds. The JAX side compares it
+  // with the count its dispatch saw, to find a handle re-dispatched before the ops of an earlier run.
+  int64_t dispatches() const { return dispatches_; }
 
  private:
   void release();
@@ -241,6 +244,7 @@ class Handle {
   int32_t* counters_ = nullptr; // HT: [0] recv_total_counter; LL: [L] expert_counters
   int32_t* bad_tag_ = nullptr;  // [1]: slots whose tag was out of range (0 when all were good)
   int64_t num_tokens_ = 0;      // T of the routing (UpdateHandle)
+  int64_t dispatches_ = 0;      // dispatch() calls so far
 };
 
 // Kernels (nccl_ep_lib_order.cu). Rows are bytes; `row_bytes` the stride of a tagged row.

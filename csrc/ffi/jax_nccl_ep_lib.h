@@ -15,16 +15,23 @@
 //                  expert-major [L, C, H]), recv_topk_idx / recv_topk_weights f32 (rank-major [C, K];
 //                  expert-major [L, C]), num_recv[], dropped[], num_recv_tokens_per_expert[L],
 //                  recv_counts[R] (expert-major: zeros), status[kStatusWords] (zeros: the adapter
-//                  exchanges no op descriptor). Attrs: state, handle, layout, num_experts, expert_alignment.
+//                  exchanges no op descriptor), ticket[] f32 (the handle's dispatch count after this one,
+//                  Handle::dispatches() modulo 2^24). Attrs: state, handle, layout, num_experts, expert_alignment.
 //                  Handle::dispatch: ncclEpUpdateHandle + ncclEpDispatch + the order mapping.
 // cached_dispatch: x[T, H], topk_idx32[T, K], topk_weights[T, K] f32 (expert-major: each copy scaled by
-//                  its weight; rank-major: not read) -> recv_x. Attrs: state, handle, layout, num_experts.
+//                  its weight; rank-major: not read) -> recv_x, generation[] f32. Attrs: state, handle,
+//                  layout, num_experts.
 //                  Handle::cached_dispatch (combine_bwd).
 // combine:         y (shaped like recv_x), topk_weights[T, K] f32 (expert-major: applied by NCCL EP's LL
-//                  combine; rank-major: not read) -> out[T, H], status (zeros). Attrs: as cached_dispatch.
+//                  combine; rank-major: not read) -> out[T, H], status (zeros), generation[] f32. Attrs: as
+//                  cached_dispatch.
 // dispatch_bwd:    g_recv_x (like recv_x), g_recv_topk_weights f32 (rank-major [C, K]; expert-major: not
 //                  read), recv_topk_idx (rank-major [C, K]; expert-major: not read), topk_idx32[T, K]
-//                  -> g_x[T, H], g_topk_weights[T, K] f32 (expert-major: zeros). Attrs: as cached_dispatch.
+//                  -> g_x[T, H], g_topk_weights[T, K] f32 (expert-major: zeros), generation[] f32. Attrs: as
+//                  cached_dispatch.
+// generation: the handle's dispatch count when the op ran (as `ticket`). A native handle holds the routing
+// of its LAST dispatch; Python compares an op's generation with the ticket of the dispatch that made the
+// pytree handle and poisons the op's outputs (NaN) where they differ.
 // Host-only header.
 #pragma once
 

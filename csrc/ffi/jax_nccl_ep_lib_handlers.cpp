@@ -128,6 +128,15 @@ void zero(void* p, size_t bytes, cudaStream_t stream, const char* what) {
   if (bytes) omniep::jax_ffi::check_runtime(cudaMemsetAsync(p, 0, bytes, stream), what);
 }
 
+// The handle's dispatch count (modulo 2^24, exact in float32) into a [] f32 output: the dispatch's
+// `ticket`, the other ops' `generation` (ffi/jax_nccl_ep_lib.h).
+void write_generation(const Handle& h, ffi::Result<ffi::AnyBuffer>& out, cudaStream_t stream) {
+  if (out->element_type() != ffi::DataType::F32 || out->element_count() != 1) {
+    throw ArgumentError("the generation output must be a float32 scalar");
+  }
+  launch_fill(as<float>(out), 1, static_cast<float>(h.dispatches() % (int64_t{1} << 24)), stream);
+}
+
 // Every handler: the state and handle its attributes name, its device selected, errors as FFI errors.
 template <typename F>
 ffi::Error guarded(int64_t state, int64_t handle, const char* op, F&& body) {
@@ -149,8 +158,9 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t, ffi::AnyBuffer x, ffi::AnyBuff
                     ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_idx,
                     ffi::Result<ffi::AnyBuffer> recv_w, ffi::Result<ffi::AnyBuffer> num_recv,
                     ffi::Result<ffi::AnyBuffer> dropped, ffi::Result<ffi::AnyBuffer> per_expert,
-                    ffi::Result<ffi::AnyBuffer> recv_counts, ffi::Result<ffi::AnyBuffer> status, int64_t state,
-                    int64_t handle, int64_t layout, int64_t num_experts, int64_t expert_alignment) {
+                    ffi::Result<ffi::AnyBuffer> recv_counts, ffi::Result<ffi::AnyBuffer> status,
+                    ffi::Result<ffi::AnyBuffer> ticket, int64_t state, int64_t handle, int64_t layout,
+                    int64_t num_experts, int64_t expert_alignment) {
   return guarded(state, handle, "nccl_ep_lib dispatch (JAX)", [&](Handle& h) {
     const OpShape op = op_of(h, layout, num_experts, idx32, dims_of(*recv_x), x.element_type(), expert_alignment);
     need_tokens(x, op, "x");
@@ -167,12 +177,14 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t, ffi::AnyBuffer x, ffi::AnyBuff
     if (em) zero(data(recv_counts), recv_counts->size_bytes(), stream, "clearing recv_counts");
     h.dispatch(op, data(x), as<const int32_t>(idx32), as<const float>(weights), out, stream);
     zero(data(status), status->size_bytes(), stream, "clearing the status");
+    write_generation(h, ticket, stream);
   });
 }
 
 ffi::Error CachedDispatch(cudaStream_t stream, int32_t, ffi::AnyBuffer x, ffi::AnyBuffer idx32,
-                          ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x, int64_t state, int64_t handle,
-                          int64_t layout, int64_t num_experts) {
+                          ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> recv_x,
+                          ffi::Result<ffi::AnyBuffer> generation, int64_t state, int64_t handle, int64_t layout,
+                          int64_t num_experts) {
   return guarded(state, handle, "nccl_ep_lib cached dispatch (JAX)", [&](Handle& h) {
     const OpShape op = op_of(h, layout, num_experts, idx32, dims_of(*recv_x), x.element_type(), 1);
     need_tokens(x, op, "g_out");
@@ -180,12 +192,14 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t, ffi::AnyBuffer x, ffi::A
     const bool em = op.layout == Layout::kExpertMajor;
     h.cached_dispatch(op, data(x), as<const int32_t>(idx32), em ? as<const float>(weights) : nullptr, data(recv_x),
                       stream);
+    write_generation(h, generation, stream);
   });
 }
 
 ffi::Error Combine(cudaStream_t stream, int32_t, ffi::AnyBuffer y, ffi::AnyBuffer idx32, ffi::AnyBuffer weights,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> status, int64_t state,
-                   int64_t handle, int64_t layout, int64_t num_experts) {
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> status,
+                   ffi::Result<ffi::AnyBuffer> generation, int64_t state, int64_t handle, int64_t layout,
+                   int64_t num_experts) {
   return guarded(state, handle, "nccl_ep_lib combine (JAX)", [&](Handle& h) {
     const OpShape op = op_of(h, layout, num_experts, idx32, dims_of(y), y.element_type(), 1);
     need_tokens(*out, op, "out");
@@ -193,25 +207,28 @@ ffi::Error Combine(cudaStream_t stream, int32_t, ffi::AnyBuffer y, ffi::AnyBuffe
     const bool em = op.layout == Layout::kExpertMajor;
     h.combine(op, data(y), em ? as<const float>(weights) : nullptr, data(out), stream);
     zero(data(status), status->size_bytes(), stream, "clearing the status");
+    write_generation(h, generation, stream);
   });
 }
 
 ffi::Error DispatchBwd(cudaStream_t stream, int32_t, ffi::AnyBuffer g_recv_x, ffi::AnyBuffer g_recv_w,
                        ffi::AnyBuffer recv_idx, ffi::AnyBuffer idx32, ffi::Result<ffi::AnyBuffer> g_x,
-                       ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t handle, int64_t layout,
-                       int64_t num_experts) {
+                       ffi::Result<ffi::AnyBuffer> g_w, ffi::Result<ffi::AnyBuffer> generation, int64_t state,
+                       int64_t handle, int64_t layout, int64_t num_experts) {
   return guarded(state, handle, "nccl_ep_lib dispatch bwd (JAX)", [&](Handle& h) {
     const OpShape op = op_of(h, layout, num_experts, idx32, dims_of(g_recv_x), g_recv_x.element_type(), 1);
     need_tokens(*g_x, op, "g_x");
     if (op.layout == Layout::kExpertMajor) {
       zero(data(g_w), g_w->size_bytes(), stream, "clearing g_topk_weights");
       h.dispatch_bwd(op, data(g_recv_x), nullptr, nullptr, data(g_x), nullptr, stream);
+      write_generation(h, generation, stream);
       return;
     }
     need(g_recv_w, ffi::DataType::F32, "g_recv_topk_weights");
     need(recv_idx, ffi::DataType::S32, "recv_topk_idx");
     h.dispatch_bwd(op, data(g_recv_x), as<const float>(g_recv_w), as<const int32_t>(recv_idx), data(g_x),
                    as<float>(g_w), stream);
+    write_generation(h, generation, stream);
   });
 }
 
@@ -221,10 +238,10 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t, ffi::AnyBuffer g_recv_x, ff
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, omniep::nccl_ep_lib::jax_ffi_handlers::Impl, (omniep::jax_ffi::__VA_ARGS__))
 
 OMNIEP_NCCL_EP_LIB_HANDLER(omniep_nccl_ep_lib_jax_dispatch, Dispatch,
-                           bind<3, 8>("state", "handle", "layout", "num_experts", "expert_alignment"));
+                           bind<3, 9>("state", "handle", "layout", "num_experts", "expert_alignment"));
 OMNIEP_NCCL_EP_LIB_HANDLER(omniep_nccl_ep_lib_jax_cached_dispatch, CachedDispatch,
-                           bind<3, 1>("state", "handle", "layout", "num_experts"));
-OMNIEP_NCCL_EP_LIB_HANDLER(omniep_nccl_ep_lib_jax_combine, Combine,
                            bind<3, 2>("state", "handle", "layout", "num_experts"));
+OMNIEP_NCCL_EP_LIB_HANDLER(omniep_nccl_ep_lib_jax_combine, Combine,
+                           bind<3, 3>("state", "handle", "layout", "num_experts"));
 OMNIEP_NCCL_EP_LIB_HANDLER(omniep_nccl_ep_lib_jax_dispatch_bwd, DispatchBwd,
-                           bind<4, 2>("state", "handle", "layout", "num_experts"));
+                           bind<4, 3>("state", "handle", "layout", "num_experts"));

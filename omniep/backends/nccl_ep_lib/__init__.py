@@ -40,9 +40,9 @@ bias added after it would round twice), the expert-major combine's backward (the
 weighted sum per token), the expert-major ``dispatch_bwd`` with a non-zero gradient of
 ``recv_topk_weights`` (same reason; PyTorch raises, JAX -- which cannot tell under ``jit`` -- returns NaN
 there, see :mod:`.jax_backend`). JAX-only limits (:mod:`.jax_backend`): the statuses are zeros (no op
-descriptor is exchanged), and a native handle per traced dispatch (a dispatch run several times before
-its backward passes, e.g. in ``lax.scan`` under ``grad`` without remat, gives them the last run's
-routing, undetected). Bitwise equality of combine with the contract (fp32 sums in ascending rank / k
+descriptor is exchanged), and a native handle per traced dispatch (a dispatch run again before the
+ops of its earlier run, e.g. in ``lax.scan`` under ``grad`` without remat: those ops return NaN, found
+on the device). Bitwise equality of combine with the contract (fp32 sums in ascending rank / k
 order, rounded once) depends on how NCCL EP reduces, which its header does not state: the GPU property
 suite checks it wherever the library loads.
 

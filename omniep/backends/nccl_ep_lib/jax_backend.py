@@ -22,10 +22,12 @@ native ``Handle`` (``ncclEpInitHandle``, which may be collective: every process 
 in the same order) and the pytree handle names it by index (the static field ``native``); the combine
 and the backward passes of that dispatch run on it. A native handle holds the routing and the receive
 order of the LAST execution of its dispatch: a traced dispatch that runs several times before the
-backward passes of its first run (``lax.scan`` / ``fori_loop`` over layers under ``grad`` without
-rematerialising the dispatch, or a handle kept across calls of the same compiled function) gives those
-passes the last run's routing. That is NOT detected; rematerialise the dispatch (``jax.checkpoint``)
-or unroll such loops.
+ops of an earlier run (``lax.scan`` / ``fori_loop`` over layers under ``grad`` without rematerialising
+the dispatch, or a handle kept across calls of the same compiled function) would give those ops the
+last run's routing. That is detected on the device: the dispatch returns the handle's dispatch count
+(``ticket``, in the pytree handle), every later op the count when it ran, and where they differ the op's
+outputs are NaN (an elementwise pass over them: the cost of the check). Rematerialise the dispatch
+(``jax.checkpoint``) or unroll such loops.
 
 Status: ``dispatch`` and ``combine`` return a status of zeros (the adapter exchanges no op descriptor, so
 DESIGN §9's device-side checks are not made; a handle's status is still carried as in the other
@@ -60,20 +62,24 @@ from ..jax_native import KvExchange, LocalJaxState, kv_client
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # the adapter's DType codes
 OTHERS = ["collective", "cuda_nvshmem", "nccl_ep"]  # who serves what this backend refuses
 SERVED_JAX = dataclasses.replace(SERVED, frameworks=("jax",))
+_GENERATION = ((), jnp.float32)  # the native handle's dispatch count (ffi/jax_nccl_ep_lib.h)
 
 
 @dataclasses.dataclass(frozen=True)
 class LibHandle(Handle):
     """:class:`Handle` plus ``native``: the index of the native ``Handle`` (in this process's state of the
-    group) that the dispatch filled; static, ``None`` until dispatch."""
+    group) that the dispatch filled, static, ``None`` until dispatch; and ``ticket``, that handle's dispatch
+    count after it (module docstring)."""
 
     native: Any = None
+    ticket: Any = None  # [] int32: the native handle's dispatch count after this dispatch
 
+    DATA_FIELDS = Handle.DATA_FIELDS + ("ticket",)
     META_FIELDS = Handle.META_FIELDS + ("native",)
 
 
 try:
-    jax.tree_util.register_dataclass(LibHandle, data_fields=list(Handle.DATA_FIELDS),
+    jax.tree_util.register_dataclass(LibHandle, data_fields=list(LibHandle.DATA_FIELDS),
                                      meta_fields=list(LibHandle.META_FIELDS))
 except ValueError:  # already registered (module reloaded)
     pass
@@ -220,16 +226,23 @@ class NcclEpLibJax(CudaNvshmemJax):
         native = self._state().new_handle(layout, E, K, H, code)
         lead, per_copy = ((L, C), (L, C)) if em else ((C,), (C, K))
         i32 = jnp.int32
-        recv_x, recv_idx, recv_w, num_recv, dropped, per_expert, recv_counts, status = self._call(
+        recv_x, recv_idx, recv_w, num_recv, dropped, per_expert, recv_counts, status, ticket = self._call(
             "dispatch",
             [(lead + (H,), x.dtype), (per_copy, i32), (per_copy, jnp.float32), ((), i32), ((), i32), ((L,), i32),
-             ((R,), i32), _STATUS],
+             ((R,), i32), _STATUS, _GENERATION],
             x, handle.topk_idx, topk_weights.astype(jnp.float32), handle=native, layout=layout, num_experts=E,
             expert_alignment=cfg.expert_alignment)
         handle = handle.replace(topk_weights=topk_weights, recv_counts=recv_counts, num_recv=num_recv,
                                 recv_topk_idx=None if em else recv_idx, recv_topk_weights=None if em else recv_w,
-                                status=status, native=native)
+                                status=status, native=native, ticket=ticket.astype(i32))
         return per_rank(((recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle), self.group)
+
+    @staticmethod
+    def _unless_stale(handle: LibHandle, generation, *outputs) -> tuple:
+        """``outputs`` unchanged when the native handle still held this dispatch's routing when the op ran
+        (``generation == handle.ticket``), else NaN (module docstring)."""
+        stale = generation.astype(jnp.int32) != handle.ticket
+        return tuple(jnp.where(stale, jnp.asarray(jnp.nan, a.dtype), a) for a in outputs)
 
     def _weights(self, handle: LibHandle):
         if handle.topk_weights is None:
@@ -244,8 +257,9 @@ class NcclEpLibJax(CudaNvshmemJax):
         attrs, code = self._attrs(handle), self._code(y, "y")
         T, K = handle.topk_idx.shape
         self._check_op(handle.config, T, y.shape[-1], K, code)
-        out, status = self._call("combine", [((T, y.shape[-1]), y.dtype), _STATUS], y, handle.topk_idx,
-                                 self._weights(handle), **attrs)
+        out, status, generation = self._call("combine", [((T, y.shape[-1]), y.dtype), _STATUS, _GENERATION], y,
+                                             handle.topk_idx, self._weights(handle), **attrs)
+        (out,) = self._unless_stale(handle, generation, out)
         if handle.status is not None:
             status = jnp.where(handle.status[0] != 0, handle.status, status)
         return out, status
@@ -265,8 +279,10 @@ class NcclEpLibJax(CudaNvshmemJax):
             g_w_rows = (jnp.zeros((C, K), jnp.float32) if g_recv_topk_weights is None
                         else g_recv_topk_weights.astype(jnp.float32))
             recv_idx = handle.recv_topk_idx
-        g_x, g_w = self._call("dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32)], g_recv_x, g_w_rows,
-                              recv_idx, handle.topk_idx, **attrs)
+        g_x, g_w, generation = self._call("dispatch_bwd", [((T, H), g_recv_x.dtype), ((T, K), jnp.float32),
+                                                           _GENERATION],
+                                          g_recv_x, g_w_rows, recv_idx, handle.topk_idx, **attrs)
+        g_x, g_w = self._unless_stale(handle, generation, g_x, g_w)
         if em and g_recv_topk_weights is not None:
             g_w = jnp.where(jnp.any(g_recv_topk_weights != 0), jnp.float32(jnp.nan), g_w)
         return g_x, g_w
@@ -282,6 +298,7 @@ class NcclEpLibJax(CudaNvshmemJax):
         T, H = g_out.shape
         K = handle.topk_idx.shape[1]
         self._check_op(handle.config, T, H, K, code)
-        (g_y,) = self._call("cached_dispatch", [((handle.config.capacity, H), g_out.dtype)], g_out, handle.topk_idx,
-                            self._weights(handle), **attrs)
+        g_y, generation = self._call("cached_dispatch", [((handle.config.capacity, H), g_out.dtype), _GENERATION],
+                                     g_out, handle.topk_idx, self._weights(handle), **attrs)
+        (g_y,) = self._unless_stale(handle, generation, g_y)
         return g_y.astype(y.dtype if y is not None else g_out.dtype), None
