@@ -6,6 +6,8 @@
 # because it loads libnccl_ep.so with dlopen at run time; so a CUDA build makes it wherever both
 # headers are found (CI takes them from the two wheels, .ci/run), and skips it with the reason
 # elsewhere. cmake/compile_check.cmake uses the roots found here for the ABI pins.
+# Where jax's FFI headers are found (cmake/xla_ffi.cmake) the module also holds the nccl_ep_lib JAX
+# handlers (csrc/ffi/jax_nccl_ep_lib_handlers.cpp, over the same adapter entry points).
 if(NOT OMNIEP_NCCL_EP_ROOT AND DEFINED ENV{OMNIEP_NCCL_EP_ROOT})
   set(OMNIEP_NCCL_EP_ROOT "$ENV{OMNIEP_NCCL_EP_ROOT}")
 endif()
@@ -39,5 +41,15 @@ target_link_libraries(omniep_nccl_ep_lib PUBLIC CUDA::cudart_static ${CMAKE_DL_L
 pybind11_add_module(_native_nccl_ep_lib MODULE csrc/python/module_nccl_ep_lib.cpp)
 target_link_libraries(_native_nccl_ep_lib PRIVATE omniep_nccl_ep_lib)
 target_compile_options(_native_nccl_ep_lib PRIVATE ${OMNIEP_CXX_WERROR})
+set(_with "")
+if(OMNIEP_XLA_FFI_INCLUDE)  # cmake/xla_ffi.cmake: jax importable by the Python that runs the build
+  target_sources(_native_nccl_ep_lib PRIVATE csrc/ffi/jax_nccl_ep_lib_handlers.cpp)
+  target_include_directories(_native_nccl_ep_lib SYSTEM PRIVATE "${OMNIEP_XLA_FFI_INCLUDE}")
+  target_compile_definitions(_native_nccl_ep_lib PRIVATE OMNIEP_WITH_JAX_FFI=1)
+  set(_with "; with the JAX handlers")
+else()
+  set(_with "; without the JAX handlers: ${OMNIEP_XLA_FFI_WHY}")
+endif()
 omniep_module(_native_nccl_ep_lib)
-omniep_part(_native_nccl_ep_lib built "adapter to NCCL EP (headers of ${OMNIEP_NCCL_EP_ROOT}; libnccl_ep.so loaded at run time)")
+omniep_part(_native_nccl_ep_lib built
+            "adapter to NCCL EP (headers of ${OMNIEP_NCCL_EP_ROOT}; libnccl_ep.so loaded at run time${_with})")

@@ -185,7 +185,7 @@ def rank_major_only(monkeypatch):
 
 def test_unsupported_feature_names_backend_feature_and_alternatives(rank_major_only):
     assert trace_dispatch(*arrays(), backend=rank_major_only).shape == (R, R * T, K)  # served
-    serving = "backends that serve it: (cuda_nvshmem, )?(nccl_ep, )?(rocm_rocshmem, )?collective"
+    serving = "backends that serve it: (cuda_nvshmem, )?(nccl_ep, )?(rocm_rocshmem, )?(nccl_ep_lib, )?collective"
     with pytest.raises(UnsupportedError, match="'rank_major_only' does not support layout expert_major; " + serving):
         trace_dispatch(*arrays(), backend=rank_major_only, layout="expert_major")
     with pytest.raises(UnsupportedError, match="does not support dtype bfloat16; " + serving):

@@ -2,9 +2,11 @@
 with its reason, the reason walking down the checks as each is met with real files (an empty
 ``libnccl_ep.so``, fake ``libnccl.so.2`` libraries compiled here with the version and symbols asked for),
 selecting it where it cannot run raising :class:`BackendUnavailableError` naming the backend, and the JAX
-side saying it is not wired. The adapter's native module (``omniep._native_nccl_ep_lib``, no GPU needed to
-import it) is tested in tests/test_nccl_ep_lib_adapter_cpu.py."""
+side giving the same reasons as the PyTorch one. The adapter's native module (``omniep._native_nccl_ep_lib``,
+no GPU needed to import it) is tested in tests/test_nccl_ep_lib_adapter_cpu.py, its JAX side in
+tests/test_nccl_ep_lib_jax_cpu.py."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,11 +19,12 @@ from omniep.backends import nccl_ep_lib as lib
 from omniep.ep_core import registry
 from omniep.ep_core.errors import BackendUnavailableError
 
-JAX_NOTE = "the JAX frontend is not wired to the adapter"
-
-
 def torch_class():
     return pytest.importorskip("omniep.backends.nccl_ep_lib.torch_backend").NcclEpLibTorch
+
+
+def jax_class():
+    return pytest.importorskip("omniep.backends.nccl_ep_lib.jax_backend").NcclEpLibJax
 
 
 @pytest.fixture
@@ -61,20 +64,19 @@ def test_listed_by_the_registry_and_by_omniep_info_json(tmp_path):
         assert entry["available"] is False
         assert entry["reason"].startswith("NCCL EP library (libnccl_ep.so) not found"), entry
         assert str(missing) in entry["reason"]
-        assert (JAX_NOTE in entry["reason"]) is (fw == "jax"), entry
+    assert data["backends"]["nccl_ep_lib"]["jax"]["reason"] == data["backends"]["nccl_ep_lib"]["torch"]["reason"]
     assert "nccl_ep_lib" in data["not_run_on_hardware"]
     setting = {v["name"]: v for v in data["environment"]}["OMNIEP_NCCL_EP_LIB"]
     assert setting["value"] == str(missing) and setting["error"] is None
 
 
-def test_library_absent_names_where_it_looked_and_jax_says_it_is_not_wired_last(tmp_path, monkeypatch):
+def test_library_absent_names_where_it_looked_for_both_frameworks(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
-    for cls in (torch_class(), lib.NcclEpLibJax):
+    for cls in (torch_class(), jax_class()):
         avail = cls.availability()
         assert not avail
         assert avail.reason.startswith("NCCL EP library (libnccl_ep.so) not found (looked at: " + str(tmp_path / "none"))
-    reason = lib.NcclEpLibJax.availability().reason
-    assert reason.index("not found") < reason.index(JAX_NOTE)
+    assert jax_class().availability().reason == torch_class().availability().reason
 
 
 def test_without_the_setting_it_looks_in_the_nccl_package_cu13_then_cu12(tmp_path, monkeypatch):
@@ -93,18 +95,20 @@ def test_without_the_setting_it_looks_in_the_nccl_package_cu13_then_cu12(tmp_pat
 def test_library_found_but_no_nccl_runtime(ep_dir, tmp_path, monkeypatch):
     absent = str(tmp_path / "no" / "libnccl.so.2")
     monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [absent])
-    reason = lib.NcclEpLibJax.availability().reason
+    reason = jax_class().availability().reason
     assert reason.startswith(f"libnccl_ep.so found at {ep_dir / 'libnccl_ep.so'}, but no NCCL runtime"), reason
-    assert absent in reason and ">= 2.30.4" in reason and reason.endswith(lib.JAX_NOT_WIRED)
+    assert absent in reason and ">= 2.30.4" in reason and reason == torch_class().availability().reason
 
 
 def test_too_old_nccl_is_reported_with_both_versions_and_the_missing_symbols(ep_dir, tmp_path, monkeypatch):
     old = fake_nccl(tmp_path, 22809)
     monkeypatch.setattr(lib, "nccl_runtime_candidates", lambda: [old])
-    reason = torch_class().availability().reason
-    # exactly the environment's reason: the adapter exists, so nothing else is appended for torch
-    assert reason == (f"NCCL 2.28.9 at {old} is too old: the NCCL EP library needs NCCL >= 2.30.4 (found 2.28.9); "
-                      f"it lacks ncclCommQueryProperties, ncclGetPeerDevicePointer, ncclWinGetUserPtr"), reason
+    # exactly the environment's reason, for both frameworks: nothing else is appended
+    for cls in (torch_class(), jax_class()):
+        reason = cls.availability().reason
+        assert reason == (f"NCCL 2.28.9 at {old} is too old: the NCCL EP library needs NCCL >= 2.30.4 (found "
+                          f"2.28.9); it lacks ncclCommQueryProperties, ncclGetPeerDevicePointer, "
+                          f"ncclWinGetUserPtr"), reason
 
 
 def test_new_enough_nccl_without_the_symbols_names_the_missing_ones(ep_dir, tmp_path, monkeypatch):
@@ -124,13 +128,17 @@ def test_everything_but_a_gpu(ep_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(lib, "MODULE", "omniep._no_such_module")
     avail = torch_class().availability()
     assert not avail and avail.reason.startswith("the adapter module omniep._no_such_module is not built"), avail
+    avail = jax_class().availability()
+    assert not avail and avail.reason.startswith("the adapter module omniep._no_such_module is not built"), avail
     monkeypatch.setattr(lib, "MODULE", "json")  # a module that imports: past the module check
+    avail = jax_class().availability()  # json has no HAS_JAX_FFI: as a module built without jax
+    assert not avail and avail.reason.endswith("was built without the JAX handlers (jax was not importable by the "
+                                               "Python that ran the build)"), avail
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the next verdict is the real one")
     avail = torch_class().availability()
     assert not avail and avail.reason == f"torch {torch.__version__} sees no CUDA device", avail
-    assert lib.NcclEpLibJax.availability().reason == lib.JAX_NOT_WIRED
 
 
 @pytest.mark.parametrize("code,ok", [(22809, False), (23003, False), (23004, True), (23100, True),
@@ -145,17 +153,6 @@ def test_version_comparison(code, ok):
 def test_version_without_an_answer():
     assert "did not report its version" in lib.version_reason(None, "x")
     assert lib.version_string(22809) == "2.28.9" and lib.version_string(23004) == "2.30.4"
-
-
-def test_every_jax_op_raises_naming_the_backend(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMNIEP_NCCL_EP_LIB", str(tmp_path / "none"))
-    backend = lib.NcclEpLibJax(group=None)
-    for op, args in [("prepare", (None, None)), ("dispatch", (None, None, None)), ("combine", (None, None)),
-                     ("dispatch_bwd", (None, None, None)), ("combine_bwd", (None, None)), ("num_ranks", ())]:
-        with pytest.raises(BackendUnavailableError) as info:
-            getattr(backend, op)(*args)
-        assert info.value.backend == "nccl_ep_lib" and "'nccl_ep_lib' is not available here" in str(info.value)
-        assert "libnccl_ep.so) not found" in info.value.reason and JAX_NOTE in info.value.reason
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
@@ -192,8 +189,9 @@ def test_capabilities_say_what_the_adapter_serves():
     caps = torch_class().capabilities()
     assert caps.dtypes == ("bfloat16",) and not caps.fp8 and caps.devices == ("gpu",) and caps.frameworks == ("torch",)
     assert set(caps.layouts) == {lib.Layout.RANK_MAJOR, lib.Layout.EXPERT_MAJOR} and not caps.internode
-    jax_caps = lib.NcclEpLibJax.capabilities()  # not wired: serves nothing, so no error names it
-    assert jax_caps.dtypes == () and jax_caps.layouts == () and jax_caps.devices == ()
+    jax_caps = jax_class().capabilities()  # the same, for JAX
+    assert jax_caps == dataclasses.replace(caps, frameworks=("jax",))
+    assert jax_caps.process_models == (lib.ProcessModel.ONE_PROCESS_PER_DEVICE,)
 
 
 def test_abi_pins_compiled_where_the_build_had_the_headers():

@@ -95,7 +95,8 @@ class _RankMajorOnly:
 def test_unsupported_request_names_backend_feature_and_alternatives(monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, "rank_major_only", {"jax": "test_registry:_RankMajorOnly"})
     with pytest.raises(UnsupportedError, match="'rank_major_only' does not support layout expert_major; "
-                                               "backends that serve it: cuda_nvshmem, nccl_ep, rocm_rocshmem, collective"):
+                                               "backends that serve it: cuda_nvshmem, nccl_ep, rocm_rocshmem, "
+                                               "nccl_ep_lib, collective"):
         registry.require(_RankMajorOnly, "jax", layout=Layout.EXPERT_MAJOR)
     with pytest.raises(UnsupportedError, match="8 ranks"):
         registry.require(_RankMajorOnly, "jax", num_ranks=8)

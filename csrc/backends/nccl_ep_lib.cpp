@@ -217,6 +217,23 @@ GroupShape group_shape_for(const OpShape& op, int max_tokens) {
   return g;
 }
 
+OpShape make_op_shape(int layout, int num_ranks, int num_experts, int64_t num_tokens, int64_t hidden, int num_topk,
+                      int dtype, int64_t capacity, int expert_alignment) {
+  if (layout != 0 && layout != 1) throw ArgumentError("layout=" + std::to_string(layout) + ": expected 0 or 1");
+  if (dtype < 0 || dtype > 2) throw ArgumentError("dtype code " + std::to_string(dtype) + ": expected 0, 1 or 2");
+  OpShape op;
+  op.layout = static_cast<Layout>(layout);
+  op.num_ranks = num_ranks;
+  op.num_experts = num_experts;
+  op.num_tokens = num_tokens;
+  op.hidden = hidden;
+  op.num_topk = num_topk;
+  op.dtype = static_cast<DType>(dtype);
+  op.capacity = capacity;
+  op.expert_alignment = expert_alignment;
+  return op;
+}
+
 std::string check_op(const OpShape& op, const GroupShape& group, int num_ranks) {
   std::ostringstream e;
   const bool em = op.layout == Layout::kExpertMajor;
@@ -459,6 +476,7 @@ void Handle::dispatch(const OpShape& op, const void* x, const int32_t* topk_idx,
     fn.check(fn.update_handle(static_cast<ncclEpHandle_t>(handle_), idx.get(), &info, stream), "ncclEpUpdateHandle (HT)");
   }
   num_tokens_ = op.num_tokens;
+  ++dispatches_;
   run_dispatch(op, x, topk_idx, topk_weights, /*forward=*/true, stream);
   map_order(op, stream);
   GatherArgs a = gather_args(op);

@@ -83,6 +83,10 @@ struct OpShape {
   int64_t capacity = 0;     // rows (rank-major) or slots per local expert (expert-major)
   int expert_alignment = 1;
 };
+// The op shape from the codes the bindings pass (layout 0 rank-major / 1 expert-major, DType code);
+// ArgumentError for a code out of range. Shared by the torch binding and the XLA FFI handlers.
+OpShape make_op_shape(int layout, int num_ranks, int num_experts, int64_t num_tokens, int64_t hidden, int num_topk,
+                      int dtype, int64_t capacity, int expert_alignment);
 // "" when `op` fits `group` (a group made for it, or a larger one), else what is wrong and what is
 // expected. Pure host code: the CPU tests call it.
 std::string check_op(const OpShape& op, const GroupShape& group, int num_ranks);
@@ -218,6 +222,9 @@ class Handle {
   // Slots of the last dispatch whose tag named no token of the group (synchronises `stream`): 0 unless
   // NCCL EP delivered rows the adapter did not send, which the mapping then skipped.
   int bad_tags(cudaStream_t stream) const;
+  // Dispatches (not cached ones) this handle has run: which routing it holds. The JAX side compares it
+  // with the count its dispatch saw, to find a handle re-dispatched before the ops of an earlier run.
+  int64_t dispatches() const { return dispatches_; }
 
  private:
   void release();
@@ -237,6 +244,7 @@ class Handle {
   int32_t* counters_ = nullptr; // HT: [0] recv_total_counter; LL: [L] expert_counters
   int32_t* bad_tag_ = nullptr;  // [1]: slots whose tag was out of range (0 when all were good)
   int64_t num_tokens_ = 0;      // T of the routing (UpdateHandle)
+  int64_t dispatches_ = 0;      // dispatch() calls so far
 };
 
 // Kernels (nccl_ep_lib_order.cu). Rows are bytes; `row_bytes` the stride of a tagged row.

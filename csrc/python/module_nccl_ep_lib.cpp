@@ -2,7 +2,9 @@
 // Built by a CUDA build wherever nccl_ep.h and nccl.h are found (cmake/nccl_ep_lib.cmake); it does not link
 // libnccl_ep.so or libnccl.so.2 -- Library.open(path) loads them at run time -- so it imports on any
 // machine, GPU or not, and the host-side pieces (argument checks, the order mapping, the loader's
-// verdict) run there. The ops take device addresses (ints) and a CUDA stream address.
+// verdict) run there. The ops take device addresses (ints) and a CUDA stream address. Where jax's FFI
+// headers were found (OMNIEP_WITH_JAX_FFI), also the JAX side: the XLA FFI handlers over the same
+// Handle entry points and the state they find the handles in (ffi/jax_nccl_ep_lib.h).
 #include <nccl.h>
 #include <nccl_ep.h>
 #include <pybind11/numpy.h>
@@ -15,6 +17,13 @@
 #include "backends/nccl_ep_lib.h"
 #include "backends/nccl_ep_lib_order.h"
 
+#ifdef OMNIEP_WITH_JAX_FFI
+#include <pybind11/stl.h>
+
+#include "ffi/jax_nccl_ep_lib.h"
+#include "python/jax_targets.h"
+#endif
+
 namespace py = pybind11;
 namespace lib = omniep::nccl_ep_lib;
 
@@ -26,23 +35,6 @@ T* ptr(uintptr_t address) {
 }
 
 cudaStream_t stream_of(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
-
-lib::OpShape op_shape(int layout, int num_ranks, int num_experts, int64_t num_tokens, int64_t hidden, int num_topk,
-                      int dtype, int64_t capacity, int expert_alignment) {
-  if (layout != 0 && layout != 1) throw lib::ArgumentError("layout=" + std::to_string(layout) + ": expected 0 or 1");
-  if (dtype < 0 || dtype > 2) throw lib::ArgumentError("dtype code " + std::to_string(dtype) + ": expected 0, 1 or 2");
-  lib::OpShape op;
-  op.layout = static_cast<lib::Layout>(layout);
-  op.num_ranks = num_ranks;
-  op.num_experts = num_experts;
-  op.num_tokens = num_tokens;
-  op.hidden = hidden;
-  op.num_topk = num_topk;
-  op.dtype = static_cast<lib::DType>(dtype);
-  op.capacity = capacity;
-  op.expert_alignment = expert_alignment;
-  return op;
-}
 
 // The order mapping of nccl_ep_lib_order.h on the host, for the CPU tests: `tags` [G, S, words] int32
 // as NCCL EP's slots would hold them (G groups: 1 rank-major, L expert-major), `counts` [G] filled
@@ -104,8 +96,8 @@ PYBIND11_MODULE(_native_nccl_ep_lib, m) {
       "check_op",
       [](int layout, int num_ranks, int num_experts, int64_t num_tokens, int64_t hidden, int num_topk, int dtype,
          int64_t capacity, int expert_alignment, int max_tokens, int64_t group_row_bytes, int group_num_ranks) {
-        const lib::OpShape op = op_shape(layout, num_ranks, num_experts, num_tokens, hidden, num_topk, dtype, capacity,
-                                         expert_alignment);
+        const lib::OpShape op = lib::make_op_shape(layout, num_ranks, num_experts, num_tokens, hidden, num_topk,
+                                                   dtype, capacity, expert_alignment);
         lib::GroupShape g = lib::group_shape_for(op, max_tokens);
         if (group_row_bytes > 0) g.row_bytes = group_row_bytes;
         return lib::check_op(op, g, group_num_ranks > 0 ? group_num_ranks : num_ranks);
@@ -171,7 +163,8 @@ PYBIND11_MODULE(_native_nccl_ep_lib, m) {
             out.dropped = ptr<int32_t>(dropped);
             out.num_recv_tokens_per_expert = ptr<int32_t>(per_expert);
             out.recv_counts = ptr<int32_t>(recv_counts);
-            const auto op = op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity, alignment);
+            const auto op =
+                lib::make_op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity, alignment);
             h.dispatch(op, ptr<const void>(x), ptr<const int32_t>(topk_idx), ptr<const float>(topk_weights), out,
                        stream_of(stream));
           },
@@ -180,7 +173,8 @@ PYBIND11_MODULE(_native_nccl_ep_lib, m) {
           "cached_dispatch",
           [](lib::Handle& h, int layout, int num_experts, int64_t T, int64_t H, int K, int dtype, int64_t capacity,
              uintptr_t x, uintptr_t topk_idx, uintptr_t topk_weights, uintptr_t recv_x, uintptr_t stream) {
-            const auto op = op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity, 1);
+            const auto op = lib::make_op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity,
+                                               1);
             h.cached_dispatch(op, ptr<const void>(x), ptr<const int32_t>(topk_idx), ptr<const float>(topk_weights),
                               ptr<void>(recv_x), stream_of(stream));
           },
@@ -189,7 +183,8 @@ PYBIND11_MODULE(_native_nccl_ep_lib, m) {
           "combine",
           [](lib::Handle& h, int layout, int num_experts, int64_t T, int64_t H, int K, int dtype, int64_t capacity,
              uintptr_t y, uintptr_t topk_weights, uintptr_t out, uintptr_t stream) {
-            const auto op = op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity, 1);
+            const auto op = lib::make_op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity,
+                                               1);
             h.combine(op, ptr<const void>(y), ptr<const float>(topk_weights), ptr<void>(out), stream_of(stream));
           },
           py::call_guard<py::gil_scoped_release>())
@@ -198,7 +193,8 @@ PYBIND11_MODULE(_native_nccl_ep_lib, m) {
           [](lib::Handle& h, int layout, int num_experts, int64_t T, int64_t H, int K, int dtype, int64_t capacity,
              uintptr_t g_recv_x, uintptr_t g_recv_topk_weights, uintptr_t recv_topk_idx, uintptr_t g_x,
              uintptr_t g_topk_weights, uintptr_t stream) {
-            const auto op = op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity, 1);
+            const auto op = lib::make_op_shape(layout, h.group().num_ranks(), num_experts, T, H, K, dtype, capacity,
+                                               1);
             h.dispatch_bwd(op, ptr<const void>(g_recv_x), ptr<const float>(g_recv_topk_weights),
                            ptr<const int32_t>(recv_topk_idx), ptr<void>(g_x), ptr<float>(g_topk_weights),
                            stream_of(stream));
@@ -206,4 +202,35 @@ PYBIND11_MODULE(_native_nccl_ep_lib, m) {
           py::call_guard<py::gil_scoped_release>())
       .def("bad_tags", [](const lib::Handle& h, uintptr_t stream) { return h.bad_tags(stream_of(stream)); },
            py::call_guard<py::gil_scoped_release>());
+
+#ifdef OMNIEP_WITH_JAX_FFI
+  // The JAX side (ffi/jax_nccl_ep_lib.h): the FFI handlers and the state they find the handles in.
+  m.attr("HAS_JAX_FFI") = true;
+  omniep_py::def_ffi_targets(m, OMNIEP_NCCL_EP_LIB_JAX_HANDLER_TABLE);
+  m.def(
+      "jax_op_shape",
+      [](int layout, int num_ranks, int num_experts, int64_t num_tokens, int num_topk, const std::vector<int64_t>& rows,
+         int dtype, int expert_alignment) {
+        const lib::OpShape op =
+            lib::rows_op_shape(layout, num_ranks, num_experts, num_tokens, num_topk, rows, dtype, expert_alignment);
+        return py::make_tuple(op.num_tokens, op.hidden, op.num_topk, op.capacity);
+      },
+      py::arg("layout"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_tokens"), py::arg("num_topk"),
+      py::arg("rows"), py::arg("dtype"), py::arg("expert_alignment"),
+      "(T, H, K, capacity) of an FFI call's buffers, as the handlers read them; ValueError when they fit no layout.");
+  py::class_<lib::JaxState>(m, "JaxState", "The native handles of one JAX EP group in this process, by index.")
+      .def(py::init<int>(), py::arg("device"))
+      .def_property_readonly("handle", &lib::JaxState::address, "Passed to the FFI handlers as `state`.")
+      .def_property_readonly("device", &lib::JaxState::device)
+      .def_property_readonly("alive", &lib::JaxState::alive)
+      .def_property_readonly("size", &lib::JaxState::size)
+      .def("activate", &lib::JaxState::activate, "cudaSetDevice(device): before a Communicator, Group or Handle.")
+      .def("add", &lib::JaxState::add, py::arg("handle"), "The handle's index (the handlers' `handle`).")
+      .def("check_index", [](const lib::JaxState& s, int64_t i) { (void)s.at(i); }, py::arg("index"),
+           "ValueError unless `index` names a live handle (what the handlers check first).")
+      .def("destroy", &lib::JaxState::destroy, py::call_guard<py::gil_scoped_release>(),
+           "Collective: synchronise, destroy every handle; the object stays (stale executables get an FFI error).");
+#else
+  m.attr("HAS_JAX_FFI") = false;
+#endif
 }

@@ -30,10 +30,11 @@ _REGISTRY: dict[str, dict[str, str]] = {
         "jax": "omniep.backends.rocm_rocshmem.jax_backend:RocmRocshmemJax",
         "torch": "omniep.backends.rocm_rocshmem.torch_backend:RocmRocshmemTorch",
     },
-    # NVIDIA's NCCL EP library (nccl-extensions) through omniep's adapter: torch where the library, a new
-    # enough NCCL and the adapter module are present; JAX not wired (`omniep info` says why, either way).
+    # NVIDIA's NCCL EP library (nccl-extensions) through omniep's adapter, for torch and JAX (one process
+    # per GPU), where the library, a new enough NCCL and the adapter module are present (`omniep info` says
+    # why, either way).
     "nccl_ep_lib": {
-        "jax": "omniep.backends.nccl_ep_lib:NcclEpLibJax",
+        "jax": "omniep.backends.nccl_ep_lib.jax_backend:NcclEpLibJax",
         "torch": "omniep.backends.nccl_ep_lib.torch_backend:NcclEpLibTorch",
     },
     "collective": {

@@ -6,7 +6,10 @@ Not to be confused with ``nccl_ep``, which is omniep's own kernels over the NCCL
 What it is. A C++ adapter (``csrc/backends/nccl_ep_lib.{h,cpp}``, order kernels in
 ``csrc/backends/nccl_ep_lib_order.cu``, module ``omniep._native_nccl_ep_lib``) written against
 ``nccl_ep.h``; it opens ``libnccl_ep.so`` with ``dlopen`` at run time, makes one NCCL EP group per layout
-over the torch process group's NCCL communicator (or its own), and runs every op as one native call:
+over the torch process group's NCCL communicator (or its own; JAX: its own, from a unique id exchanged
+through JAX's key-value store), and runs every op as one native call -- the same adapter entry points
+from both frameworks: the PyTorch binding (:mod:`.torch_backend`) and the XLA FFI handlers
+(``csrc/ffi/jax_nccl_ep_lib_handlers.cpp``, :mod:`.jax_backend`):
 
 * rank-major (DESIGN §2 "normal" mode) on NCCL EP's HT algorithm, ``NCCL_EP_LAYOUT_FLAT``; expert-major
   (``[L, C, H]``) on LL, ``NCCL_EP_LAYOUT_EXPERT_MAJOR``;
@@ -29,22 +32,29 @@ enforces by rejecting duplicate expert ids in a row). Rows past the capacity are
 statement is in ``csrc/backends/nccl_ep_lib_order.h``; the CPU tests run the same mapping code against
 :mod:`omniep.ep_core.reference`.
 
-What it serves (``capabilities()``): PyTorch, bfloat16 rows, both layouts, one process per GPU. Not
-served, each raising :class:`~omniep.ep_core.errors.UnsupportedError`: fp8 rows, combine ``bias`` (NCCL EP
-rounds the sum; a bias added after it would round twice), the expert-major combine's backward (the
-gradient of ``topk_weights`` needs one value per (token, k) back at the source, and NCCL EP's LL combine
-returns one weighted sum per token), the expert-major ``dispatch_bwd`` with a non-zero gradient of
-``recv_topk_weights`` (same reason), and JAX (no XLA FFI handlers for the adapter yet). Bitwise equality
-of combine with the contract (fp32 sums in ascending rank / k order, rounded once) depends on how NCCL EP
-reduces, which its header does not state: the GPU property suite checks it wherever the library loads.
+What it serves (``capabilities()``): PyTorch and JAX, bfloat16 rows, both layouts, one process per GPU
+(JAX: one process per GPU over ``jax.distributed``; not the single controller). Not served, each raising
+:class:`~omniep.ep_core.errors.UnsupportedError`: fp8 rows, combine ``bias`` (NCCL EP rounds the sum; a
+bias added after it would round twice), the expert-major combine's backward (the gradient of
+``topk_weights`` needs one value per (token, k) back at the source, and NCCL EP's LL combine returns one
+weighted sum per token), the expert-major ``dispatch_bwd`` with a non-zero gradient of
+``recv_topk_weights`` (same reason; PyTorch raises, JAX -- which cannot tell under ``jit`` -- returns NaN
+there, see :mod:`.jax_backend`). JAX-only limits (:mod:`.jax_backend`): the statuses are zeros (no op
+descriptor is exchanged), and a native handle per traced dispatch (a dispatch run again before the
+ops of its earlier run, e.g. in ``lax.scan`` under ``grad`` without remat: those ops return NaN, found
+on the device). Bitwise equality of combine with the contract (fp32 sums in ascending rank / k
+order, rounded once) depends on how NCCL EP reduces, which its header does not state: the GPU property
+suite checks it wherever the library loads.
 
 Status, plainly: NOTHING of it has run. ``libnccl_ep.so`` (nccl-extensions 0.1.0) needs NCCL >= 2.30.4;
 our GPU machines have 2.28.9, which lacks ``ncclCommQueryProperties``, ``ncclGetPeerDevicePointer`` and
 ``ncclWinGetUserPtr``. What is checked without it: a CUDA build (nvcc) compiles the adapter against
 ``nccl_ep.h`` wherever the header is found (CI takes it from the wheels, ``.ci/run``;
-``cmake/nccl_ep_lib.cmake``), together with the ABI pins (``csrc/backends/nccl_ep_lib_abi.cpp``); where it
-was built, on CPU, the module imports, its host-side argument checks and its order mapping run, and its
-loader reports why a library cannot be used. A build without nvcc has neither (``omniep info --build``).
+``cmake/nccl_ep_lib.cmake``), together with the ABI pins (``csrc/backends/nccl_ep_lib_abi.cpp``) and, where
+jax's FFI headers are found too, the JAX handlers; where it was built, on CPU, the module imports, its
+host-side argument checks and its order mapping run, its loader reports why a library cannot be used,
+and the JAX handlers are listed and register with XLA for CUDA (they cannot be called without a GPU:
+XLA refuses a CUDA stream on CPU). A build without nvcc has none of it (``omniep info --build``).
 
 Availability is checked in this order, the first failure being the reason given:
 
@@ -57,7 +67,9 @@ b. the NCCL runtime ``libnccl_ep.so`` would bind to (it has no RUNPATH: ``libncc
 c. the NCCL symbols ``libnccl_ep.so`` imports that older releases lack (looked up by name only);
 d. an NVIDIA GPU (``/proc/driver/nvidia/gpus``; no CUDA call);
 e. the adapter module ``omniep._native_nccl_ep_lib`` (built where ``nccl_ep.h`` was found at build time);
-f. per framework: PyTorch needs a CUDA build of torch with ``torch.distributed``; JAX is not wired.
+f. per framework: PyTorch needs a CUDA build of torch with ``torch.distributed``; JAX needs the module's
+   JAX handlers (built where jax was importable), a CUDA GPU for jax, and one process per GPU over
+   ``jax.distributed``.
 
 When all pass, the library is opened at the group's first op (``dlopen`` + ``dlsym``, its NCCL's version
 checked again), and a failure there is raised with the loader's words.
@@ -71,9 +83,8 @@ import importlib.util
 import os
 from typing import Optional
 
-from ...ep_core.backend import EPBackend
 from ...ep_core.errors import BackendUnavailableError
-from ...ep_core.types import Availability, Capabilities, Layout, ProcessModel
+from ...ep_core.types import Capabilities, Layout, ProcessModel
 
 NAME = "nccl_ep_lib"
 API_VERSION = 2  # NCCL_EP_API_VERSION of the header the ABI check is written against
@@ -83,15 +94,13 @@ LIB_NAME = "libnccl_ep.so"
 CUDA_FLAVOURS = ("cu13", "cu12")
 LOADER_NCCL = "libnccl.so.2"  # what libnccl_ep.so names in DT_NEEDED (it has no RUNPATH)
 MODULE = "omniep._native_nccl_ep_lib"
-JAX_NOT_WIRED = ("the JAX frontend is not wired to the adapter (no XLA FFI handlers for nccl_ep_lib yet; "
-                 "the PyTorch one is)")
 # What has not run on the hardware it is for (``omniep info`` prints it).
-NOT_RUN = ("all of it: the adapter (torch, HT rank-major and LL expert-major) is built and its host side "
-           "tested on CPU, but libnccl_ep.so has never loaded here (it needs NCCL >= 2.30.4; our GPU "
+NOT_RUN = ("all of it: the adapter (torch and JAX, HT rank-major and LL expert-major) is built and its host "
+           "side tested on CPU, but libnccl_ep.so has never loaded here (it needs NCCL >= 2.30.4; our GPU "
            "machines have 2.28.9)")
 
-# What the adapter serves (the PyTorch backend's capabilities): bf16, rank-major through NCCL EP's HT
-# algorithm and expert-major through LL, CUDA tensors, one process per GPU.
+# What the adapter serves (the PyTorch backend's capabilities; the JAX one's with frameworks=("jax",)):
+# bf16, rank-major through NCCL EP's HT algorithm and expert-major through LL, one process per GPU.
 SERVED = Capabilities(dtypes=("bfloat16",), fp8=False, layouts=(Layout.RANK_MAJOR, Layout.EXPERT_MAJOR),
                       max_ranks=None, intranode=True, internode=False,
                       process_models=(ProcessModel.ONE_PROCESS_PER_DEVICE,), frameworks=("torch",),
@@ -220,6 +229,40 @@ def native_module():
                       f"`omniep info --build` says why it was skipped): {exc}")
 
 
+def open_library(native):
+    """The adapter's ``Library`` over the ``libnccl_ep.so`` found here (both frameworks), or
+    :class:`BackendUnavailableError` with where it looked or the loader's words."""
+    path, looked = find_ep_library()
+    if path is None:
+        where = ", ".join(looked) or "no installed 'nccl' package"
+        raise BackendUnavailableError(NAME, f"libnccl_ep.so not found (looked at: {where})")
+    try:
+        return native.Library.open(path)
+    except native.LoadError as exc:
+        raise BackendUnavailableError(NAME, str(exc)) from None
+
+
+def group_for(groups: dict, native, comm, layout: int, num_experts: int, num_topk: int, hidden: int,
+              dtype_code: int, max_tokens: int, timeout_s: float):
+    """``(key, group)``: the native ``Group`` of ``groups`` that serves this shape -- one per (layout, E, K,
+    tagged row bytes) -- made (collectively: every rank in the same order) when there is none yet."""
+    row = native.row_bytes(hidden, native.dtype_bytes(dtype_code), num_topk, layout == 1)
+    key = (layout, num_experts, num_topk, row)
+    if key not in groups:
+        groups[key] = native.Group(comm, layout, num_experts, num_topk, max_tokens, row, int(timeout_s * 1e9))
+    return key, groups[key]
+
+
+def op_error(native, layout: int, num_ranks: int, num_experts: int, num_tokens: int, hidden: int, num_topk: int,
+             dtype_code: int, capacity: int, expert_alignment: int, max_tokens: int) -> str:
+    """The adapter's host-side check of an op against the group made for it (``check_op``), as the message
+    of an :class:`InputError`; ``""`` when it passes."""
+    row = native.row_bytes(hidden, native.dtype_bytes(dtype_code), num_topk, layout == 1)
+    why = native.check_op(layout, num_ranks, num_experts, num_tokens, hidden, num_topk, dtype_code, capacity,
+                          expert_alignment, max_tokens, row)
+    return f"nccl_ep_lib: {why}" if why else ""
+
+
 def availability_reason() -> str:
     """Why the adapter cannot run here, framework aside (d.-e. of the module docstring), or ``""``."""
     why = environment_reason()
@@ -227,26 +270,3 @@ def availability_reason() -> str:
         return why
     _, why = native_module()
     return why
-
-
-class NcclEpLibJax(EPBackend):
-    """The JAX side: not wired (no XLA FFI handlers for the adapter), so unavailable everywhere; every op
-    raises :class:`BackendUnavailableError` with the reason, environment first. ``capabilities()`` serves
-    nothing, so that no other backend's error names this one as serving a JAX feature."""
-
-    name = NAME
-    framework = "jax"
-
-    @classmethod
-    def availability(cls) -> Availability:
-        why = availability_reason()
-        return Availability(False, f"{why}; and {JAX_NOT_WIRED}" if why else JAX_NOT_WIRED)
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(dtypes=(), layouts=(), frameworks=(), devices=())
-
-    def _unavailable(self, *_args, **_kwargs):
-        raise BackendUnavailableError(self.name, self.availability().reason)
-
-    num_ranks = prepare = dispatch = combine = dispatch_bwd = combine_bwd = _unavailable

@@ -30,11 +30,11 @@ import weakref
 
 import torch
 
-from . import MODULE, NAME, SERVED, availability_reason, find_ep_library
+from . import MODULE, NAME, SERVED, availability_reason, find_ep_library, group_for, op_error, open_library
 from ..torch_group import PythonOps, TorchGroupBackend, destroy_contexts
 from ...ep_core import env
 from ...ep_core import validation as v
-from ...ep_core.errors import BackendUnavailableError, InputError, UnsupportedError
+from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities
 
 RANK_MAJOR, EXPERT_MAJOR = 0, 1
@@ -78,13 +78,7 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
         import importlib
 
         self.native = importlib.import_module(MODULE)
-        path, looked = find_ep_library()
-        if path is None:
-            raise BackendUnavailableError(self.name, f"libnccl_ep.so not found (looked at: {', '.join(looked)})")
-        try:
-            self.library = self.native.Library.open(path)
-        except self.native.LoadError as exc:
-            raise BackendUnavailableError(self.name, str(exc)) from None
+        self.library = open_library(self.native)
         self.device = torch.cuda.current_device()
         self.max_tokens = env.get("OMNIEP_NCCL_EP_LIB_MAX_TOKENS")
         self.comm = self._communicator()
@@ -122,14 +116,8 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
     def _handle_for(self, layout: int, num_experts: int, num_topk: int, hidden: int, dtype):
         """A native Handle of the group that serves this shape (made collectively when none is free) and
         the key tensor of the op-level handle, which returns it to the pool when it is freed."""
-        elt = self.native.dtype_bytes(DTYPE_CODES[dtype])
-        row = self.native.row_bytes(hidden, elt, num_topk, layout == EXPERT_MAJOR)
-        gkey = (layout, num_experts, num_topk, row)
-        group = self.groups.get(gkey)
-        if group is None:
-            group = self.native.Group(self.comm, layout, num_experts, num_topk, self.max_tokens, row,
-                                      int(self.timeout_s * 1e9))
-            self.groups[gkey] = group
+        gkey, group = group_for(self.groups, self.native, self.comm, layout, num_experts, num_topk, hidden,
+                                DTYPE_CODES[dtype], self.max_tokens, self.timeout_s)
         pool = self.free.setdefault(gkey, [])
         native = pool.pop() if pool else self.native.Handle(group)
         key = self._next_key
@@ -160,11 +148,10 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
         return DTYPE_CODES[t.dtype]
 
     def _check_op(self, layout, num_experts, T, H, K, code, capacity, alignment):
-        elt = self.native.dtype_bytes(code)
-        why = self.native.check_op(layout, self.world, num_experts, T, H, K, code, capacity, alignment,
-                                   self.max_tokens, self.native.row_bytes(H, elt, K, layout == EXPERT_MAJOR))
+        why = op_error(self.native, layout, self.world, num_experts, T, H, K, code, capacity, alignment,
+                       self.max_tokens)
         if why:
-            raise InputError(f"nccl_ep_lib: {why}")
+            raise InputError(why)
 
     @staticmethod
     def _no_duplicate_experts(idx32: torch.Tensor) -> None:
