@@ -61,10 +61,11 @@ def info_lines(data: dict) -> list[str]:
     for fw, desc in data["frameworks"].items():
         lines.append(f"{fw}: {desc}")
     lines.append("environment:")
+    width = max((len(var["name"]) for var in data["environment"]), default=0)
     for var in data["environment"]:
         shown = "(unset)" if var["value"] is None else repr(var["value"])
         verdict = f"INVALID: {var['error']}" if var["error"] else f"default={var['default']}; accepts {var['accepts']}"
-        lines.append(f"  {var['name']:<24} {shown:<14} {verdict}")
+        lines.append(f"  {var['name']:<{width}} {shown:<14} {verdict}")
     lines.append("backends:")
     for name, per_fw in data["backends"].items():
         for fw, avail in per_fw.items():
