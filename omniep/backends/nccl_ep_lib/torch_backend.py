@@ -153,6 +153,16 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
         if why:
             raise InputError(why)
 
+    def _back_shape(self, rows, what, handle, num_experts, layout):
+        """``(T, K, H, dtype code, capacity)`` of an op that sends ``rows`` (``[L, C, H]`` expert-major,
+        ``[N, H]`` rank-major, in a dispatch's receive layout) back to the tokens of ``handle``, checked."""
+        T, K = handle[IDX32].shape
+        H = rows.shape[-1]
+        code = self._dtype_code(rows, what)
+        cap = rows.shape[1] if layout == EXPERT_MAJOR else rows.shape[0]
+        self._check_op(layout, num_experts, T, H, K, code, cap, 1)
+        return T, K, H, code, cap
+
     @staticmethod
     def _no_duplicate_experts(idx32: torch.Tensor) -> None:
         """NCCL EP's expert-major layout has one slot per (token, local expert): a row that names an expert
@@ -244,12 +254,7 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
         v.check_combine_input(y, tuple(handle[RECV_IDX].shape[: 2 if em else 1]), layout_shape=shape)
         if em and topk_weights is None:
             raise InputError("the expert-major combine needs topk_weights [T, K]")
-        idx32 = handle[IDX32]
-        T, K = idx32.shape
-        H = y.shape[-1]
-        code = self._dtype_code(y, "y")
-        cap = y.shape[1] if em else y.shape[0]
-        self._check_op(layout, num_experts, T, H, K, code, cap, 1)
+        T, K, H, code, cap = self._back_shape(y, "y", handle, num_experts, layout)
         y = y.contiguous()
         w = topk_weights.to(torch.float32).contiguous() if em else None
         out = torch.empty((T, H), dtype=y.dtype, device=y.device)
@@ -260,12 +265,7 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
     def op_dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle, num_experts, layout, capacity, expert_alignment):
         """``omniep::dispatch_bwd``: ``(g_x [T, H], g_topk_weights [T, K] f32)``."""
         em = layout == EXPERT_MAJOR
-        idx32 = handle[IDX32]
-        T, K = idx32.shape
-        H = g_recv_x.shape[-1]
-        code = self._dtype_code(g_recv_x, "g_recv_x")
-        cap = g_recv_x.shape[1] if em else g_recv_x.shape[0]
-        self._check_op(layout, num_experts, T, H, K, code, cap, 1)
+        T, K, H, code, cap = self._back_shape(g_recv_x, "g_recv_x", handle, num_experts, layout)
         g_w_rows = g_recv_topk_weights.to(torch.float32).contiguous()
         g_x = torch.empty((T, H), dtype=g_recv_x.dtype, device=g_recv_x.device)
         g_w = torch.zeros((T, K), dtype=torch.float32, device=g_recv_x.device)
