@@ -21,6 +21,7 @@ processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from host_timing import device_us, host_times, pin_cpu, quantile, report
@@ -38,6 +39,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     from omniep import torch as ep
 
     pin_cpu(rank)
+    if args.get("rank_stdout"):  # device printf (a stamped build) of each rank into its own file, unmixed
+        fd = os.open(f"{args['rank_stdout']}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        os.dup2(fd, 1)
     torch.cuda.set_device(rank if args["per_gpu"] else 0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -122,9 +127,12 @@ def main(argv=None) -> int:
     p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
     p.add_argument("--plain", type=int, default=0, metavar="N",
                    help="run each op N times and time nothing (under ncu: scripts/profile_ll.sh)")
+    p.add_argument("--rank-stdout", default="", metavar="PREFIX",
+                   help="each rank's stdout (device printf included) into PREFIX.rank<r> (scripts/stamps_ll.sh)")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain)
+    args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain,
+                rank_stdout=a.rank_stdout)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 

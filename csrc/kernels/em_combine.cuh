@@ -27,6 +27,7 @@
 #include "kernels/em_args.h"
 #include "kernels/em_slots.cuh"
 #include "kernels/rows.cuh"
+#include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
 
 namespace omniep {
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
+  OMNIEP_STAMPS_BEGIN();
   // The caller's y into my buffer, before the barrier that tells the peers it is complete (they pull).
   // Split in two launches (a.phase), the first copies and signals, the second waits and pulls.
   const void* own_y = tr.local(a.own_y);
@@ -62,14 +64,18 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       }
     }
   }
+  OMNIEP_STAMP("y_copied");
   if (a.phase == kEMSend) {
     rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/false, NoPuts{}, &a.desc[me], kBarrierSignalOnly);
+    OMNIEP_STAMP("signalled");
+    OMNIEP_STAMPS_END("em::combine_kernel(send)", me);
     return;
   }
   if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, NoPuts{}, &a.desc[me],
                     a.phase == kEMReceive ? kBarrierWaitOnly : kBarrierFull)) {
     return;
   }
+  OMNIEP_STAMP("started");
 
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);  // null: weight 1 (dispatch_bwd)
@@ -188,7 +194,10 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       }
     }
   }
+  OMNIEP_STAMP("pulled");
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
+  OMNIEP_STAMP("end_barrier");
+  OMNIEP_STAMPS_END(a.phase == kEMReceive ? "em::combine_kernel(receive)" : "em::combine_kernel", me);
 }
 }  // namespace em
 

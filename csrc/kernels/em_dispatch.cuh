@@ -28,6 +28,7 @@
 #include "kernels/em_layout.cuh"
 #include "kernels/em_slots.cuh"
 #include "kernels/rows.cuh"
+#include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
 
 namespace omniep {
@@ -95,11 +96,13 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   }
   int32_t* copy_slot = const_cast<int32_t*>(tr.local(a.copy_slot));
   int32_t* count_out = first ? const_cast<int32_t*>(tr.local(a.recv_expert_count)) : nullptr;
+  OMNIEP_STAMP("counted");
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
     em_route_nothing(copy_slot, i0, i1, count_out, tr.local(a.route.num_recv_tokens_per_expert), L,
                      tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr);
     return false;
   }
+  OMNIEP_STAMP("exchanged");
   const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E]: every source's row
   em_first_slots(s_next, counts, s_next, me, E);
   if (first) {
@@ -153,19 +156,24 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity;
   const int64_t n = static_cast<int64_t>(T) * K;
   const int warps = gpu::warps_per_block();
+  OMNIEP_STAMPS_BEGIN();
   if (a.phase == kEMReceive) {
     // The send half stopped at the count exchange on every rank (and filled the results then): no
     // peer signals the end barrier.
     if (tr.workspace(me)->abort_seq == a.desc[me].w[kDescSeq] + 1) return;
     if (rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/true, NoPuts{}, nullptr, kBarrierWaitOnly)) {
+      OMNIEP_STAMP("end_barrier");
       em_dispatch_results(a, tr);
+      OMNIEP_STAMP("results");
     }
+    OMNIEP_STAMPS_END("em::dispatch_kernel(receive)", me);
     return;
   }
   if (const uint8_t* src = tr.local(a.cast_src)) {  // x, x2: this kernel's own staging (the barrier publishes them)
     grid_cast_fp8(reinterpret_cast<const gpu::bfloat16*>(src), const_cast<uint8_t*>(tr.local(a.x)),
                   reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))), T, static_cast<int>(a.row_bytes),
                   a.cast_round_scale != 0);
+    OMNIEP_STAMP("cast");
   }
   // The copies this block's warps push: its own share with the routing front (whose slots it ranked),
   // else all of them, grid-strided.
@@ -180,6 +188,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     first_warp = i0 + gpu::warp_id();
     all_warps = warps;
     go = em_route_front<Index>(a, tr, i0, end);
+    OMNIEP_STAMP("slots");
   } else {
     go = rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me]);
   }
@@ -236,6 +245,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     }
   }
 
+  OMNIEP_STAMP("pushed");
   // ---- results ----
   // The counted slots [0, recv_expert_count[l]) of every local expert are the result; the rest is
   // padding, which no source writes and nothing here touches unless zero_padding asks for zeros.
@@ -254,9 +264,17 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/out_x != nullptr && !send_only, NoPuts{}, nullptr,
                     send_only ? kBarrierSignalOnly : kBarrierFull) ||
       out_x == nullptr || send_only) {
+    OMNIEP_STAMP("end_barrier");
+    OMNIEP_STAMPS_END(send_only                          ? "em::dispatch_kernel(send)"
+                      : tr.local(a.cast_src) != nullptr ? "em::dispatch_kernel(fp8 cast)"
+                                                        : "em::dispatch_kernel",
+                      me);
     return;
   }
+  OMNIEP_STAMP("end_barrier");
   em_dispatch_results(a, tr);
+  OMNIEP_STAMP("results");
+  OMNIEP_STAMPS_END(tr.local(a.cast_src) != nullptr ? "em::dispatch_kernel(fp8 cast)" : "em::dispatch_kernel", me);
 }
 }  // namespace em
 

@@ -32,6 +32,7 @@
 
 #include <type_traits>
 
+#include "kernels/stamps.cuh"
 #include "omniep/gpu.h"
 #include "omniep/transport.h"
 
@@ -364,6 +365,7 @@ __device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const 
       if (t < R) signal_peer(tr, t, me);  // a release add: every block's writes (acquired above) go with it
     }
   }
+  OMNIEP_STAMP(s_last ? "arrived(last)" : "arrived");
   if (mode == kBarrierSignalOnly || (!all_wait && blockIdx.x != 0)) return true;
   if (t < R && !wait_for([&] { return signals_from(tr, ws, t); }, s_target[t], tr.timeout_ns())) {
     if (t == me) {

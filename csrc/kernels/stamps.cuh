@@ -1,0 +1,72 @@
+// Phase stamps: where a kernel's time goes when several ranks wait on each other, which a profiler's
+// kernel replay cannot show (ncu replays one rank's kernel while its peers have moved on: it deadlocks
+// or times out). Built only with OMNIEP_STAMPS=ON (a profiling build: `OMNIEP_STAMPS=ON pip install
+// -e .`); otherwise every macro below is empty and the kernels are unchanged.
+//
+// Thread 0 of the first and the last block reads the device's global timer (ns) at each mark and, at
+// the end, prints one line per mark:
+//   omniep-stamp <kernel> rank=<r> block=<b> start=<ns> <mark>=<ns since start>
+// `start` is the block's first stamp in the device's timer (comparable across the GPUs of one host only
+// as far as their timers agree). scripts/stamps_table.py turns a run's lines into a table of medians.
+// printf at the end delays the next kernel by a few µs: compare phases, not the kernel's total, with a
+// stamped build.
+#pragma once
+
+#include "omniep/gpu.h"
+
+#ifdef OMNIEP_STAMPS
+#include <cstdio>
+
+namespace omniep {
+
+inline constexpr int kMaxStamps = 12;
+
+struct PhaseStamps {
+  uint64_t t[kMaxStamps];
+  const char* name[kMaxStamps];
+  int n;
+  OMNIEP_DEVICE bool on() const {
+    return threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x);
+  }
+  OMNIEP_DEVICE void begin() {
+    n = 0;
+    if (on()) mark("start");
+  }
+  OMNIEP_DEVICE void mark(const char* what) {
+    if (on() && n < kMaxStamps) {
+      name[n] = what;
+      t[n++] = gpu::global_timer_ns();
+    }
+  }
+  OMNIEP_DEVICE void print(const char* kernel, int rank) const {
+    if (!on()) return;
+    for (int i = 1; i < n; ++i) {
+      printf("omniep-stamp %s rank=%d block=%d start=%llu %s=%llu\n", kernel, rank, static_cast<int>(blockIdx.x),
+             static_cast<unsigned long long>(t[0]), name[i], static_cast<unsigned long long>(t[i] - t[0]));
+    }
+  }
+};
+
+// The block's stamps (one per block and kernel: a __shared__ variable of a device function is static),
+// so that a mark can sit in any function the kernel calls.
+OMNIEP_DEVICE PhaseStamps& phase_stamps() {
+  __shared__ PhaseStamps s;
+  return s;
+}
+
+}  // namespace omniep
+
+#define OMNIEP_STAMPS_BEGIN() ::omniep::phase_stamps().begin()
+#define OMNIEP_STAMP(what) ::omniep::phase_stamps().mark(what)
+#define OMNIEP_STAMPS_END(kernel, rank) ::omniep::phase_stamps().print(kernel, rank)
+#else
+#define OMNIEP_STAMPS_BEGIN() \
+  do {                        \
+  } while (0)
+#define OMNIEP_STAMP(what) \
+  do {                     \
+  } while (0)
+#define OMNIEP_STAMPS_END(kernel, rank) \
+  do {                                  \
+  } while (0)
+#endif

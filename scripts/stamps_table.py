@@ -1,0 +1,78 @@
+"""Phase stamps of a profiling build (OMNIEP_STAMPS=ON, csrc/kernels/stamps.cuh) as a table of medians.
+
+Reads the ``omniep-stamp`` lines of one or more logs (every rank's stdout), skips each (kernel, rank,
+block)'s first ``--skip`` calls (warm-up), and prints, per kernel, the median µs since the kernel's start
+of every mark, one column per (rank, block). With two ranks it also prints the median launch skew: the
+difference of the two ranks' start stamps, call by call (meaningful only as far as the GPUs' timers
+agree — compare it with the barrier waits it should explain).
+
+    python scripts/stamps_table.py LOG... [--skip 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from collections import defaultdict
+
+LINE = re.compile(r"omniep-stamp (\S+) rank=(\d+) block=(\d+) start=(\d+) (\S+)=(\d+)")
+
+
+def parse(paths: list[str]) -> dict:
+    """{kernel: {(rank, block): [(start_ns, [(mark, ns), ...]) per call, in order]}}."""
+    calls: dict = defaultdict(lambda: defaultdict(list))
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = LINE.search(line)
+                if not m:
+                    continue
+                kernel, rank, block, start, mark, ns = m.groups()
+                per = calls[kernel][(int(rank), int(block))]
+                if not per or per[-1][0] != int(start):
+                    per.append((int(start), []))
+                seen = sum(1 for m, _ in per[-1][1] if m.split("#")[0] == mark)
+                per[-1][1].append((f"{mark}#{seen + 1}" if seen else mark, int(ns)))  # a mark met twice
+    return calls
+
+
+def table(calls: dict, skip: int) -> str:
+    out = []
+    for kernel, by_col in sorted(calls.items()):
+        cols = sorted(by_col)
+        marks: list[str] = []
+        values: dict = defaultdict(list)
+        for col in cols:
+            for _, ms in by_col[col][skip:]:
+                for mark, ns in ms:
+                    if mark not in marks:
+                        marks.append(mark)
+                    values[(mark, col)].append(ns / 1e3)
+        n = min(len(by_col[c][skip:]) for c in cols)
+        out.append(f"\n{kernel} ({n} calls after {skip} skipped; µs since the block's start, median)")
+        out.append("| mark | " + " | ".join(f"rank {r} block {b}" for r, b in cols) + " |")
+        out.append("|---" * (len(cols) + 1) + "|")
+        for mark in marks:
+            cells = [f"{statistics.median(values[(mark, c)]):.1f}" if values[(mark, c)] else "" for c in cols]
+            out.append(f"| {mark} | " + " | ".join(cells) + " |")
+        ranks = sorted({r for r, _ in cols})
+        if len(ranks) == 2 and (ranks[0], 0) in by_col and (ranks[1], 0) in by_col:
+            a, b = by_col[(ranks[0], 0)][skip:], by_col[(ranks[1], 0)][skip:]
+            skew = [(sb - sa) / 1e3 for (sa, _), (sb, _) in zip(a, b)]
+            if skew:
+                out.append(f"start of rank {ranks[1]} minus rank {ranks[0]} (block 0): median {statistics.median(skew):.1f} µs, "
+                           f"min {min(skew):.1f}, max {max(skew):.1f}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("logs", nargs="+")
+    p.add_argument("--skip", type=int, default=5, help="warm-up calls to leave out per (kernel, rank, block)")
+    args = p.parse_args()
+    print(table(parse(args.logs), args.skip))
+
+
+if __name__ == "__main__":
+    main()
