@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
     if (const float* g_in = tr.local(a.own_g_recv_topk_weights)) {  // one warp per expert, lanes over slots
       float* g = const_cast<float*>(tr.local(a.g_recv_topk_weights));
       const int warps = gridDim.x * gpu::warps_per_block();
-      for (int l = blockIdx.x * gpu::warps_per_block() + gpu::warp_id(); l < L; l += warps) {
+      for (int l = static_cast<int>(gpu::grid_warp_spread()); l < L; l += warps) {
         const int n = count == nullptr ? C : count[l];
         for (int c = gpu::lane_id(); c < n; c += gpu::kWarpSize) g[static_cast<int64_t>(l) * C + c] = g_in[static_cast<int64_t>(l) * C + c];
       }
@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   const int32_t* copy_slot = tr.local(a.copy_slot);
   Scalar* out = static_cast<Scalar*>(tr.local(a.out));
   const int lane = gpu::lane_id(), warps = gpu::warps_per_block();
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id();
+  // Blocks fastest: a batch's (token, chunk) items spread over every SM (the index also picks the
+  // warp's stage on the remote path: any one-to-one warp index does).
+  const int64_t first_warp = gpu::grid_warp_spread();
   const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
   const int num_packs = H / Vec;
   constexpr int kChunk = gpu::kWarpSize * kEMPacks;  // packs per work item

@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
   const int32_t* copy_slot = tr.local(a.copy_slot);
   const bool grad_w = a.with_topk_grad != 0;
   const int lane = gpu::lane_id(), warps = gpu::warps_per_block();
-  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id();
+  const int64_t first_warp = gpu::grid_warp_spread();  // (also picks the warp's stage: one-to-one)
   const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
   const int num_packs = H / Vec;
   Pack* stage = nullptr;  // remote path: this warp's area of the transport's scratch

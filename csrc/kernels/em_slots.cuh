@@ -42,8 +42,9 @@ OMNIEP_DEVICE int block_rows_prefix(int* s_upto, int L, RowsOf rows_of) {
 }
 
 // fn(j) for every row j = l * C + c of one pass — pass 0: the counted rows (c < count[l]), pass 1: the
-// padding rows — dealt round-robin over every warp of the rank in (l, c) order, so the cost follows
-// the rows moved, balanced however skewed the experts. fn is called by the whole warp (warp-uniform).
+// padding rows — dealt round-robin over every warp of the rank in (l, c) order, blocks fastest
+// (gpu::grid_warp_spread: a low-latency batch has fewer rows than warps, and every SM's share of the
+// bandwidth is wanted), so the cost follows the rows moved, balanced however skewed the experts. fn is called by the whole warp (warp-uniform).
 // Every thread of every block must call it (a block-wide scan of the counts, block_rows_prefix).
 template <typename Fn>
 OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass, Fn fn) {
@@ -53,8 +54,7 @@ OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass,
     return pass == 0 ? n : C - n;
   });
   const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
-  for (int64_t next = static_cast<int64_t>(blockIdx.x) * gpu::warps_per_block() + gpu::warp_id(); next < total;
-       next += warps) {
+  for (int64_t next = gpu::grid_warp_spread(); next < total; next += warps) {
     const int off = static_cast<int>(next);
     int lo = 0, hi = L - 1;  // the first expert whose inclusive prefix passes `off`
     while (lo < hi) {
@@ -83,8 +83,7 @@ OMNIEP_DEVICE void em_copy_slots(uint8_t* dst, const uint8_t* src, const int32_t
 // Zero rows [0, rows) of dst. One warp per row.
 OMNIEP_DEVICE void em_zero_rows(uint8_t* dst, int64_t rows, int64_t row_bytes, int unit) {
   const int warps = gpu::warps_per_block();
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * warps + gpu::warp_id(); j < rows;
-       j += static_cast<int64_t>(gridDim.x) * warps) {
+  for (int64_t j = gpu::grid_warp_spread(); j < rows; j += static_cast<int64_t>(gridDim.x) * warps) {
     warp_zero_row(dst + j * row_bytes, row_bytes, unit);
   }
 }
@@ -95,7 +94,7 @@ OMNIEP_DEVICE void em_zero_rows(uint8_t* dst, int64_t rows, int64_t row_bytes, i
 OMNIEP_DEVICE void em_routing_padding(int32_t* idx, float* w, const int32_t* idx_in, const float* w_in,
                                       const int32_t* count, int L, int C) {
   const int warps = gridDim.x * gpu::warps_per_block();
-  for (int l = blockIdx.x * gpu::warps_per_block() + gpu::warp_id(); l < L; l += warps) {
+  for (int l = static_cast<int>(gpu::grid_warp_spread()); l < L; l += warps) {
     const int n = count == nullptr ? 0 : count[l];
     for (int c = gpu::lane_id(); c < C; c += gpu::kWarpSize) {
       const int64_t j = static_cast<int64_t>(l) * C + c;

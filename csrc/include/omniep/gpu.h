@@ -68,6 +68,12 @@ static_assert(sizeof(lane_mask_t) * 8 == kWarpSize, "one ballot bit per lane");
 OMNIEP_DEVICE int lane_id() { return static_cast<int>(threadIdx.x) % kWarpSize; }
 OMNIEP_DEVICE int warp_id() { return static_cast<int>(threadIdx.x) / kWarpSize; }
 OMNIEP_DEVICE int warps_per_block() { return static_cast<int>(blockDim.x) / kWarpSize; }
+// This warp's index over the grid with the BLOCK varying fastest (warp 0 of every block, then warp 1,
+// ...): a pass with fewer items than warps spreads them over every SM, where the block-major index
+// (block * warps + warp) gave them all to the first blocks' SMs and left the rest idle.
+OMNIEP_DEVICE int64_t grid_warp_spread() {
+  return static_cast<int64_t>(warp_id()) * gridDim.x + blockIdx.x;
+}
 
 // ---- warp collectives (all lanes of the warp must call them) ----
 #if defined(OMNIEP_CUDA)
