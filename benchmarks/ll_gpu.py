@@ -96,6 +96,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             rows.append(dict(rank=rank, world=world, variant=name, op=op, host_us=quantile(host, 0.5)))
         # Each profiled op starts right after a device barrier over the group, so that with several ranks
         # its kernel does not also time the wait for a peer that launched later (the barrier is left out).
+        # A spin queued before the barrier keeps the GPU busy while the host issues the barrier AND the
+        # op: otherwise the barrier ends before a slow host has issued the op, and the peer's kernel
+        # times that host's issue time (at world 2 the device columns followed the host's: RESULTS
+        # 2026-11-26, eleventh session).
         ctx = ep.context(None, None, "cuda")
         if steps:  # CUPTI's first session delays a rank's launches: the first op profiled read 3x high at
             # world 2 (RESULTS 2026-11-26 11:02 and 11:22); a throwaway round keeps that out of its figure
@@ -103,11 +107,12 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             dist.barrier()
         for row, (name, op, step) in zip(rows, steps):
             def aligned(step=step):
+                torch.cuda._sleep(int(2e5))
                 ctx.barrier()
                 return step()
 
             row["device_us"], row["launches"] = device_us(torch, aligned, min(args["iters"], 20),
-                                                          skip=("barrier_kernel",))
+                                                          skip=("barrier_kernel", "spin_kernel"))
             dist.barrier()
             print(f"rank {rank} {name} {op}: host {row['host_us']:.1f} device {row['device_us']:.1f} "
                   f"launches {row['launches']:.1f}", flush=True)
