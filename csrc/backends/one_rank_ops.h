@@ -122,6 +122,13 @@ class OneRankOps : public EpRank {
   HostMailbox* mailbox();               // pinned, host-mapped (allocated at the first exact dispatch)
   HostMailbox* mailbox_ = nullptr;
   int32_t ticket_ = 0;
+  // The last kernel this rank launched was an expert-major combine whose end only signalled
+  // (kernels/em_combine.cuh: defer_end): until a kernel waits for the peers, my data buffer may still be
+  // read by them, and a write into it ahead of a barrier must wait first (owes_wait / settle).
+  bool owed_ = false;
+  bool owes_wait(cudaStream_t s) const;  // owed_, or a CUDA graph being captured (replays: unknown order)
+  void settle(cudaStream_t s);           // a wait-only barrier kernel if owes_wait(s); then nothing is owed
+  void waited() { owed_ = false; }       // after launching a kernel whose first barrier waits for every peer
   bool grow_in_ops_ = true;
   // The second half of a send_only op (EpRank::receive): its arguments, phase kEMReceive.
   std::variant<std::monostate, EMDispatchArgs, EMCombineArgs> pending_;

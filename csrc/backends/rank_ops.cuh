@@ -10,8 +10,11 @@
 //     rows from it, I read mine from y (kernels/copy_rows.cuh: copy_rows_except).
 //   Up to fused_copy_bytes the dispatch / combine kernel does that copy itself (one launch per op).
 //   * expert-major: the [L, C] slots move as one block each way (C is static).
-// Every kernel starts and ends with a barrier over all ranks, so these copies on my stream never race
-// a peer's access to my buffer (kernels/sync.cuh). Buffers are regions of [capacity, row bytes] packed
+// Every kernel starts with a barrier over all ranks and ends with one, so these copies on my stream never
+// race a peer's access to my buffer (kernels/sync.cuh) — except the expert-major combine's end, which
+// only signals (kernels/em_combine.cuh: defer_end): after it, `owed_` makes the next copy into my buffer
+// ahead of a barrier wait for the peers first (the combine's own y copy in-kernel, the others with a
+// wait-only barrier kernel); every other kernel's first barrier waits for every peer anyway. Buffers are regions of [capacity, row bytes] packed
 // at 256-byte offsets (`pack_regions`, the rule the JAX backends size their buffers by:
 // omniep/native/ipc_rank.py `regions`).
 //
@@ -149,11 +152,30 @@ bool OneRankOps<Rank>::ensure_data(size_t bytes, OpDesc& d, cudaStream_t s) {
   a.exchange = 1;
   a.desc[self().rank()] = d;
   launch_barrier(a, s);
+  waited();
   next_part(d);
   self().on_device([&] { check_cuda(cudaStreamSynchronize(s), "synchronising before growing the data buffer"); });
   if (stopped(d)) return false;
   self().grow_data(grown_size(bytes, self().data_bytes()), s);
   return true;
+}
+
+template <typename Rank>
+bool OneRankOps<Rank>::owes_wait(cudaStream_t s) const {
+  if (owed_) return true;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(s, &capture), "cudaStreamIsCapturing");
+  return capture != cudaStreamCaptureStatusNone;  // a graph replays after whatever ran before it
+}
+
+template <typename Rank>
+void OneRankOps<Rank>::settle(cudaStream_t s) {
+  if (owes_wait(s)) {
+    BarrierArgs a = {};
+    a.wait_only = 1;
+    launch_barrier(a, s);
+  }
+  owed_ = false;
 }
 
 // ---- ops ----
@@ -195,6 +217,7 @@ PrepareResult OneRankOps<Rank>::prepare(const PrepareCall& c, OpDesc& d, cudaStr
     a.ticket = ++ticket_;
   }
   launch_layout(a, s);
+  waited();
   next_part(d);
   if (c.expert_major) {
     EMLayoutArgs e = {};
@@ -288,6 +311,7 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   a.copy_rows = fused ? c.rows : 0;
   a.desc[g.rank()] = d;
   launch_dispatch(a, s);
+  waited();
   next_part(d);
   if (fused) return;
 
@@ -308,6 +332,7 @@ void OneRankOps<Rank>::combine(const CombineCall& c, OpDesc& d, cudaStream_t s) 
   const bool grad = c.with_topk_grad;
   int64_t sizes[2] = {y_row, K * 4}, offsets[2] = {};
   if (!ensure_data(static_cast<size_t>(pack_regions(C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
+  settle(s);  // y's rows go into my buffer before the kernel's first barrier
 
   CombineArgs a = {};
   set_combine_args(a, c, g, d);
@@ -386,6 +411,7 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   a.desc[g.rank()] = d;
   a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_dispatch(a, s);
+  waited();
   if (c.send_only) keep_receive(a, d);
   next_part(d);
 }
@@ -403,7 +429,10 @@ void OneRankOps<Rank>::receive(cudaStream_t s) {
   if (pending_receive_ == 0) return;
   pending_receive_ = 0;
   if (const auto* a = std::get_if<EMDispatchArgs>(&pending_)) launch_em_dispatch(*a, s);
-  if (const auto* a = std::get_if<EMCombineArgs>(&pending_)) launch_em_combine(*a, s);
+  if (const auto* a = std::get_if<EMCombineArgs>(&pending_)) {
+    launch_em_combine(*a, s);
+    owed_ = a->defer_end != 0;
+  }
   pending_ = std::monostate{};
 }
 
@@ -430,7 +459,10 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
   }
   a.phase = c.send_only ? kEMSend : kEMWhole;
+  a.defer_end = 1;
+  a.wait_owed = owes_wait(s) ? 1 : 0;  // (its y copy comes before its first barrier)
   launch_em_combine(a, s);
+  owed_ = !c.send_only;  // the send half waited (if owed) and signalled; its receive half defers (receive())
   if (c.send_only) keep_receive(a, d);
   next_part(d);
 }
@@ -460,12 +492,14 @@ void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cuda
   const uintptr_t base = g.data_ptr();
   const size_t slots = static_cast<size_t>(L * C);
   if (grad) {
+    settle(s);  // y goes into my buffer before the kernel's first barrier
     if (slots > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.y), slots * static_cast<size_t>(row), s);
     a.y = g.template sym<const void>(offsets[1]);
     a.g_topk_weights = mine<float>(g, c.g_topk_weights);
     a.with_topk_grad = 1;
   }
   launch_em_combine_bwd(a, s);
+  waited();
   next_part(d);
   if (slots > 0) memcpy(reinterpret_cast<uintptr_t>(c.g_y), base + offsets[0], slots * static_cast<size_t>(row), s);
 }
@@ -477,6 +511,7 @@ void OneRankOps<Rank>::reject(OpDesc& d, cudaStream_t s) {
   d.w[kDescInputStatus] = kInputRejected;
   a.desc[self().rank()] = d;
   launch_barrier(a, s);
+  waited();
   next_part(d);
 }
 
@@ -484,6 +519,7 @@ template <typename Rank>
 void OneRankOps<Rank>::barrier(cudaStream_t s) {
   BarrierArgs a = {};
   launch_barrier(a, s);
+  waited();
 }
 
 template <typename Rank>

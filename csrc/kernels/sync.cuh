@@ -432,14 +432,18 @@ __global__ void take_status_kernel(RankWorkspace* ws, Status* out) {
 // the ranks' streams start that region together (launch skew is not counted in the region). With
 // `exchange`, it carries the descriptor: a rank whose host refused an op's arguments runs it in the
 // op's place (descriptor input status kInputRejected), so the peers stop that op promptly.
+// `wait_only`: no signal, only the wait for what the peers owe (a combine's deferred end:
+// em_combine.cuh), with no descriptor.
 struct BarrierArgs {
   OpDesc desc[kMaxRanks];
   int exchange;
+  int wait_only;
 };
 
 template <typename Tr>
 __global__ void barrier_kernel(BarrierArgs a, Tr tr) {
-  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false, NoPuts{}, a.exchange ? &a.desc[tr.rank()] : nullptr);
+  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false, NoPuts{}, a.exchange ? &a.desc[tr.rank()] : nullptr,
+               a.wait_only ? kBarrierWaitOnly : kBarrierFull);
 }
 
 }  // namespace omniep

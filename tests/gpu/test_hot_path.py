@@ -56,6 +56,11 @@ def test_cuda_graphs_replay_bitwise(two_ranks):
         assert res["rank_major"] and res["expert_major"] and res["cached"], (r, res)
 
 
+def test_expert_major_combines_back_to_back(two_ranks):
+    for r, res in enumerate(_ok(two_ranks, "back_to_back")):
+        assert all(res["eager"]) and all(res["graph"]) and len(res["eager"]) == 4, (r, res)
+
+
 def test_compile_fullgraph_matches_eager(two_ranks):
     for r, res in enumerate(_ok(two_ranks, "compile")):
         assert res["exact"] and res["static"] and res["expert_major"], (r, res)

@@ -131,6 +131,48 @@ def check_cuda_graphs(rank: int, world: int) -> dict:
     return results
 
 
+# ---- expert-major combines back to back (the deferred end: kernels/em_combine.cuh) ---------------
+
+def check_back_to_back(rank: int, world: int) -> dict:
+    """Expert-major combines of one handle with nothing between them, eagerly and replayed from a CUDA
+    graph, against the same combines each run alone (a synchronize and a group barrier between): a combine
+    whose y copy did not wait for the peers' pulls of the previous one would hand them the next one's
+    rows. Rows of H = 7168 bf16 so that the pulls take a while."""
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+
+    hidden, tokens, n = 7168, 32, 4
+    case = routing(world, seed=3, tokens=tokens, hidden=hidden)
+    x, idx, w = _mine(case, rank)
+    d = ep.dispatch(x, idx, w, num_experts=E, capacity=world * tokens, layout="expert_major")
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    ys = [torch.randn(d.recv_x.shape, device="cuda", generator=gen).to(d.recv_x.dtype) for _ in range(n)]
+    alone = []
+    for y in ys:
+        alone.append(ep.combine(y, d.handle))
+        torch.cuda.synchronize()
+        dist.barrier()
+    eager = [ep.combine(y, d.handle) for y in ys]  # back to back
+    torch.cuda.synchronize()
+    static_y = ys[0].clone()
+    ep.combine(static_y, d.handle)  # warm-up before capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ep.combine(static_y, d.handle)
+    replayed = []
+    for y in ys:  # replays back to back, the next y copied in on the stream between them
+        static_y.copy_(y)
+        graph.replay()
+        replayed.append(captured.clone())
+    torch.cuda.synchronize()
+    return {"eager": [bool(torch.equal(a, b)) for a, b in zip(eager, alone)],
+            "graph": [bool(torch.equal(a, b)) for a, b in zip(replayed, alone)]}
+
+
 # ---- torch.compile(fullgraph=True) ---------------------------------------------------------------
 
 def check_compile(rank: int, world: int) -> dict:
@@ -266,8 +308,8 @@ def check_divergence(rank: int, world: int) -> dict:
 
 # ---- the session ---------------------------------------------------------------------------------
 
-CHECKS = dict(bitwise=check_bitwise, cuda_graphs=check_cuda_graphs, compile=check_compile, host_waits=check_host_waits,
-              divergence=check_divergence)
+CHECKS = dict(bitwise=check_bitwise, cuda_graphs=check_cuda_graphs, back_to_back=check_back_to_back,
+              compile=check_compile, host_waits=check_host_waits, divergence=check_divergence)
 
 
 def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> dict:
