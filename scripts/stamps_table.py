@@ -2,9 +2,8 @@
 
 Reads the ``omniep-stamp`` lines of one or more logs (every rank's stdout), skips each (kernel, rank,
 block)'s first ``--skip`` calls (warm-up), and prints, per kernel, the median µs since the kernel's start
-of every mark, one column per (rank, block). With two ranks it also prints the median launch skew: the
-difference of the two ranks' start stamps, call by call (meaningful only as far as the GPUs' timers
-agree — compare it with the barrier waits it should explain).
+of every mark, one column per (rank, block). (No cross-rank skew: two GPUs' timers were ~700 µs apart on
+the lent machines, RESULTS 2026-11-26.)
 
     python scripts/stamps_table.py LOG... [--skip 5]
 """
@@ -56,13 +55,6 @@ def table(calls: dict, skip: int) -> str:
         for mark in marks:
             cells = [f"{statistics.median(values[(mark, c)]):.1f}" if values[(mark, c)] else "" for c in cols]
             out.append(f"| {mark} | " + " | ".join(cells) + " |")
-        ranks = sorted({r for r, _ in cols})
-        if len(ranks) == 2 and (ranks[0], 0) in by_col and (ranks[1], 0) in by_col:
-            a, b = by_col[(ranks[0], 0)][skip:], by_col[(ranks[1], 0)][skip:]
-            skew = [(sb - sa) / 1e3 for (sa, _), (sb, _) in zip(a, b)]
-            if skew:
-                out.append(f"start of rank {ranks[1]} minus rank {ranks[0]} (block 0): median {statistics.median(skew):.1f} µs, "
-                           f"min {min(skew):.1f}, max {max(skew):.1f}")
     return "\n".join(out)
 
 

@@ -6,8 +6,8 @@
 // Thread 0 of the first and the last block reads the device's global timer (ns) at each mark and, at
 // the end, prints one line per mark:
 //   omniep-stamp <kernel> rank=<r> block=<b> start=<ns> <mark>=<ns since start>
-// `start` is the block's first stamp in the device's timer (comparable across the GPUs of one host only
-// as far as their timers agree). scripts/stamps_table.py turns a run's lines into a table of medians.
+// `start` is the block's first stamp in the device's timer (it tells calls apart; two GPUs' timers are
+// not aligned). scripts/stamps_table.py turns a run's lines into a table of medians.
 // printf at the end delays the next kernel by a few µs: compare phases, not the kernel's total, with a
 // stamped build.
 #pragma once
