@@ -14,8 +14,8 @@
 // race a peer's access to my buffer (kernels/sync.cuh) — except the expert-major combine's end, which
 // only signals (kernels/em_combine.cuh: defer_end): after it, `owed_` makes the next copy into my buffer
 // ahead of a barrier wait for the peers first (the combine's own y copy in-kernel, the others with a
-// wait-only barrier kernel); every other kernel's first barrier waits for every peer anyway. Buffers are regions of [capacity, row bytes] packed
-// at 256-byte offsets (`pack_regions`, the rule the JAX backends size their buffers by:
+// wait-only barrier kernel); every other kernel's first barrier waits for every peer anyway.
+// Buffers are regions of [capacity, row bytes] packed at 256-byte offsets (`pack_regions`, the rule the JAX backends size their buffers by:
 // omniep/native/ipc_rank.py `regions`).
 //
 // Descriptors: every kernel of an op carries the op's descriptor; `part` counts the op's kernels
@@ -152,7 +152,6 @@ bool OneRankOps<Rank>::ensure_data(size_t bytes, OpDesc& d, cudaStream_t s) {
   a.exchange = 1;
   a.desc[self().rank()] = d;
   launch_barrier(a, s);
-  waited();
   next_part(d);
   self().on_device([&] { check_cuda(cudaStreamSynchronize(s), "synchronising before growing the data buffer"); });
   if (stopped(d)) return false;
@@ -175,7 +174,6 @@ void OneRankOps<Rank>::settle(cudaStream_t s) {
     a.wait_only = 1;
     launch_barrier(a, s);
   }
-  owed_ = false;
 }
 
 // ---- ops ----
@@ -217,7 +215,6 @@ PrepareResult OneRankOps<Rank>::prepare(const PrepareCall& c, OpDesc& d, cudaStr
     a.ticket = ++ticket_;
   }
   launch_layout(a, s);
-  waited();
   next_part(d);
   if (c.expert_major) {
     EMLayoutArgs e = {};
@@ -311,7 +308,6 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   a.copy_rows = fused ? c.rows : 0;
   a.desc[g.rank()] = d;
   launch_dispatch(a, s);
-  waited();
   next_part(d);
   if (fused) return;
 
@@ -411,7 +407,6 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   a.desc[g.rank()] = d;
   a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_dispatch(a, s);
-  waited();
   if (c.send_only) keep_receive(a, d);
   next_part(d);
 }
@@ -429,10 +424,7 @@ void OneRankOps<Rank>::receive(cudaStream_t s) {
   if (pending_receive_ == 0) return;
   pending_receive_ = 0;
   if (const auto* a = std::get_if<EMDispatchArgs>(&pending_)) launch_em_dispatch(*a, s);
-  if (const auto* a = std::get_if<EMCombineArgs>(&pending_)) {
-    launch_em_combine(*a, s);
-    owed_ = a->defer_end != 0;
-  }
+  if (const auto* a = std::get_if<EMCombineArgs>(&pending_)) launch_em_combine(*a, s);
   pending_ = std::monostate{};
 }
 
@@ -462,7 +454,6 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   a.defer_end = 1;
   a.wait_owed = owes_wait(s) ? 1 : 0;  // (its y copy comes before its first barrier)
   launch_em_combine(a, s);
-  owed_ = !c.send_only;  // the send half waited (if owed) and signalled; its receive half defers (receive())
   if (c.send_only) keep_receive(a, d);
   next_part(d);
 }
@@ -499,7 +490,6 @@ void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cuda
     a.with_topk_grad = 1;
   }
   launch_em_combine_bwd(a, s);
-  waited();
   next_part(d);
   if (slots > 0) memcpy(reinterpret_cast<uintptr_t>(c.g_y), base + offsets[0], slots * static_cast<size_t>(row), s);
 }
@@ -511,7 +501,6 @@ void OneRankOps<Rank>::reject(OpDesc& d, cudaStream_t s) {
   d.w[kDescInputStatus] = kInputRejected;
   a.desc[self().rank()] = d;
   launch_barrier(a, s);
-  waited();
   next_part(d);
 }
 
@@ -519,7 +508,6 @@ template <typename Rank>
 void OneRankOps<Rank>::barrier(cudaStream_t s) {
   BarrierArgs a = {};
   launch_barrier(a, s);
-  waited();
 }
 
 template <typename Rank>
