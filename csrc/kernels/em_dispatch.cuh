@@ -261,20 +261,17 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   // With results to fill, every block waits for the peers (their copies have arrived) — or, sending
   // only, signals them and leaves the wait and the results to the receive half.
   const bool send_only = a.phase == kEMSend;
-  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/out_x != nullptr && !send_only, NoPuts{}, nullptr,
-                    send_only ? kBarrierSignalOnly : kBarrierFull) ||
-      out_x == nullptr || send_only) {
-    OMNIEP_STAMP("end_barrier");
-    OMNIEP_STAMPS_END(send_only                          ? "em::dispatch_kernel(send)"
-                      : tr.local(a.cast_src) != nullptr ? "em::dispatch_kernel(fp8 cast)"
-                                                        : "em::dispatch_kernel",
-                      me);
-    return;
-  }
+  const bool arrived = rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/out_x != nullptr && !send_only, NoPuts{},
+                                    nullptr, send_only ? kBarrierSignalOnly : kBarrierFull);
   OMNIEP_STAMP("end_barrier");
-  em_dispatch_results(a, tr);
-  OMNIEP_STAMP("results");
-  OMNIEP_STAMPS_END(tr.local(a.cast_src) != nullptr ? "em::dispatch_kernel(fp8 cast)" : "em::dispatch_kernel", me);
+  if (arrived && out_x != nullptr && !send_only) {
+    em_dispatch_results(a, tr);
+    OMNIEP_STAMP("results");
+  }
+  OMNIEP_STAMPS_END(send_only                          ? "em::dispatch_kernel(send)"
+                    : tr.local(a.cast_src) != nullptr ? "em::dispatch_kernel(fp8 cast)"
+                                                      : "em::dispatch_kernel",
+                    me);
 }
 }  // namespace em
 

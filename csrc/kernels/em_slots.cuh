@@ -44,7 +44,8 @@ OMNIEP_DEVICE int block_rows_prefix(int* s_upto, int L, RowsOf rows_of) {
 // fn(j) for every row j = l * C + c of one pass — pass 0: the counted rows (c < count[l]), pass 1: the
 // padding rows — dealt round-robin over every warp of the rank in (l, c) order, blocks fastest
 // (gpu::grid_warp_spread: a low-latency batch has fewer rows than warps, and every SM's share of the
-// bandwidth is wanted), so the cost follows the rows moved, balanced however skewed the experts. fn is called by the whole warp (warp-uniform).
+// bandwidth is wanted), so the cost follows the rows moved, balanced however skewed the experts. fn is
+// called by the whole warp (warp-uniform).
 // Every thread of every block must call it (a block-wide scan of the counts, block_rows_prefix).
 template <typename Fn>
 OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass, Fn fn) {
