@@ -21,8 +21,10 @@ F=2048, softmax routing, capacity factor 1.25, bf16 parameters and activations. 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
+import tempfile
 
 from host_timing import pin_cpu, report
 
@@ -49,6 +51,7 @@ def layer_config(shape: dict):
                      grouped_gemm=shape["grouped_gemm"])
 
 
+STEP = "step"  # the record_function name of each profiled step (trace_gaps.py finds steps by it)
 GEMMS = ("aten::bmm", "aten::mm", "aten::addmm", "aten::matmul", "aten::_grouped_mm")
 # GEMM kernels by name (cuBLAS's nvjet / xmma, CUTLASS): those launched outside an op of GEMMS (seen: a
 # batched nvjet GEMM of the backward, 5 ms per step) are moved from "other" to "gemm".
@@ -87,8 +90,10 @@ def _split(prof) -> dict:
             totals[kind] += ev.device_time_total
             totals["ep_ops"] += kind == "ep"
             inside.update(_kernel_names(ev))
+    # (the step annotation of _profiled also shows as a device range spanning the step: not an activity)
     everything = sum(e.device_time_total for e in prof.events()
-                     if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None)
+                     if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None
+                     and e.name != STEP)
     if everything == 0.0:
         everything = sum(e.self_device_time_total for e in prof.events() if e.device_type.name == "CPU")
     totals["other"] = max(0.0, everything - totals["ep"] - totals["gemm"])
@@ -96,7 +101,7 @@ def _split(prof) -> dict:
     # The kernels of "other" that cost most (names of kernels never launched inside an ep / GEMM op).
     others: dict = {}
     for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key not in inside:
+        if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key not in inside and e.key != STEP:
             others[e.key] = others.get(e.key, 0.0) + e.device_time_total
     stray = {name for name in others if GEMM_KERNELS.search(name)}
     stray_gemms = sum(others[name] for name in stray)
@@ -177,8 +182,9 @@ def _median_step_us(step, iters: int) -> float:
     return times[len(times) // 2]
 
 
-def _stand_in_wall(layer_module, real_ep, step, iters: int) -> float:
-    """Median wall µs of ``step`` with the layer's EP ops replaced by :class:`_StandIns`."""
+@contextlib.contextmanager
+def _stand_ins(layer_module, real_ep, step):
+    """The layer's EP ops replaced by :class:`_StandIns` (recorded from one real step) while inside."""
     shim = _StandIns(real_ep)
     layer_module.ep = shim
     try:
@@ -186,9 +192,34 @@ def _stand_in_wall(layer_module, real_ep, step, iters: int) -> float:
         shim.recording = False
         for _ in range(2):
             step()
-        return _median_step_us(step, iters)
+        yield
     finally:
         layer_module.ep = real_ep
+
+
+def _profiled(step, n: int, cpu_group, trace_path: str):
+    """``n`` steps under the CUDA profiler, each started with the ranks together (a kernel should not also
+    time the wait for a peer that launched later) and annotated ``step``; returns the profile and
+    :func:`trace_gaps.gaps` of its trace (EP = omniep's ops)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from trace_gaps import gaps
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            torch.cuda.synchronize()
+            dist.barrier(group=cpu_group)
+            with record_function(STEP):
+                step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        return prof, gaps(json.load(f), lambda name: name.startswith("omniep"), STEP)
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> list:
@@ -234,20 +265,14 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             dist.barrier()
             import omniep.layers.torch as layer_module
 
-            stand_in = _stand_in_wall(layer_module, ep, step, args["iters"])
-            dist.barrier()
-            from torch.profiler import ProfilerActivity, profile
-
             n = min(5, args["iters"])
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    # Ranks start each profiled step together, so that a kernel does not also time the
-                    # wait for a peer that launched later.
-                    torch.cuda.synchronize()
-                    dist.barrier(group=cpu_group)
-                    step()
-                torch.cuda.synchronize()
+            trace = f"{tempfile.gettempdir()}/moe_layer_gpu.rank{rank}.{backend}"
+            with _stand_ins(layer_module, ep, step):
+                stand_in = _median_step_us(step, args["iters"])
+                dist.barrier()
+                _, stand_in_gaps = _profiled(step, n, cpu_group, trace + ".stand_in.json")
+            dist.barrier()
+            prof, gaps = _profiled(step, n, cpu_group, trace + ".json")
             split = _split(prof)
             top = split.pop("top_other")
             split = {k: v / n for k, v in split.items()}
@@ -257,7 +282,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                       + "; ".join(f"{name[:60]} {us / n:.0f}" for name, us in top), flush=True)
             row = dict(rank=rank, world=world, backend=backend, wall_us=wall, tokens_per_s=s["tokens"] / wall * 1e6,
                        **{f"{k}_us": v for k, v in split.items()}, ep_ops=ops, stand_in_us=stand_in,
-                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30, gaps=gaps, stand_in_gaps=stand_in_gaps)
             rows.append(row)
             print(f"rank {rank} {backend}: step {wall / 1e3:.2f} ms, {row['tokens_per_s']:.0f} tok/s, ep "
                   f"{split['ep']:.0f} µs, gemm {split['gemm']:.0f}, other {split['other']:.0f}, idle "
@@ -296,9 +321,32 @@ def main(argv=None) -> int:
               f"{r['ep_ops']:.0f}", f"{r['stand_in_us'] / 1e3:.2f}", f"{r['wall_us'] - r['stand_in_us']:.0f}",
               f"{r['ep_us'] + 30 * r['ep_ops']:.0f}", f"{r['peak_gib']:.1f}"]
              for r in sorted(rows, key=lambda r: (args["backends"].index(r["backend"]), r["rank"]))]
-    return report(["backend", "rank", "step ms (fwd+bwd)", "tokens/s per rank", "ep µs", "gemm µs", "other µs",
-                   "idle µs", "ep ops", "stand-in step ms", "ep share µs", "bound µs", "peak GiB"], lines, rows,
-                  a.out)
+    status = report(["backend", "rank", "step ms (fwd+bwd)", "tokens/s per rank", "ep µs", "gemm µs", "other µs",
+                     "idle µs", "ep ops", "stand-in step ms", "ep share µs", "bound µs", "peak GiB"], lines, rows,
+                    a.out)
+    # Where the share's excess over the EP kernels' device time goes (trace_gaps.py, the profiled steps):
+    # the other kernels running longer next to the EP ops (Δ other busy) or the device idling more (Δ idle),
+    # and the idle gaps by their neighbours (in parentheses: the part where the host launched late).
+    print("\nprofiled steps (trace_gaps.py), µs per step: real step vs the stand-in step")
+    print("| backend | rank | device wall | stand-in wall | ep busy | other busy | stand-in busy | Δ other busy "
+          "| idle | stand-in idle | before ep (host late) | inside ep (host late) | after ep (host late) |")
+    print("|---" * 13 + "|")
+    for r in sorted(rows, key=lambda r: (args["backends"].index(r["backend"]), r["rank"])):
+        g, h = r["gaps"], r["stand_in_gaps"]
+        print(f"| {r['backend']} | {r['rank']} | {g['wall']:.0f} | {h['wall']:.0f} | {g['ep_busy']:.0f} | "
+              f"{g['other_busy']:.0f} | {h['busy']:.0f} | {g['other_busy'] - h['busy']:+.0f} | {g['idle']:.0f} | "
+              f"{h['idle']:.0f} | "
+              + " | ".join(f"{g[c]:.0f} ({g[c + '_host_late']:.0f})" for c in ("before_ep", "inside_ep", "after_ep"))
+              + " |")
+    for r in rows:
+        if r["rank"] != 0:
+            continue
+        real, alone = r["gaps"]["other_by_name"], r["stand_in_gaps"]["other_by_name"]
+        delta = sorted(((real.get(k, 0.0) - alone.get(k, 0.0), k) for k in set(real) | set(alone)), reverse=True)
+        print(f"rank 0 {r['backend']}: non-EP kernels that run longer next to the real EP ops (µs per step): "
+              + "; ".join(f"{k[:60]} {d:+.0f}" for d, k in delta[:8]))
+    return status
+
 
 if __name__ == "__main__":
     sys.exit(main())
