@@ -178,12 +178,9 @@ class OneRankLauncher {
 
 template <typename Rank>
 template <typename F>
-void OneRankOps<Rank>::run(F&& launch, bool defers_wait) {
+void OneRankOps<Rank>::run(F&& launch) {
   Rank& r = self();
   r.on_device([&] { launch(r.launcher(), r.transport()); });
-  // Every kernel's first barrier waits for every peer, which settles what an earlier combine owed,
-  // unless this one is a combine whose end only signals.
-  owed_ = defers_wait;
 }
 
 template <typename Rank>
@@ -213,8 +210,7 @@ void OneRankOps<Rank>::launch_em_dispatch(const EMDispatchArgs& args, cudaStream
 
 template <typename Rank>
 void OneRankOps<Rank>::launch_em_combine(const EMCombineArgs& args, cudaStream_t stream) {
-  run([&](OneRankLauncher& l, const auto& tr) { l.em_combine(args, tr, stream); },
-      /*defers_wait=*/args.defer_end != 0 && args.phase != kEMSend);
+  run([&](OneRankLauncher& l, const auto& tr) { l.em_combine(args, tr, stream); });
 }
 
 template <typename Rank>

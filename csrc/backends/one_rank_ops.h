@@ -112,9 +112,8 @@ class OneRankOps : public EpRank {
   void reset();
 
  private:
-  // launch(launcher, transport) on the rank's device; then owed_ = defers_wait (below).
   template <typename F>
-  void run(F&& launch, bool defers_wait = false);
+  void run(F&& launch);  // launch(launcher, transport) on the rank's device
   // Makes the data buffer at least `bytes` (rank_ops.cuh). Growing is collective and starts with the
   // op's descriptor exchange, so ranks that disagree stop instead of growing apart; false: the op
   // stopped (on every rank).
@@ -123,12 +122,6 @@ class OneRankOps : public EpRank {
   HostMailbox* mailbox();               // pinned, host-mapped (allocated at the first exact dispatch)
   HostMailbox* mailbox_ = nullptr;
   int32_t ticket_ = 0;
-  // The last kernel this rank launched was an expert-major combine whose end only signalled
-  // (kernels/em_combine.cuh: defer_end; run() keeps it): until a kernel waits for the peers, my data
-  // buffer may still be read by them, and a write into it ahead of a barrier must wait first.
-  bool owed_ = false;
-  bool owes_wait(cudaStream_t s) const;  // owed_, or a CUDA graph being captured (replays: unknown order)
-  void settle(cudaStream_t s);           // a wait-only barrier kernel if owes_wait(s)
   bool grow_in_ops_ = true;
   // The second half of a send_only op (EpRank::receive): its arguments, phase kEMReceive.
   std::variant<std::monostate, EMDispatchArgs, EMCombineArgs> pending_;

@@ -10,12 +10,9 @@
 //     rows from it, I read mine from y (kernels/copy_rows.cuh: copy_rows_except).
 //   Up to fused_copy_bytes the dispatch / combine kernel does that copy itself (one launch per op).
 //   * expert-major: the [L, C] slots move as one block each way (C is static).
-// Every kernel starts with a barrier over all ranks and ends with one, so these copies on my stream never
-// race a peer's access to my buffer (kernels/sync.cuh) — except the expert-major combine's end, which
-// only signals (kernels/em_combine.cuh: defer_end): after it, `owed_` makes the next copy into my buffer
-// ahead of a barrier wait for the peers first (the combine's own y copy in-kernel, the others with a
-// wait-only barrier kernel); every other kernel's first barrier waits for every peer anyway.
-// Buffers are regions of [capacity, row bytes] packed at 256-byte offsets (`pack_regions`, the rule the JAX backends size their buffers by:
+// Every kernel starts and ends with a barrier over all ranks, so these copies on my stream never race
+// a peer's access to my buffer (kernels/sync.cuh). Buffers are regions of [capacity, row bytes] packed
+// at 256-byte offsets (`pack_regions`, the rule the JAX backends size their buffers by:
 // omniep/native/ipc_rank.py `regions`).
 //
 // Descriptors: every kernel of an op carries the op's descriptor; `part` counts the op's kernels
@@ -157,23 +154,6 @@ bool OneRankOps<Rank>::ensure_data(size_t bytes, OpDesc& d, cudaStream_t s) {
   if (stopped(d)) return false;
   self().grow_data(grown_size(bytes, self().data_bytes()), s);
   return true;
-}
-
-template <typename Rank>
-bool OneRankOps<Rank>::owes_wait(cudaStream_t s) const {
-  if (owed_) return true;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(s, &capture), "cudaStreamIsCapturing");
-  return capture != cudaStreamCaptureStatusNone;  // a graph replays after whatever ran before it
-}
-
-template <typename Rank>
-void OneRankOps<Rank>::settle(cudaStream_t s) {
-  if (owes_wait(s)) {
-    BarrierArgs a = {};
-    a.wait_only = 1;
-    launch_barrier(a, s);
-  }
 }
 
 // ---- ops ----
@@ -328,7 +308,6 @@ void OneRankOps<Rank>::combine(const CombineCall& c, OpDesc& d, cudaStream_t s) 
   const bool grad = c.with_topk_grad;
   int64_t sizes[2] = {y_row, K * 4}, offsets[2] = {};
   if (!ensure_data(static_cast<size_t>(pack_regions(C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
-  settle(s);  // y's rows go into my buffer before the kernel's first barrier
 
   CombineArgs a = {};
   set_combine_args(a, c, g, d);
@@ -451,8 +430,6 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
   }
   a.phase = c.send_only ? kEMSend : kEMWhole;
-  a.defer_end = 1;
-  a.wait_owed = owes_wait(s) ? 1 : 0;  // (its y copy comes before its first barrier)
   launch_em_combine(a, s);
   if (c.send_only) keep_receive(a, d);
   next_part(d);
@@ -483,7 +460,6 @@ void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cuda
   const uintptr_t base = g.data_ptr();
   const size_t slots = static_cast<size_t>(L * C);
   if (grad) {
-    settle(s);  // y goes into my buffer before the kernel's first barrier
     if (slots > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.y), slots * static_cast<size_t>(row), s);
     a.y = g.template sym<const void>(offsets[1]);
     a.g_topk_weights = mine<float>(g, c.g_topk_weights);

@@ -103,11 +103,6 @@ struct EMDispatchArgs {
 struct EMCombineArgs : CombineScalars {
   PerRank<const void> y;                      // sym [L, C, H] in `dtype`
   int phase;                                  // EMPhase: split at the start barrier (send: y in, signals)
-  // 1: the end barrier only signals ("my peers' pulls from me are done" is then owed: the rank's next
-  // write into its data buffer ahead of a barrier must first wait for it, `wait_owed` or a wait-only
-  // barrier kernel: OneRankOps keeps the account). 0: block 0 waits for the peers at the end.
-  int defer_end;
-  int wait_owed;                              // 1: first wait for the owed end of an earlier combine
   // Optional: the caller's y [L, C, H] (and g_recv_topk_weights [L, C]), copied into the symmetric
   // buffers by the kernel before its start barrier — the counted slots only when recv_expert_count is
   // given, else every slot; skipped when it already is the symmetric buffer (zero-copy).

@@ -15,14 +15,11 @@
 // in flight.
 // Before the start barrier the kernel copies the caller's y (the counted slots) into the rank's buffer
 // unless y already is that buffer. Barriers: start (every rank's y is complete), end (peers finished
-// reading my y). With `defer_end` the end only signals, and no block waits for the peers' pulls: the
-// kernel ends with its own pulls (across GPUs the wait was the peer's skew plus a round trip, 4–6 µs of
-// a 45 µs op: benchmarks/RESULTS.md, 2026-11-26). What the wait protected — my buffer, which the peers
-// read until they signal — is then protected where it is next written ahead of a barrier: this kernel's
-// y copy with `wait_owed` (a wait-only barrier on the same counters first), or OneRankOps' wait-only
-// barrier kernel before a copy into the buffer; every other kernel waits for every peer at its first
-// barrier before anything is written into a buffer (the counters are cumulative, so that wait covers
-// the earlier signal-only end).
+// reading my y). The end must WAIT (block 0), not only signal: besides my buffer, it protects the
+// descriptor this combine's start barrier left in my peers' workspaces (sync.cuh: a peer judges it
+// late, in the receive half of a hook). A signal-only end let a fast rank write its next op's
+// descriptor into the same slot before a slow rank judged this one — RankMismatchError on two H100s,
+// 2026-11-26 (tests/gpu/test_recv_hook.py::test_hook_loop_with_a_slow_rank).
 //
 // Remote ranks (a transport with kHasGets: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
 // warp GETS each chunk of a copy's row into its stage in the transport's symmetric scratch and reads
@@ -57,9 +54,6 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   // The caller's y into my buffer, before the barrier that tells the peers it is complete (they pull).
   // Split in two launches (a.phase), the first copies and signals, the second waits and pulls.
   const void* own_y = tr.local(a.own_y);
-  if (a.wait_owed && a.phase != kEMReceive) {  // the peers' pulls of an earlier combine from my buffer
-    rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/true, NoPuts{}, nullptr, kBarrierWaitOnly);
-  }
   if (a.phase != kEMReceive && own_y != nullptr && own_y != tr.local(a.y)) {
     const int32_t* count = tr.local(a.recv_expert_count);
     const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
@@ -207,8 +201,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
     }
   }
   OMNIEP_STAMP("pulled");
-  rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false, NoPuts{}, nullptr,
-               a.defer_end ? kBarrierSignalOnly : kBarrierFull);
+  rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
   OMNIEP_STAMP("end_barrier");
   OMNIEP_STAMPS_END(a.phase == kEMReceive ? "em::combine_kernel(receive)" : "em::combine_kernel", me);
 }

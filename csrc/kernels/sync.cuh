@@ -28,6 +28,10 @@
 // refused) is a pending BAD_INPUT. Either way the op stops right after that barrier on EVERY rank
 // (each sees every descriptor), so the ranks' barrier counts stay in step and nothing is moved that
 // could not be placed. Later kernels of the same op (descriptor word kDescPart > 0) stop too.
+// Two slots are enough because a rank writes barrier b + 2's descriptor only after it WAITED for every
+// peer's signal b + 1, which a peer sends only after it judged barrier b: so every op whose descriptor
+// barrier is judged late (a hook's receive half) must end with a waited barrier, and a hook's pending
+// receive runs before the rank's next op is issued (rank_ops.cuh).
 #pragma once
 
 #include <type_traits>
@@ -432,18 +436,14 @@ __global__ void take_status_kernel(RankWorkspace* ws, Status* out) {
 // the ranks' streams start that region together (launch skew is not counted in the region). With
 // `exchange`, it carries the descriptor: a rank whose host refused an op's arguments runs it in the
 // op's place (descriptor input status kInputRejected), so the peers stop that op promptly.
-// `wait_only`: no signal, only the wait for what the peers owe (a combine's deferred end:
-// em_combine.cuh), with no descriptor.
 struct BarrierArgs {
   OpDesc desc[kMaxRanks];
   int exchange;
-  int wait_only;
 };
 
 template <typename Tr>
 __global__ void barrier_kernel(BarrierArgs a, Tr tr) {
-  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false, NoPuts{}, a.exchange ? &a.desc[tr.rank()] : nullptr,
-               a.wait_only ? kBarrierWaitOnly : kBarrierFull);
+  rank_barrier(tr, kPhaseBarrier, /*all_wait=*/false, NoPuts{}, a.exchange ? &a.desc[tr.rank()] : nullptr);
 }
 
 }  // namespace omniep

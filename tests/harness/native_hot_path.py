@@ -131,7 +131,7 @@ def check_cuda_graphs(rank: int, world: int) -> dict:
     return results
 
 
-# ---- expert-major combines back to back (the deferred end: kernels/em_combine.cuh) ---------------
+# ---- expert-major combines back to back -----------------------------------------------------------
 
 def check_back_to_back(rank: int, world: int) -> dict:
     """Expert-major combines of one handle with nothing between them, eagerly and replayed from a CUDA

@@ -143,3 +143,61 @@ def comm_stream_session(rank: int, world: int, port: int, T: int, H: int, E: int
         return res
     finally:
         dist.destroy_process_group()
+
+
+def slow_rank_loop_session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int, iters: int = 6) -> dict:
+    """DeepEP's decode loop with hooks (dispatch send, hook, combine send, hook, again) where rank 0 keeps
+    its stream busy for milliseconds between every send and its hook, and rank 1 does not: rank 1 then
+    reaches each next op while rank 0 has sent but not yet received (and not yet judged the descriptors
+    of) the previous one. Every iteration's results must be bit for bit the whole ops', and no rank may
+    see a mismatch: a peer's next descriptor must never overwrite one this rank has still to judge (the
+    combine's end barrier waits for that: kernels/em_combine.cuh)."""
+    import torch
+    import torch.distributed as dist
+
+    from omniep import torch as ep
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        gen = torch.Generator().manual_seed(11 + rank)
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
+        w = torch.rand(T, K, generator=gen).cuda()
+        buf = ep.Buffer(dist.group.WORLD, low_latency_mode=True)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        want_recv = recv.clone()
+        want_out, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        counted = torch.arange(recv.shape[1], device=count.device).unsqueeze(0) < count.unsqueeze(1)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+        def slow():
+            if rank == 0:
+                torch.cuda._sleep(20_000_000)  # ~10 ms of rank 0's stream
+
+        dispatch_ok, combine_ok = [], []
+        for _ in range(iters):
+            got, _, h, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False, return_recv_hook=True)
+            slow()
+            hook()
+            out, _, chook = buf.low_latency_combine(got, idx, w, h, return_recv_hook=True)
+            slow()
+            chook()
+            dispatch_ok.append(bool(torch.equal(_mask(got, counted), _mask(want_recv, counted))))
+            combine_ok.append(bool(torch.equal(out, want_out)))
+        torch.cuda.synchronize()
+        error = ""
+        try:
+            ep.check()
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which fails on any
+            error = f"{type(e).__name__}: {e}"
+        buf.destroy()
+        try:
+            ep.destroy()
+        except Exception as e:  # noqa: BLE001
+            error = error or f"{type(e).__name__}: {e}"
+        return {"dispatch_ok": dispatch_ok, "combine_ok": combine_ok, "error": error}
+    finally:
+        dist.destroy_process_group()
