@@ -30,7 +30,7 @@ c10::OperatorHandle op(const char* name) {
 // The ops below autograd go through the dispatcher, not straight to the CUDA kernels: under
 // torch.compile's fake tensors the next kernel is the Python fake one.
 using DispatchSig = DispatchOut(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, int64_t,
-                                int64_t, int64_t, int64_t, int64_t);
+                                int64_t, int64_t, int64_t, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                           const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t, int64_t);
 using CachedSig = std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&, at::TensorList, int64_t,
@@ -72,10 +72,11 @@ Config load_config(AutogradContext* ctx) {
 
 struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& topk_weights,
-                               const std::optional<Tensor>* x_scales, const Tensor* topk_idx, Config cfg) {
+                               const std::optional<Tensor>* x_scales, const Tensor* topk_idx, Config cfg,
+                               bool zero_padding) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto out = dispatch_op().call(x, *x_scales, *topk_idx, topk_weights, cfg.ctx, cfg.num_experts, cfg.layout,
-                                  cfg.capacity, cfg.expert_alignment);
+                                  cfg.capacity, cfg.expert_alignment, zero_padding);
     variable_list flat{std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
                        std::get<4>(out), std::get<5>(out), std::get<6>(out)};
     const auto& h = std::get<7>(out);
@@ -96,20 +97,22 @@ struct DispatchFunction : public torch::autograd::Function<DispatchFunction> {
                                                      int64_t, int64_t, int64_t)>()
                    .call(g_recv_x, g_recv_w, handle, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
                          cfg.expert_alignment);
+    // (the padding slots' gradient is not read: dispatch_bwd pulls the counted slots only)
     return {ctx->saved_data["x_grad"].toBool() ? std::get<0>(res) : Tensor(), std::get<1>(res), Tensor(), Tensor(),
-            Tensor()};
+            Tensor(), Tensor()};
   }
 };
 
 DispatchOut dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
                               const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
-                              int64_t capacity, int64_t expert_alignment) {
+                              int64_t capacity, int64_t expert_alignment, bool zero_padding) {
   if (!wants_grad({&x, &topk_weights})) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return dispatch_op().call(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment);
+    return dispatch_op().call(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment,
+                              zero_padding);
   }
   const Config cfg{ctx, num_experts, layout, capacity, expert_alignment};
-  auto flat = DispatchFunction::apply(x, topk_weights, &x_scales, &topk_idx, cfg);
+  auto flat = DispatchFunction::apply(x, topk_weights, &x_scales, &topk_idx, cfg, zero_padding);
   return DispatchOut(flat[0], flat[1], flat[2], flat[3], flat[4], flat[5], flat[6],
                      std::vector<Tensor>(flat.begin() + 7, flat.end()));
 }

@@ -314,7 +314,8 @@ namespace {
 // x_scales_in, fresh staging tensors, before sending them; round_scale: power-of-two scales).
 DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_scales_in, const Tensor* cast_from,
                           bool round_scale, const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx,
-                          int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment) {
+                          int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment,
+                          bool zero_padding) {
   Context& c = context_of(ctx);
   const bool em = layout == 1;
   const bool send_only = std::exchange(c.send_only_next, false) && em;
@@ -423,6 +424,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     e.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
     e.recv_topk_idx = recv_idx.data_ptr<int32_t>();
     e.recv_topk_weights = recv_w.data_ptr<float>();
+    e.zero_padding = zero_padding;
     e.send_only = send_only;
     c.rank->em_dispatch(e, d, s);
   } else {
@@ -461,14 +463,14 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
 
 DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
-                          int64_t capacity, int64_t expert_alignment) {
+                          int64_t capacity, int64_t expert_alignment, bool zero_padding) {
   return dispatch_impl(x, x_scales, nullptr, false, topk_idx, topk_weights, ctx, num_experts, layout, capacity,
-                       expert_alignment);
+                       expert_alignment, zero_padding);
 }
 
 DispatchOut dispatch_fp8_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights, bool round_scale,
                               int64_t ctx, int64_t num_experts, int64_t layout, int64_t capacity,
-                              int64_t expert_alignment) {
+                              int64_t expert_alignment, bool zero_padding) {
   Context& c = context_of(ctx);
   // Staging for the cast (shaped from x as far as x has a shape: dispatch_impl checks x itself).
   const bool two_d = x_in.dim() == 2;
@@ -478,7 +480,7 @@ DispatchOut dispatch_fp8_cuda(const Tensor& x_in, const Tensor& topk_idx, const 
   const Tensor x8 = device_empty({T, H}, at::kFloat8_e4m3fn, c);
   const Tensor scales = device_empty({T, H / 128}, at::kFloat, c);
   return dispatch_impl(x8, scales, &x, round_scale, topk_idx, topk_weights, ctx, num_experts, layout, capacity,
-                       expert_alignment);
+                       expert_alignment, zero_padding);
 }
 
 // Rank-major rows only with a handle: a cached dispatch (op kCachedDispatch) or combine_bwd.

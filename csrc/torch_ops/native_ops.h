@@ -37,14 +37,15 @@ bool receive(int64_t ctx, int64_t seq);
 using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
 
 // The CUDA kernels of the ops (the schemas: omniep/frontends/torch_ops.py).
+// zero_padding (expert-major): the slots past the counts zeroed by the dispatch kernel (DESIGN §2).
 DispatchOut dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
-                          int64_t capacity, int64_t expert_alignment);
+                          int64_t capacity, int64_t expert_alignment, bool zero_padding);
 // dispatch of DeepEP's fp8 cast of x (bf16), done by the expert-major dispatch kernel itself
 // (round_scale: the scales rounded up to powers of two).
 DispatchOut dispatch_fp8_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, bool round_scale,
                               int64_t ctx, int64_t num_experts, int64_t layout, int64_t capacity,
-                              int64_t expert_alignment);
+                              int64_t expert_alignment, bool zero_padding);
 std::tuple<Tensor, Tensor> cached_dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales,
                                                 at::TensorList handle, int64_t ctx, int64_t num_experts,
                                                 int64_t layout, int64_t capacity, int64_t expert_alignment);

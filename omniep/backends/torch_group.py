@@ -124,6 +124,18 @@ class TorchGroupBackend(EPBackend):
         raise NotImplementedError
 
 
+def with_zero_padding(out: tuple) -> tuple:
+    """An expert-major dispatch's outputs (the schema's) with ``recv_x`` and, for fp8 rows, its scales zero
+    in the slots past the counts (``recv_topk_idx`` -1): ``zero_padding`` for backends written in Python."""
+    import torch
+
+    held = (out[2] >= 0).unsqueeze(-1)
+
+    def zeroed(t):
+        return torch.where(held, t, torch.zeros((), dtype=t.dtype, device=t.device))
+    return (zeroed(out[0]), zeroed(out[1]) if out[1].dim() == 3 else out[1]) + tuple(out[2:])
+
+
 class PythonOps:
     """The ``op_*`` methods a backend written in Python implements; the ``omniep::*`` ops call them.
 
@@ -133,14 +145,15 @@ class PythonOps:
     """
 
     def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts: int, layout: int, capacity: int,
-                    expert_alignment: int) -> tuple:
+                    expert_alignment: int, zero_padding: bool = False) -> tuple:
         raise NotImplementedError
 
     def op_dispatch_fp8(self, x, topk_idx, topk_weights, round_scale: bool, num_experts: int, layout: int,
-                        capacity: int, expert_alignment: int) -> tuple:
+                        capacity: int, expert_alignment: int, zero_padding: bool = False) -> tuple:
         """op_dispatch of :func:`quantize_fp8` of ``x`` (the native kernels cast while they send)."""
         x8, scales = quantize_fp8(x, round_scale=round_scale)
-        return self.op_dispatch(x8, scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment)
+        return self.op_dispatch(x8, scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment,
+                                zero_padding)
 
     def op_cached_dispatch(self, x, x_scales, handle: list, num_experts: int, layout: int, capacity: int,
                            expert_alignment: int) -> tuple:

@@ -199,7 +199,8 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
 
     ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
     (DESIGN §2) — for a dense expert (``bmm`` over every slot) whose gradients must not see the padding;
-    it costs one pass over ``recv_x``. A grouped GEMM given the counts does not need it.
+    the dispatch writes the zeros itself (the native kernels: the padding rows only, no pass over the
+    whole ``recv_x``). A grouped GEMM given the counts does not need it.
     """
     if type(x) is tuple:
         if len(x) != 2:
@@ -239,12 +240,13 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
                              f"x of shape {tuple(x.shape)}")
     elif round_scale or use_ue8m0:
         raise InputError("round_scale / use_ue8m0 shape the scales of the fp8 cast: they need use_fp8=True")
+    zero = bool(zero_padding) and lay == Layout.EXPERT_MAJOR  # (written by the backend's dispatch itself)
     try:
         if use_fp8:
             out = _ops(ctx, x).dispatch_fp8(x, topk_idx, topk_weights, bool(round_scale), ctx.id, experts, code,
-                                            cap, align)
+                                            cap, align, zero)
         else:
-            out = _ops(ctx, x).dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align)
+            out = _ops(ctx, x).dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align, zero)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
         raise ctx.translate(exc) from None
     key = (experts, ctx.world, lay, cap, align)
@@ -256,8 +258,6 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
                            "topk_weights": topk_weights})
     recv_x = (out[0], pack_ue8m0(out[1]) if use_ue8m0 else out[1]) if x_scales is not None or use_fp8 else out[0]
-    if zero_padding and lay == Layout.EXPERT_MAJOR:
-        recv_x = _zero_padding((out[2] >= 0).unsqueeze(-1), recv_x)
     return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
                              "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
                              "handle": handle, "status": None})
@@ -272,13 +272,6 @@ def _ops(ctx, x):
     if type(x) in _PLAIN and _dispatch_mode() is None:
         return ctx.eager_ops
     return ctx.ops
-
-
-def _zero_padding(held: torch.Tensor, recv_x):
-    """``recv_x`` (or each tensor of the fp8 pair) with the slots where ``held`` is False set to zero."""
-    if type(recv_x) is tuple:
-        return tuple(_zero_padding(held, t) for t in recv_x)
-    return torch.where(held, recv_x, torch.zeros((), dtype=recv_x.dtype, device=recv_x.device))
 
 
 def _new(cls, fields: dict):

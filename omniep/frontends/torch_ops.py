@@ -10,7 +10,9 @@
 Both families share the fake (meta) kernels below, so ``torch.compile`` and ``torch.library.opcheck``
 see one contract: data-dependent row counts (``capacity = -1``: exact) are unbacked sizes from
 ``get_ctx().new_dynamic_size()``. Every op takes the group's context id ``ctx`` and the dispatch
-config ``num_experts, layout (0 rank-major, 1 expert-major), capacity (-1 = exact), expert_alignment``.
+config ``num_experts, layout (0 rank-major, 1 expert-major), capacity (-1 = exact), expert_alignment``;
+``dispatch`` and ``dispatch_fp8`` also ``zero_padding`` (expert-major: the slots past the counts come
+back zero, written by the backend's dispatch itself — DESIGN §2; rank-major: ignored).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ CONFIG = "int ctx, int num_experts, int layout, int capacity, int expert_alignme
 SCHEMAS = {
     # -> recv_x, recv_x_scales (empty unless fp8), recv_topk_idx, recv_topk_weights, num_recv [],
     #    num_recv_tokens_per_expert [L], dropped [], handle tensors (the backend's)
-    "dispatch": f"(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor topk_weights, {CONFIG}) -> "
+    "dispatch": f"(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor topk_weights, {CONFIG}, "
+                f"bool zero_padding=False) -> "
                 f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
     # dispatch of DeepEP's fp8 cast of x (bf16 [T, H]): the outputs of dispatch((x_fp8, scales), ...);
     # round_scale: power-of-two scales
-    "dispatch_fp8": f"(Tensor x, Tensor topk_idx, Tensor topk_weights, bool round_scale, {CONFIG}) -> "
+    "dispatch_fp8": f"(Tensor x, Tensor topk_idx, Tensor topk_weights, bool round_scale, {CONFIG}, "
+                    f"bool zero_padding=False) -> "
                     f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
     "cached_dispatch": f"(Tensor x, Tensor? x_scales, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
     "combine": f"(Tensor y, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor[] handle, {CONFIG}) -> Tensor",
@@ -46,7 +50,8 @@ for _name, _schema in SCHEMAS.items():
 
 # ---- fake kernels, shared by both families --------------------------------------------------------
 
-def _fake_dispatch(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment):
+def _fake_dispatch(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout, capacity, expert_alignment,
+                   zero_padding=False):
     be = context_of(ctx)
     T, K = topk_idx.shape
     H, L = x.shape[1], num_experts // be.world
@@ -65,10 +70,10 @@ def _fake_dispatch(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout
             be.fake_handle(topk_idx, num_experts, layout, rows))
 
 
-def _fake_dispatch_fp8(x, topk_idx, topk_weights, round_scale, *config):
+def _fake_dispatch_fp8(x, topk_idx, topk_weights, round_scale, *config_and_zero_padding):
     T, H = x.shape
     return _fake_dispatch(x.new_empty((T, H), dtype=torch.float8_e4m3fn), x.new_empty((T, H // 128), dtype=torch.float32),
-                          topk_idx, topk_weights, *config)
+                          topk_idx, topk_weights, *config_and_zero_padding)
 
 
 def _fake_cached_dispatch(x, x_scales, handle, *config):
@@ -114,6 +119,13 @@ _lib = torch.library.Library("omniep", "DEF")
 def _python_kernel(name: str):
     """``omniep::<name>``'s kernel on every device: the context's ``op_<name>`` method."""
     method = "op_" + name
+    if name in ("dispatch", "dispatch_fp8"):  # four arguments, the config, then zero_padding
+        def kernel(*args):
+            # (the dispatcher leaves out a trailing argument that has its default value)
+            ctx, num_experts, layout, capacity, expert_alignment = args[4:9]
+            return getattr(context_of(ctx), method)(*args[:4], num_experts, layout, capacity, expert_alignment,
+                                                    bool(args[9]) if len(args) > 9 else False)
+        return kernel
 
     def kernel(*args):
         *tensors, ctx, num_experts, layout, capacity, expert_alignment = args
@@ -182,7 +194,7 @@ class EAGER:
 
 
 def _dispatch_setup(ctx, inputs, output):
-    ctx.config = tuple(inputs[4:])
+    ctx.config = tuple(inputs[4:9])  # (not zero_padding: the padding's gradient is never read)
     ctx.x_is_float = inputs[0].is_floating_point() and inputs[1] is None
     ctx.mark_non_differentiable(output[1], output[2], output[4], output[5], output[6])
     ctx.save_for_backward(output[2], output[3], *output[7])
@@ -191,7 +203,7 @@ def _dispatch_setup(ctx, inputs, output):
 def _dispatch_backward(ctx, g_recv_x, _g_scales, _g_idx, g_recv_w, _n, _pe, _d, _g_handle):
     g_x, g_w = torch.ops.omniep.dispatch_bwd(g_recv_x.contiguous(), g_recv_w.contiguous(), list(ctx.saved_tensors),
                                              *ctx.config)
-    return (g_x if ctx.x_is_float else None, None, None, g_w) + (None,) * 5
+    return (g_x if ctx.x_is_float else None, None, None, g_w) + (None,) * 6
 
 
 _autograd("dispatch", _dispatch_setup, _dispatch_backward)

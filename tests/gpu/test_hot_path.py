@@ -61,6 +61,11 @@ def test_expert_major_combines_back_to_back(two_ranks):
         assert all(res["eager"]) and all(res["graph"]) and len(res["eager"]) == 4, (r, res)
 
 
+def test_zero_padding_written_by_the_dispatch(two_ranks):
+    for r, res in enumerate(_ok(two_ranks, "zero_padding")):
+        assert all(res.values()), (r, res)
+
+
 def test_compile_fullgraph_matches_eager(two_ranks):
     for r, res in enumerate(_ok(two_ranks, "compile")):
         assert res["exact"] and res["static"] and res["expert_major"], (r, res)

@@ -173,6 +173,39 @@ def check_back_to_back(rank: int, world: int) -> dict:
             "graph": [bool(torch.equal(a, b)) for a, b in zip(replayed, alone)]}
 
 
+# ---- zero_padding, written by the dispatch kernel --------------------------------------------------
+
+def check_zero_padding(rank: int, world: int) -> dict:
+    """Expert-major ``zero_padding=True`` on the native backend, after the caching allocator was poisoned
+    with NaN bytes (what an unzeroed padding slot would hold): counted slots bitwise those of the plain
+    dispatch, padding exactly zero (bf16 rows; fp8 rows and their scales), and the gradient of x that of
+    the counted slots only (the padding's gradient never reaches x)."""
+    import torch
+
+    from omniep import torch as ep
+
+    case = routing(world, seed=5, tokens=16, hidden=256)
+    x, idx, w = _mine(case, rank)
+    cap = world * 16 + 5  # slack: every expert has padding slots
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: the next tensors get NaN bytes
+    x = x.detach().requires_grad_()
+    d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major", zero_padding=True)
+    plain = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
+    held = (d.recv_topk_idx >= 0).unsqueeze(-1)
+    g = torch.randn(d.recv_x.shape, device="cuda").to(d.recv_x.dtype)
+    (gx,) = torch.autograd.grad((d.recv_x.float() * g.float()).sum(), x)
+    (want,) = torch.autograd.grad((plain.recv_x.float() * (g * held).float()).sum(), x)
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    x8, s8 = ep.dispatch(x.detach(), idx, w, num_experts=E, capacity=cap, layout="expert_major", use_fp8=True,
+                         zero_padding=True).recv_x
+    return {"has_padding": bool((~held).any()),
+            "counted_equal": bool(torch.equal(torch.where(held, d.recv_x, 0), torch.where(held, plain.recv_x, 0))),
+            "padding_zero": bool((d.recv_x.view(torch.int16)[~held.expand_as(d.recv_x)] == 0).all()),
+            "grad_equal": bool(torch.equal(gx, want)),
+            "fp8_padding_zero": bool((x8.view(torch.uint8)[~held.expand_as(x8)] == 0).all())
+            and bool((s8[~held.expand_as(s8)] == 0).all())}
+
+
 # ---- torch.compile(fullgraph=True) ---------------------------------------------------------------
 
 def check_compile(rank: int, world: int) -> dict:
@@ -309,7 +342,8 @@ def check_divergence(rank: int, world: int) -> dict:
 # ---- the session ---------------------------------------------------------------------------------
 
 CHECKS = dict(bitwise=check_bitwise, cuda_graphs=check_cuda_graphs, back_to_back=check_back_to_back,
-              compile=check_compile, host_waits=check_host_waits, divergence=check_divergence)
+              zero_padding=check_zero_padding, compile=check_compile, host_waits=check_host_waits,
+              divergence=check_divergence)
 
 
 def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> dict:

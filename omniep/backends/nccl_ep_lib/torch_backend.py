@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from . import MODULE, NAME, SERVED, availability_reason, find_ep_library, group_for, op_error, open_library
-from ..torch_group import PythonOps, TorchGroupBackend, destroy_contexts
+from ..torch_group import PythonOps, TorchGroupBackend, destroy_contexts, with_zero_padding
 from ...ep_core import env
 from ...ep_core import validation as v
 from ...ep_core.errors import InputError, UnsupportedError
@@ -178,7 +178,8 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
 
     # ---- ops ---------------------------------------------------------------------------------------
 
-    def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment):
+    def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment,
+                    zero_padding=False):
         """``omniep::dispatch`` (outputs as the schema in :mod:`omniep.frontends.torch_ops`)."""
         if x_scales is not None:
             raise UnsupportedError(self.name, "fp8 rows (x_scales)", OTHERS)
@@ -217,7 +218,8 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
             n = int(num_recv)
             recv_x, recv_idx, recv_w = recv_x[:n], recv_idx[:n], recv_w[:n]
         handle = [recv_idx, recv_w, idx32, key, recv_counts]
-        return recv_x, x.new_empty((0,), dtype=torch.float32), recv_idx, recv_w, num_recv, per_expert, dropped, handle
+        out = recv_x, x.new_empty((0,), dtype=torch.float32), recv_idx, recv_w, num_recv, per_expert, dropped, handle
+        return with_zero_padding(out) if zero_padding and em else out
 
     def op_cached_dispatch(self, x, x_scales, handle, num_experts, layout, capacity, expert_alignment):
         """``omniep::cached_dispatch`` (rank-major handles): ``(recv_x, empty scales)``."""
