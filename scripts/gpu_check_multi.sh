@@ -33,6 +33,10 @@ fi
 BENCHES="${BENCHES:-normal ll ll_ops layer layer_jax}"
 want() { [[ " $BENCHES " == *" $1 "* ]]; }
 if [[ "$PART" != tests ]]; then
+  # The benchmarks compile with a fresh TorchInductor cache: the layer's elementwise kernels (compiled
+  # with dynamic shapes) ran 3-8x slower at the benchmark's shape after the tests' small layers had filled
+  # the cache (benchmarks/RESULTS.md, 2026-11-26 16:23: launch configs of the first shapes, suspected).
+  export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
   want normal && step bench_normal 150 "$PY" benchmarks/bench_multigpu.py --nccl --sweep-blocks "" --json "$OUT/bench_normal.json"
   want ll && step bench_ll 120 "$PY" benchmarks/bench_multigpu.py --nccl --layout expert_major --tokens 128 --experts 288 \
     --sweep-blocks "" --json "$OUT/bench_ll.json"
