@@ -73,10 +73,12 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         kernels = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA" and ev.device_time_total > 0
                           and ("omniep::" in ev.name or "gemm" in ev.name.lower())),
                          key=lambda ev: ev.time_range.start)
-        # One iteration = the kernels between two dispatch sends; the first omniep dispatch kernel starts one.
-        starts = [i for i, ev in enumerate(kernels) if "dispatch_kernel" in ev.name and
-                  (i == 0 or "dispatch_kernel" not in kernels[i - 1].name)]
-        per = [kernels[s:e] for s, e in zip(starts, starts[1:] + [len(kernels)])]
+        # Every iteration launches the same kernels: iterations are equal slices of the trace (a send and its
+        # receive half share a kernel name, so names cannot mark where an iteration starts).
+        n = len(kernels) // args["iters"]
+        if n == 0 or n * args["iters"] != len(kernels):
+            raise RuntimeError(f"{len(kernels)} kernels in {args['iters']} iterations: not the same launches each")
+        per = [kernels[i * n:(i + 1) * n] for i in range(args["iters"])]
         shape = [tuple(_short(ev.name) for ev in it) for it in per]
         common = max(set(shape), key=shape.count)
         rows = []
