@@ -22,11 +22,11 @@ def _inputs():
     return x, idx, torch.rand(6, 2, generator=gen)
 
 
-def _pair(x, idx, w, layout):
+def _pair(x, idx, w, layout, zero_padding=False):
     """dispatch -> (recv_x * 3) -> combine, the loss's gradients: (out, recv_x, g_x, g_w)."""
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     d = ep.dispatch(x, idx, w, num_experts=E, layout=layout, capacity=None if layout == "rank_major" else 12,
-                    backend="collective")
+                    backend="collective", zero_padding=zero_padding)
     out = ep.combine(d.recv_x * 3.0, d.handle)
     (out * torch.arange(8.0)).sum().backward()
     return out.detach(), d.recv_x.detach(), x.grad, w.grad
@@ -44,12 +44,23 @@ class _SeenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
-def test_eager_and_dispatcher_paths_agree_bitwise(world_of_one, layout):
-    eager = _pair(*_inputs(), layout)
+@pytest.mark.parametrize("layout, zero_padding", [("rank_major", False), ("expert_major", False),
+                                                  ("expert_major", True)])
+def test_eager_and_dispatcher_paths_agree_bitwise(world_of_one, monkeypatch, layout, zero_padding):
+    from omniep.backends.collective.torch_backend import CollectiveTorch
+
+    seen, op_dispatch = [], CollectiveTorch.op_dispatch
+
+    def recording(self, *args):  # the zero_padding the backend gets (the dispatcher leaves out a default)
+        seen.append(args[-1] if len(args) == 9 else False)
+        return op_dispatch(self, *args)
+
+    monkeypatch.setattr(CollectiveTorch, "op_dispatch", recording)
+    eager = _pair(*_inputs(), layout, zero_padding)
     mode = _SeenOps()
     with mode:  # a dispatch mode is active: the frontend goes through torch.ops.omniep
-        traced = _pair(*_inputs(), layout)
+        traced = _pair(*_inputs(), layout, zero_padding)
+    assert seen == [zero_padding, zero_padding]
     assert "omniep.dispatch.default" in mode.names and "omniep.combine.default" in mode.names, mode.names
     for a, b, what in zip(eager, traced, ("out", "recv_x", "g_x", "g_w")):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
