@@ -73,25 +73,32 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         kernels = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA" and ev.device_time_total > 0
                           and ("omniep::" in ev.name or "gemm" in ev.name.lower())),
                          key=lambda ev: ev.time_range.start)
-        # Every iteration launches the same kernels: iterations are equal slices of the trace (a send and its
-        # receive half share a kernel name, so names cannot mark where an iteration starts).
-        n = len(kernels) // args["iters"]
-        if n == 0 or n * args["iters"] != len(kernels):
-            raise RuntimeError(f"{len(kernels)} kernels in {args['iters']} iterations: not the same launches each")
-        per = [kernels[i * n:(i + 1) * n] for i in range(args["iters"])]
-        shape = [tuple(_short(ev.name) for ev in it) for it in per]
-        common = max(set(shape), key=shape.count)
-        rows = []
-        its = [it for it, sh in zip(per, shape) if sh == common][1:]  # (the first: after the barrier)
-        for j, name in enumerate(common):
-            durs = [it[j].device_time_total for it in its]
-            offs = [it[j].time_range.start - it[0].time_range.start for it in its]
-            rows.append((name, statistics.median(durs), statistics.median(offs)))
+        rows, used = per_launch(((_short(ev.name), ev.device_time_total, ev.time_range.start) for ev in kernels),
+                                args["iters"])
         buf.destroy()
         ep.destroy()
-        return {"rank": rank, "iterations": len(its), "rows": rows}
+        return {"rank": rank, "iterations": used, "rows": rows}
     finally:
         dist.destroy_process_group()
+
+
+def per_launch(kernels, iters: int) -> tuple:
+    """``kernels``: (name, µs, start µs) of ``iters`` iterations in start order, each iteration the same
+    launches. Every iteration is an equal slice (a send and its receive half share a kernel name, so names
+    cannot mark where one starts); the first is left out (it follows the barrier). Returns ``(rows,
+    iterations used)``, a row per launch of one iteration: ``(name, median µs, median start after the
+    iteration's first launch)``."""
+    kernels = list(kernels)
+    n = len(kernels) // iters
+    if n == 0 or n * iters != len(kernels):
+        raise RuntimeError(f"{len(kernels)} kernels in {iters} iterations: not the same launches each")
+    per = [kernels[i * n:(i + 1) * n] for i in range(iters)][1:]
+    names = [k[0] for k in per[0]]
+    if any([k[0] for k in it] != names for it in per):
+        raise RuntimeError("the iterations launch different kernels")
+    rows = [(name, statistics.median(it[j][1] for it in per), statistics.median(it[j][2] - it[0][2] for it in per))
+            for j, name in enumerate(names)]
+    return rows, len(per)
 
 
 def _short(name: str) -> str:
