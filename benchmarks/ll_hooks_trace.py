@@ -88,6 +88,8 @@ def per_launch(kernels, iters: int) -> tuple:
     cannot mark where one starts); the first is left out (it follows the barrier). Returns ``(rows,
     iterations used)``, a row per launch of one iteration: ``(name, median µs, median start after the
     iteration's first launch)``."""
+    if iters < 2:
+        raise ValueError(f"per_launch needs two iterations or more (the first is left out), got {iters}")
     kernels = list(kernels)
     n = len(kernels) // iters
     if n == 0 or n * iters != len(kernels):

@@ -58,6 +58,11 @@ GEMMS = ("aten::bmm", "aten::mm", "aten::addmm", "aten::matmul", "aten::_grouped
 GEMM_KERNELS = re.compile(r"nvjet|xmma|cutlass|gemm", re.IGNORECASE)
 
 
+def _annotation(ev) -> bool:
+    """Whether a profiler event is a record_function range (on the device: the span of its kernels)."""
+    return getattr(ev, "is_user_annotation", False) or getattr(ev, "key", getattr(ev, "name", None)) == STEP
+
+
 def _kernel_names(ev) -> set:
     """Names of the kernels ``ev`` and every op under it launched (a matmul's come from its child mm)."""
     names, todo = set(), [ev]
@@ -90,10 +95,11 @@ def _split(prof) -> dict:
             totals[kind] += ev.device_time_total
             totals["ep_ops"] += kind == "ep"
             inside.update(_kernel_names(ev))
-    # (the step annotation of _profiled also shows as a device range spanning the step: not an activity)
+    # (record_function ranges — the step annotation of _profiled, the eager ops' names — also show as
+    # device ranges over their kernels: not activities of their own)
     everything = sum(e.device_time_total for e in prof.events()
                      if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.cpu_parent is None
-                     and e.name != STEP)
+                     and not _annotation(e))
     if everything == 0.0:
         everything = sum(e.self_device_time_total for e in prof.events() if e.device_type.name == "CPU")
     totals["other"] = max(0.0, everything - totals["ep"] - totals["gemm"])
@@ -101,7 +107,7 @@ def _split(prof) -> dict:
     # The kernels of "other" that cost most (names of kernels never launched inside an ep / GEMM op).
     others: dict = {}
     for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key not in inside and e.key != STEP:
+        if e.device_type.name == "CUDA" and e.device_time_total > 0 and e.key not in inside and not _annotation(e):
             others[e.key] = others.get(e.key, 0.0) + e.device_time_total
     stray = {name for name in others if GEMM_KERNELS.search(name)}
     stray_gemms = sum(others[name] for name in stray)

@@ -4,7 +4,8 @@
 export_chrome_trace`` (CPU and CUDA activities) whose steps were each wrapped in
 ``torch.profiler.record_function(step_name)``. Each GPU activity (kernel, memcpy, memset) is tied to
 its launch (the runtime call with the same ``correlation``); it is an *EP* activity when that launch
-lies inside a CPU op whose name satisfies ``is_ep`` on the same thread, and belongs to the step whose
+lies inside a CPU op (or a ``record_function`` range: eager ops written in Python are labelled so) whose
+name satisfies ``is_ep`` on the same thread, and belongs to the step whose
 annotation's time span contains its launch, on any thread (autograd launches the backward's kernels from
 a thread of its own). Within each step (its first activity's start to its last one's end) the
 device is busy (union of activity intervals) or idle; every idle gap is charged by its neighbours:
@@ -67,7 +68,7 @@ def gaps(trace: dict, is_ep, step_name: str = "step") -> dict:
         if ph != "X":
             continue
         s, d = float(e["ts"]), float(e.get("dur", 0.0))
-        if cat == "cpu_op" and is_ep(e.get("name", "")):
+        if cat in ("cpu_op", "user_annotation") and is_ep(e.get("name", "")):  # (eager ops: record_function)
             ep_spans.setdefault((e["pid"], e["tid"]), []).append((s, s + d))
         elif cat in ("user_annotation", "cpu_op") and e.get("name") == step_name:
             step_spans.append(((e["pid"], e["tid"]), s, s + d))

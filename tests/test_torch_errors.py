@@ -413,3 +413,22 @@ def test_zero_padding_zeroes_the_slots_past_the_counts(world_of_one):
                          use_fp8=True, zero_padding=True).recv_x
     assert x8.dtype == torch.float8_e4m3fn and s8.shape[-1] == 2
 
+
+
+def test_with_zero_padding_masks_rows_and_fp8_scales():
+    """The Python backends' zero_padding (torch_group.with_zero_padding): rows and fp8 scales zero where
+    recv_topk_idx is -1 — NaN included —, the counted slots and the other outputs untouched."""
+    from omniep.backends.torch_group import with_zero_padding
+
+    idx = torch.tensor([[0, -1, 1], [-1, -1, 0]], dtype=torch.int32)
+    held = idx >= 0
+    rows = torch.where(held.unsqueeze(-1), torch.full((2, 3, 4), 7.0), torch.full((2, 3, 4), float("nan")))
+    scales = torch.where(held.unsqueeze(-1), torch.full((2, 3, 2), 3.0), torch.full((2, 3, 2), float("inf")))
+    handle = [idx]
+    rest = (idx, torch.zeros(2, 3), torch.tensor(3), torch.tensor([2, 1]), torch.tensor(0), handle)
+    got = with_zero_padding((rows, scales) + rest)
+    assert (got[0][held] == 7).all() and (got[0][~held] == 0).all()
+    assert (got[1][held] == 3).all() and (got[1][~held] == 0).all()
+    assert all(a is b for a, b in zip(got[2:], rest))
+    no_scales = torch.empty((0,))
+    assert with_zero_padding((rows, no_scales) + rest)[1] is no_scales  # bf16 rows: no scales to mask

@@ -31,7 +31,8 @@
 // Two slots are enough because a rank writes barrier b + 2's descriptor only after it WAITED for every
 // peer's signal b + 1, which a peer sends only after it judged barrier b: so every op whose descriptor
 // barrier is judged late (a hook's receive half) must end with a waited barrier, and a hook's pending
-// receive runs before the rank's next op is issued (rank_ops.cuh).
+// receive runs before the rank's next op is issued (EpRank::begin in backends/ep_rank.h; begin_op in
+// torch_ops/native_ops.cpp launches it).
 #pragma once
 
 #include <type_traits>

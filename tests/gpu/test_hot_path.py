@@ -63,7 +63,8 @@ def test_expert_major_combines_back_to_back(two_ranks):
 
 def test_zero_padding_written_by_the_dispatch(two_ranks):
     for r, res in enumerate(_ok(two_ranks, "zero_padding")):
-        for key in ("has_padding", "counted_equal", "padding_zero", "grad_equal", "fp8_padding_zero"):
+        for key in ("has_padding", "control_poisoned", "counted_equal", "padding_zero", "grad_equal",
+                    "fp8_padding_zero"):
             assert res[key] is True, (r, key, res)
 
 

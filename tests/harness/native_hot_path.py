@@ -176,34 +176,51 @@ def check_back_to_back(rank: int, world: int) -> dict:
 # ---- zero_padding, written by the dispatch kernel --------------------------------------------------
 
 def check_zero_padding(rank: int, world: int) -> dict:
-    """Expert-major ``zero_padding=True`` on the native backend, after the caching allocator was poisoned
-    with NaN bytes (what an unzeroed padding slot would hold): counted slots bitwise those of the plain
-    dispatch, padding exactly zero (bf16 rows; fp8 rows and their scales), and the gradient of x that of
-    the counted slots only (the padding's gradient never reaches x)."""
+    """Expert-major ``zero_padding=True`` on the native backend, over poisoned memory: each dispatch below
+    gets the blocks of an equal dispatch's results, filled with 0xFF bytes (NaN) and freed just before —
+    a control without ``zero_padding`` must show the poison in its padding, or the check proves nothing.
+    Then: counted slots bitwise the plain dispatch's, padding exactly zero (bf16 rows; fp8 rows and their
+    scales), and the gradient of x that of the counted slots only (the padding's never reaches x)."""
     import torch
 
     from omniep import torch as ep
 
-    case = routing(world, seed=5, tokens=16, hidden=256)
+    # H = 7168: recv_x (and the fp8 rows) over 1 MiB, in the caching allocator's large pool, whose blocks
+    # the op's small tensors never take — so the freed poisoned block is the one its results get
+    case = routing(world, seed=5, tokens=16, hidden=7168)
     x, idx, w = _mine(case, rank)
-    cap = world * 16 + 5  # slack: every expert has padding slots
-    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: the next tensors get NaN bytes
+    kw = dict(num_experts=E, capacity=world * 16 + 5, layout="expert_major")  # slack: every expert has padding
+
+    def poisoned(x_in, **more):
+        """dispatch(x_in, ...) whose results reuse the blocks of an equal dispatch's, poisoned first."""
+        first = ep.dispatch(x_in.detach(), idx, w, **kw, **more).recv_x
+        for t in first if isinstance(first, tuple) else (first,):
+            t.view(torch.uint8).fill_(0xFF)
+        del first, t
+        return ep.dispatch(x_in, idx, w, **kw, **more)
+
+    def padding_bytes(t, held):
+        """The bytes of t [L, C, ...] in the slots where held [L, C] is False: [slots, bytes]."""
+        return t.reshape(t.shape[0], t.shape[1], -1).view(torch.uint8)[~held]
+
     x = x.detach().requires_grad_()
-    d = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major", zero_padding=True)
-    plain = ep.dispatch(x, idx, w, num_experts=E, capacity=cap, layout="expert_major")
-    held = (d.recv_topk_idx >= 0).unsqueeze(-1)
+    control = poisoned(x.detach())
+    held = control.recv_topk_idx >= 0
+    control_x8 = poisoned(x.detach(), use_fp8=True).recv_x
+    d = poisoned(x, zero_padding=True)
+    plain = ep.dispatch(x, idx, w, **kw)
+    h3 = held.unsqueeze(-1)
     g = torch.randn(d.recv_x.shape, device="cuda").to(d.recv_x.dtype)
     (gx,) = torch.autograd.grad((d.recv_x.float() * g.float()).sum(), x)
-    (want,) = torch.autograd.grad((plain.recv_x.float() * (g * held).float()).sum(), x)
-    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)
-    x8, s8 = ep.dispatch(x.detach(), idx, w, num_experts=E, capacity=cap, layout="expert_major", use_fp8=True,
-                         zero_padding=True).recv_x
+    (want,) = torch.autograd.grad((plain.recv_x.float() * (g * h3).float()).sum(), x)
+    x8, s8 = poisoned(x.detach(), use_fp8=True, zero_padding=True).recv_x
     return {"has_padding": bool((~held).any()),
-            "counted_equal": bool(torch.equal(torch.where(held, d.recv_x, 0), torch.where(held, plain.recv_x, 0))),
-            "padding_zero": bool((d.recv_x.view(torch.int16)[~held.expand_as(d.recv_x)] == 0).all()),
+            "control_poisoned": bool((padding_bytes(control.recv_x, held) != 0).any())
+            and all(bool((padding_bytes(t, held) != 0).any()) for t in control_x8),
+            "counted_equal": bool(torch.equal(torch.where(h3, d.recv_x, 0), torch.where(h3, plain.recv_x, 0))),
+            "padding_zero": bool((padding_bytes(d.recv_x, held) == 0).all()),
             "grad_equal": bool(torch.equal(gx, want)),
-            "fp8_padding_zero": bool((x8.view(torch.uint8)[~held.expand_as(x8)] == 0).all())
-            and bool((s8[~held.expand_as(s8)] == 0).all())}
+            "fp8_padding_zero": all(bool((padding_bytes(t, held) == 0).all()) for t in (x8, s8))}
 
 
 # ---- torch.compile(fullgraph=True) ---------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..torch_group import PythonOps, TorchGroupBackend, with_zero_padding
+from ..torch_group import PythonOps, TorchGroupBackend
 from ...ep_core import validation as v
 from ...ep_core.capacity import align_up
 from ...ep_core.descriptor import (
@@ -390,9 +390,9 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
     def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment,
                     zero_padding=False):
         problem = _problem(self._check_dispatch, x, x_scales, topk_idx, topk_weights, num_experts, capacity)
-        out = self.dispatch(x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment,
-                            problem=problem)
-        return with_zero_padding(out) if zero_padding and layout == EXPERT_MAJOR else out
+        # zero_padding costs nothing here: the expert-major buffers are made zero before the rows land
+        return self.dispatch(x, x_scales, topk_idx, topk_weights, num_experts, layout, capacity, expert_alignment,
+                             problem=problem)
 
     def _check_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, capacity):
         v.check_group(num_experts, self.world)
