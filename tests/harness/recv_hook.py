@@ -9,6 +9,27 @@ import datetime
 import time
 
 
+def _join(rank: int, world: int, port: int) -> None:
+    """GPU 0 (the ranks of these sessions share it) and the gloo group of ``world`` ranks."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def _inputs(seed: int, T: int, H: int, E: int, K: int) -> tuple:
+    """``(x [T, H] bf16, topk_idx [T, K], topk_weights [T, K] f32)`` on the GPU, drawn on the CPU from
+    ``seed``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
+    return x, idx, torch.rand(T, K, generator=gen).cuda()
+
+
 def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -16,15 +37,10 @@ def session(rank: int, world: int, port: int, T: int, H: int, E: int, K: int) ->
     from omniep import torch as ep
     from omniep.testing.torch_bits import to_numpy
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    _join(rank, world, port)
     try:
-        gen = torch.Generator().manual_seed(rank)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
-        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
+        x, idx, w = _inputs(rank, T, H, E, K)
         idx[0, 0] = -1  # an unrouted copy too
-        w = torch.rand(T, K, generator=gen).cuda()
         buf = ep.Buffer(dist.group.WORLD, low_latency_mode=True)
         res = {}
         for tag, kw in (("bf16_", dict(use_fp8=False)), ("fp8_", dict(use_fp8=True)),
@@ -99,14 +115,9 @@ def comm_stream_session(rank: int, world: int, port: int, T: int, H: int, E: int
 
     from omniep import torch as ep
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    _join(rank, world, port)
     try:
-        gen = torch.Generator().manual_seed(7 + rank)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
-        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
-        w = torch.rand(T, K, generator=gen).cuda()
+        x, idx, w = _inputs(7 + rank, T, H, E, K)
         buf = ep.Buffer(dist.group.WORLD)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -157,14 +168,9 @@ def slow_rank_loop_session(rank: int, world: int, port: int, T: int, H: int, E: 
 
     from omniep import torch as ep
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    _join(rank, world, port)
     try:
-        gen = torch.Generator().manual_seed(11 + rank)
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
-        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.cuda()
-        w = torch.rand(T, K, generator=gen).cuda()
+        x, idx, w = _inputs(11 + rank, T, H, E, K)
         buf = ep.Buffer(dist.group.WORLD, low_latency_mode=True)
         recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
         want_recv = recv.clone()
