@@ -3,22 +3,13 @@ a send and its receive half with the same kernel name kept apart, the first iter
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ll_hooks_trace.py"
+from harness.scripts import load_script
 
 
 def _module():
-    if str(SCRIPT.parent) not in sys.path:  # (the script imports its neighbour host_timing)
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("ll_hooks_trace", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/ll_hooks_trace.py")
 
 
 def _iteration(t0, slow=0.0):

@@ -3,17 +3,11 @@ and (rank, block), warm-up calls left out, a mark met twice in one call kept apa
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "stamps_table.py"
+from harness.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("stamps_table", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/stamps_table.py")
 
 
 def test_medians_per_mark_skip_warm_up_and_repeated_marks(tmp_path):

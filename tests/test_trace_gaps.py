@@ -4,19 +4,13 @@ neighbours, per step."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "trace_gaps.py"
+from harness.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/trace_gaps.py")
 
 
 def _x(cat, name, ts, dur, corr=None, tid=1):
