@@ -259,18 +259,35 @@ def _is_zero_ct(ct) -> bool:
     return ct is None or getattr(ct, "dtype", None) == jax.dtypes.float0
 
 
+def _materialized(tree):
+    """``tree`` with its arrays behind an optimization barrier: every backend's op reads and writes
+    whole buffers, as a native custom call does, so that XLA cannot fuse the layer's arithmetic into
+    one backend's data movement and not another's (a fused reduction may sum in another order). On two
+    H100s the Flax layer's g_x / g_router differed by 1 ulp between cuda_nvshmem and collective
+    without these barriers and the sort-based layout of jax_layout.token_of_slot, and were bitwise equal
+    with both (benchmarks/RESULTS.md, 2026-11-26 18:01; the two changes were not tried apart)."""
+    leaves, tree_def = jax.tree.flatten(tree)
+    arrays = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array) and not _is_zero_ct(a)]
+    kept = jax.lax.optimization_barrier([leaves[i] for i in arrays])
+    for i, a in zip(arrays, kept):
+        leaves[i] = a
+    return jax.tree.unflatten(tree_def, leaves)
+
+
 @functools.lru_cache(maxsize=None)
 def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
     backend = cls(axis_name)
 
     def run(x, topk_idx, topk_weights):
+        x, topk_idx, topk_weights = _materialized((x, topk_idx, topk_weights))
         rows = x[0] if isinstance(x, tuple) else x
         desc = js.op_descriptor(dsc.OpKind.DISPATCH, config, hidden=int(rows.shape[1]),
                                 dtype=val.dtype_name(rows), num_topk=int(topk_idx.shape[1]))
         handle = backend.prepare(topk_idx, config, desc)
         (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.dispatch(
             x, topk_weights, handle)
-        out = Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle, handle.status)
+        out = _materialized(Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle,
+                                       handle.status))
         return _checked(out, handle.status) if sync else out
 
     @jax.custom_vjp
@@ -287,7 +304,7 @@ def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
         # Expert-major keeps an internal uncapped copy there; its cotangent is not propagated.
         if config.layout == Layout.RANK_MAJOR and not _is_zero_ct(g.handle.recv_topk_weights):
             g_recv_w = g_recv_w + g.handle.recv_topk_weights
-        g_x, g_w = backend.dispatch_bwd(g.recv_x, g_recv_w, handle)
+        g_x, g_w = _materialized(backend.dispatch_bwd(*_materialized((g.recv_x, g_recv_w)), handle))
         if not _is_zero_ct(g.handle.topk_weights):  # read by expert-major combine
             g_w = g_w + g.handle.topk_weights
         return g_x, None, g_w
@@ -302,7 +319,7 @@ def _combine_fn(cls, group, config: DispatchConfig, bias_dtypes: tuple, sync: bo
     expert_major = config.layout == Layout.EXPERT_MAJOR
 
     def run(y, handle, biases):
-        out, status = backend.combine(y, handle, biases)
+        out, status = _materialized(backend.combine(*_materialized((y, handle, biases))))
         return _checked((out, status), status) if sync else (out, status)
 
     @jax.custom_vjp
@@ -318,7 +335,7 @@ def _combine_fn(cls, group, config: DispatchConfig, bias_dtypes: tuple, sync: bo
     def bwd(res, g):
         g_out, _ = g  # the status has no gradient
         handle, y = res
-        g_y, g_w = backend.combine_bwd(g_out, handle, y)
+        g_y, g_w = _materialized(backend.combine_bwd(*_materialized((g_out, handle, y))))
         if not expert_major:
             g_y = g_y.astype(g_out.dtype)
         no_data = {name: None for name in Handle.DATA_FIELDS}

@@ -56,11 +56,13 @@ def test_native_and_collective_layers_are_bitwise_equal(dtype):
 
 
 @two_gpus
+@pytest.mark.parametrize("xla_flags", ["", "--xla_gpu_deterministic_ops=true"], ids=["default_ops", "deterministic_ops"])
 @pytest.mark.parametrize("grouped_gemm", [False, True], ids=["batched", "grouped"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_jax_layer_native_and_collective_are_bitwise_equal(dtype, grouped_gemm):
+def test_jax_layer_native_and_collective_are_bitwise_equal(dtype, grouped_gemm, xla_flags):
     """The Flax layer under jit: cuda_nvshmem and collective (XLA all-to-all) give identical outputs,
-    aux loss and gradients — two jax.distributed processes, one GPU each."""
+    aux loss and gradients — two jax.distributed processes, one GPU each; also with XLA's deterministic
+    GPU ops (a sort-based scatter, which misplaced rows of the collective backend's old layout)."""
     pytest.importorskip("flax")
     from harness.jax_layer_workers import gpu_layer_run
     from omniep.testing.procs import run_ranks
@@ -69,10 +71,10 @@ def test_jax_layer_native_and_collective_are_bitwise_equal(dtype, grouped_gemm):
     # fusions allow, and the two programs fuse differently around their communication: bitwise claims
     # need the rounding as written.
     env = {"JAX_PLATFORMS": "cuda,cpu", "OMNIEP_CHECKS": "default",
-           "XLA_FLAGS": "--xla_allow_excess_precision=false"}
+           "XLA_FLAGS": f"--xla_allow_excess_precision=false {xla_flags}".strip()}
     runs = {b: run_ranks(gpu_layer_run, 2, args=(b, dtype, grouped_gemm), timeout=300, env=env)[0]
             for b in (NATIVE, "collective")}
     native, coll = runs[NATIVE], runs["collective"]
     assert native.keys() == coll.keys() and "g_w_gate_up" in native
     for key in native:
-        np.testing.assert_array_equal(native[key], coll[key], err_msg=f"{dtype} grouped={grouped_gemm} {key}")
+        np.testing.assert_array_equal(native[key], coll[key], err_msg=f"{dtype} grouped={grouped_gemm} {xla_flags} {key}")

@@ -107,12 +107,12 @@ def send_positions(owner, num_ranks: int):
 def token_of_slot(send_pos):
     """``[R, T]``: which token sits at position p of the buffer to rank r (``T`` where none)."""
     T, R = send_pos.shape
-    tokens = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[:, None], (T, R))
-    ranks = jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32)[None, :], (T, R))
-    # Every (r, p) is written at most once, so the scatter is deterministic; -1 goes out of range and
-    # is dropped.
-    pos = jnp.where(send_pos >= 0, send_pos, T)
-    return jnp.full((R, T), T, jnp.int32).at[ranks, pos].set(tokens, mode="drop")
+    # Gathers after a stable sort, no scatter: XLA's deterministic scatter on GPUs
+    # (--xla_gpu_deterministic_ops) misplaced rows of the scatter this replaces (benchmarks/RESULTS.md,
+    # 2026-11-26 17:53). Per rank, the tokens sent there come first, ascending.
+    first = jnp.argsort(send_pos < 0, axis=0, stable=True).astype(jnp.int32).T
+    count = jnp.sum(send_pos >= 0, axis=0, dtype=jnp.int32)
+    return jnp.where(jnp.arange(T, dtype=jnp.int32)[None, :] < count[:, None], first, T)
 
 
 def pack_by_dest(rows, send_pos):
@@ -171,12 +171,16 @@ def expert_slots(recv_local_idx, num_local_experts: int, capacity: int):
 def expert_table(recv_local_idx, slot, num_local_experts: int, capacity: int):
     """``[L, C]``: flat copy index ``m * K + k`` held by slot c of local expert l, ``-1`` when empty."""
     M, K = recv_local_idx.shape
-    kept = slot >= 0
-    copy = jnp.arange(M * K, dtype=jnp.int32).reshape(M, K)
-    # Out-of-range targets (not kept) are dropped; kept copies have distinct (l, c): deterministic.
-    l_idx = jnp.where(kept, recv_local_idx, num_local_experts)
-    c_idx = jnp.where(kept, slot, capacity)
-    return jnp.full((num_local_experts, capacity), -1, jnp.int32).at[l_idx, c_idx].set(copy, mode="drop")
+    L = num_local_experts
+    kept = (slot >= 0).reshape(M * K)
+    expert = jnp.where(kept, recv_local_idx.reshape(M * K), L)
+    # Expert l's kept copies hold slots 0 .. n_l - 1 in copy order (expert_slots), so after a stable sort
+    # by expert its slot c is entry start_l + c: gathers only (see token_of_slot on scatters).
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+    n = jnp.sum(expert[:, None] == jnp.arange(L, dtype=jnp.int32), axis=0, dtype=jnp.int32)
+    c = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    at = exclusive_cumsum(n)[:, None] + c
+    return jnp.where(c < n[:, None], take_rows(order, at, c < n[:, None]), -1)
 
 
 def gather_copies(values, recv_local_idx, slot):
