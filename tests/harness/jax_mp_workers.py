@@ -94,6 +94,9 @@ def check_session_results(results: list, world: int, cases: list, names: list, *
         assert res["cases"] == [ranks] * len(cases), res["cases"]
         assert [n for n, _ in res["golden"]] == names and all(r == ranks for _, r in res["golden"]), res["golden"]
         assert res["fp8"] == ranks, res["fp8"]
+        assert sorted(res["zero_padding"]) == ranks, res["zero_padding"]
+        for r, checks in res["zero_padding"].items():
+            assert all(checks.values()), f"zero_padding, rank {r}: {checks}"
 
 
 def _init(rank: int, world: int, port: int, per_gpu: bool):
@@ -168,6 +171,52 @@ def check_fp8(mesh, world: int) -> list:
     return sorted(got)
 
 
+def check_zero_padding(mesh, world: int) -> dict:
+    """``zero_padding=True`` on an expert-major dispatch under ``jit``: the slots past the counts are
+    written zero by the dispatch (the native kernel), over memory poisoned first. XLA's allocator hands
+    a freed block of the same size back: NaN arrays the size of each output are made and freed before
+    each run. A control run without ``zero_padding`` must show the poison in its padding (else the
+    poisoning did not reach the result and the check proves nothing); its counted slots must equal the
+    zero-padded run's. Returns ``{rank: {"zero": bool, "counted_equal": bool, "control_poisoned": bool}}``
+    for the ranks of this process."""
+    import jax
+    import jax.numpy as jnp
+
+    from omniep import jax as ep
+    from harness import jax_workers as jw
+
+    T, H, E, K = 6, 512, 4 * world, 2
+    L, C = E // world, 2 * T * world  # C > the copies any expert gets: every expert has padding
+    case = make_case(11, num_ranks=world, num_experts=E, num_topk=K, hidden=H, num_tokens=T)
+    x = [np.asarray(a, np.float32).astype(jnp.bfloat16) for a in case.x]
+
+    def run(zero: bool) -> dict:
+        def body(x, idx, w):
+            d = ep.dispatch(x, idx, w, num_experts=E, axis_name=jw.AXIS, capacity=C, layout="expert_major",
+                            zero_padding=zero)
+            return {"recv_x": d.recv_x[None], "recv_topk_idx": d.recv_topk_idx[None], "num_recv": d.num_recv[None]}
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(jw.AXIS), out_specs=jax.P(jw.AXIS)))
+        args = [jw._global(mesh, a) for a in (x, case.topk_idx, case.topk_weights)]
+        jax.block_until_ready(f(*args))  # compiled and warmed first: then only the outputs take the poison's blocks
+        for _ in range(2):
+            poison = [jax.device_put(jnp.full((L, C, H), jnp.nan, jnp.bfloat16), d) for d in mesh.local_devices]
+            jax.block_until_ready(poison)
+            del poison
+        return jw.local_results(f(*args))
+
+    control, zeroed = run(False), run(True)
+    out = {}
+    for r in sorted(zeroed):
+        held = zeroed[r]["recv_topk_idx"] >= 0
+        assert held.any() and not held.all(), f"rank {r}: the case must have counted and padding slots"
+        got, ctl = zeroed[r]["recv_x"], control[r]["recv_x"]
+        out[r] = {"zero": bool(np.all(jw.bits(got[~held]) == 0)),
+                  "counted_equal": bool(np.array_equal(jw.bits(got[held]), jw.bits(ctl[held]))),
+                  "control_poisoned": bool(np.isnan(ctl[~held].astype(np.float32)).any())}
+    return out
+
+
 def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     """Every case (``(case, capacity, num_bias, seed)``) and golden file on ``mesh``; then every native
     state is checked for recorded timeouts and destroyed."""
@@ -189,6 +238,7 @@ def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     for name in golden_names:
         out["golden"].append((name, run_golden(mesh, golden.load(golden.GOLDEN_DIR / f"{name}.npz"))))
     out["fp8"] = check_fp8(mesh, mesh.shape[jw.AXIS])
+    out["zero_padding"] = check_zero_padding(mesh, mesh.shape[jw.AXIS])
     for st in jax_backend.states().values():
         st.check()  # no rank recorded a timed-out wait
     out["data_bytes"] = [st.data_bytes for st in jax_backend.states().values()]
