@@ -1,7 +1,8 @@
 """Run one function on R local processes (gloo ranks, JAX processes) with a deadline.
 
 A failing rank fails the whole run promptly with its traceback; a rank that hangs becomes a
-:class:`~omniep.ep_core.errors.PeerTimeoutError` naming it; no child outlives :func:`run_ranks`.
+:class:`~omniep.ep_core.errors.PeerTimeoutError` naming it; no child outlives :func:`run_ranks`, nor
+(on Linux) the process that called it, however that process ends.
 """
 
 from __future__ import annotations
@@ -44,7 +45,29 @@ def free_port() -> int:
 CHILD_DEFAULTS = {"OMNIEP_CHECKS": "sync"}
 
 
-def _child(target, rank, world, port, args, env, results):
+def _die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (PR_SET_PDEATHSIG). A
+    parent killed outright (a step's ``timeout``, SIGKILL) runs none of :func:`run_ranks`' cleanup, and
+    its ranks -- JAX or torch processes, possibly spinning in a GPU kernel for a peer that is gone --
+    would keep running and slow whatever the GPU runs next."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)
+
+
+def _child(target, rank, world, port, args, env, results, parent=None):
+    if parent is not None:
+        _die_with_parent(parent)
     for key, value in CHILD_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ.update(env)
@@ -65,7 +88,8 @@ def run_ranks(target: Callable[..., Any], world: int, *, args: tuple = (), timeo
     results = ctx.Queue()
     port = free_port()
     child_env = {**CHILD_ENV, **(env or {})}
-    procs = [ctx.Process(target=_child, args=(target, r, world, port, args, child_env, results), daemon=True)
+    procs = [ctx.Process(target=_child, args=(target, r, world, port, args, child_env, results, os.getpid()),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
