@@ -323,7 +323,7 @@ ffi::Error EmDispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                       ffi::AnyBuffer weights, ffi::AnyBuffer copy_slot, ffi::AnyBuffer recv_expert_count,
                       ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x2,
                       ffi::Result<ffi::AnyBuffer> recv_idx, ffi::Result<ffi::AnyBuffer> recv_w,
-                      ffi::Result<ffi::AnyBuffer> status, int64_t state, int64_t num_experts, int64_t zero_padding) {
+                      ffi::Result<ffi::AnyBuffer> status, int64_t state, int64_t num_experts) {
   return guarded<G>(state, ordinal, "omniep expert-major dispatch (JAX)", [&](G& g) {
     need_f32(weights, "topk_weights");
     const Dims dims = recv_x->dimensions();
@@ -345,7 +345,7 @@ ffi::Error EmDispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     c.recv_x2 = c.row2_bytes > 0 ? data(recv_x2) : nullptr;
     c.recv_topk_idx = as<int32_t>(recv_idx);
     c.recv_topk_weights = as<float>(recv_w);
-    c.zero_padding = zero_padding != 0;  // else unspecified (DESIGN §2)
+    c.zero_padding = false;  // DESIGN §2: slots past the counts are unspecified
     g.em_dispatch(c, g.current(), stream);  // continues prepare's op
     g.take_status(as<Status>(status), stream);
   });
@@ -472,7 +472,7 @@ auto bind(Names... attrs) {
   OMNIEP_JAX_HANDLER(prefix, dispatch_bwd, DispatchBwd, G, bind<6, 2>("state", "num_experts"));                \
   OMNIEP_JAX_HANDLER(prefix, em_prepare, EmPrepare, G,                                                        \
                      bind<1, 14>("state", "num_experts", "capacity", "expert_alignment", "hidden", "dtype"));  \
-  OMNIEP_JAX_HANDLER(prefix, em_dispatch, EmDispatch, G, bind<6, 5>("state", "num_experts", "zero_padding"));  \
+  OMNIEP_JAX_HANDLER(prefix, em_dispatch, EmDispatch, G, bind<6, 5>("state", "num_experts"));                  \
   OMNIEP_JAX_HANDLER(prefix, em_combine, EmCombine, G, bind<4, 2, true>("state", "num_experts"));              \
   OMNIEP_JAX_HANDLER(prefix, em_dispatch_bwd, EmDispatchBwd, G, bind<4, 2>("state", "num_experts"));           \
   OMNIEP_JAX_HANDLER(prefix, em_combine_bwd, EmCombineBwd, G, bind<6, 2>("state", "num_experts"))

@@ -58,12 +58,10 @@ class EPBackend(abc.ABC):
         device, sends it with the counts, and sets ``handle.status``."""
         raise NotImplementedError
 
-    def dispatch(self, x, topk_weights, handle: Handle, zero_padding: bool = False) -> tuple[tuple, Handle]:
+    def dispatch(self, x, topk_weights, handle: Handle) -> tuple[tuple, Handle]:
         """Move ``x[T, ...]`` (rows moved unchanged) and ``topk_weights``. Returns
         ``((recv_x, recv_topk_idx, recv_topk_weights, num_recv, num_recv_tokens_per_expert, dropped),
-        handle)`` with the handle completed; dispatching again with that handle is a cached dispatch.
-        ``zero_padding`` (JAX, expert-major): the slots of ``recv_x`` past the counts are zero, written
-        by the dispatch itself (else unspecified, DESIGN §2)."""
+        handle)`` with the handle completed; dispatching again with that handle is a cached dispatch."""
         raise NotImplementedError
 
     def combine(self, y, handle: Handle, bias: tuple = ()):

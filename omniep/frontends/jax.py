@@ -25,6 +25,7 @@ compilation, before any op runs. Where ranks may diverge (tests, debugging), set
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -103,8 +104,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     with it returns the bias (or 0) and reports the same status. Raise it with :func:`check`.
 
     ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
-    (DESIGN §2) — for a dense expert over every slot; written by the dispatch itself (the native kernels:
-    the padding rows only, no pass over the whole ``recv_x``).
+    (DESIGN §2) — for a dense expert over every slot; one pass over ``recv_x``.
     """
     layout = Layout.parse(layout)
     fp8_pair = isinstance(x, (tuple, list))
@@ -127,8 +127,13 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     config = DispatchConfig(num_experts, num_ranks, layout,
                             resolve_capacity(capacity, num_ranks, num_tokens, layout, static=True),
                             check_expert_alignment(expert_alignment))
-    zero = bool(zero_padding) and layout == Layout.EXPERT_MAJOR  # (written by the backend's dispatch)
-    return _dispatch_fn(cls, axis_name, config, _sync(), zero)(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
+    d = _dispatch_fn(cls, axis_name, config, _sync())(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
+    if zero_padding and layout == Layout.EXPERT_MAJOR:
+        held = (d.recv_topk_idx >= 0)[..., None]
+        masked = tuple(jnp.where(held, t, jnp.zeros((), t.dtype)) for t in d.recv_x) if fp8_pair \
+            else jnp.where(held, d.recv_x, jnp.zeros((), d.recv_x.dtype))
+        d = dataclasses.replace(d, recv_x=masked)
+    return d
 
 
 def combine(y, handle: Handle, *, bias=None, return_status: bool = False, weighted: bool = True):
@@ -270,7 +275,7 @@ def _materialized(tree):
 
 
 @functools.lru_cache(maxsize=None)
-def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool, zero_padding: bool = False):
+def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
     backend = cls(axis_name)
 
     def run(x, topk_idx, topk_weights):
@@ -280,7 +285,7 @@ def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool, zero_paddin
                                 dtype=val.dtype_name(rows), num_topk=int(topk_idx.shape[1]))
         handle = backend.prepare(topk_idx, config, desc)
         (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.dispatch(
-            x, topk_weights, handle, zero_padding)
+            x, topk_weights, handle)
         out = _materialized(Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle,
                                        handle.status))
         return _checked(out, handle.status) if sync else out

@@ -172,8 +172,8 @@ def check_fp8(mesh, world: int) -> list:
 
 
 def check_zero_padding(mesh, world: int) -> dict:
-    """``zero_padding=True`` on an expert-major dispatch under ``jit``: the slots past the counts are
-    written zero by the dispatch (the native kernel), over memory poisoned first. XLA's allocator hands
+    """``zero_padding=True`` on an expert-major dispatch under ``jit``: the slots past the counts come
+    back zero over memory poisoned first. XLA's allocator hands
     a freed block of the same size back: NaN arrays the size of each output are made and freed before
     each run. A control run without ``zero_padding`` must show the poison in its padding (else the
     poisoning did not reach the result and the check proves nothing); its counted slots must equal the

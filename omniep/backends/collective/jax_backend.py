@@ -164,10 +164,9 @@ class CollectiveJax(EPBackend):
         return Handle(config, self.name, idx, None, send_pos, per_rank, recv_counts, None, None, None,
                       None, group=self.group, status=status, descriptor=tuple(int(v) for v in descriptor))
 
-    def dispatch(self, x, topk_weights, handle: Handle, zero_padding: bool = False):
+    def dispatch(self, x, topk_weights, handle: Handle):
         """``x[T, H]`` (or a tuple of row arrays, e.g. fp8 ``(x, x_scales)``) and ``topk_weights[T, K]``
-        f32 to the ranks of their experts. See :class:`omniep.ep_core.types.Dispatched` for outputs
-        (expert-major slots past the counts are always zero here: ``zero_padding`` costs nothing);
+        f32 to the ranks of their experts. See :class:`omniep.ep_core.types.Dispatched` for outputs;
         the op's status is ``handle.status`` (from :meth:`prepare`). A cached dispatch (a completed
         handle) exchanges no descriptor of its own: its ``x`` must have the hidden size and dtype the
         handle was prepared for, on every rank."""

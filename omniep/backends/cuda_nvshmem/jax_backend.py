@@ -282,12 +282,11 @@ class CudaNvshmemJax(EPBackend):
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
                             None, group=self.group, send_offset=send_offset, num_invalid=num_invalid)
 
-    def dispatch(self, x, topk_weights, handle: NativeHandle, zero_padding: bool = False):
+    def dispatch(self, x, topk_weights, handle: NativeHandle):
         """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8, bytes unchanged) and the routing into the
-        receivers' buffers; returns the fields of :class:`Dispatched` and the completed handle.
-        ``zero_padding`` (expert-major): the kernel zeroes the padding slots (only those)."""
+        receivers' buffers; returns the fields of :class:`Dispatched` and the completed handle."""
         if handle.config.layout == Layout.EXPERT_MAJOR:
-            return self._em_dispatch(x, topk_weights, handle, zero_padding)
+            return self._em_dispatch(x, topk_weights, handle)
         cfg = handle.config
         C, E, L = cfg.capacity, cfg.num_experts, cfg.num_local_experts
         T, K = handle.topk_idx.shape
@@ -380,7 +379,7 @@ class CudaNvshmemJax(EPBackend):
                             copy_slot=copy_slot, recv_expert_count=expert_count, em_per_expert=per_expert,
                             em_dropped=dropped + num_invalid)
 
-    def _em_dispatch(self, x, topk_weights, handle: NativeHandle, zero_padding: bool = False):
+    def _em_dispatch(self, x, topk_weights, handle: NativeHandle):
         cfg = handle.config
         C, L = cfg.capacity, cfg.num_local_experts
         T = handle.topk_idx.shape[0]
@@ -393,7 +392,7 @@ class CudaNvshmemJax(EPBackend):
             "em_dispatch", [((L, C, H), rows.dtype), ((L, C, H2), jnp.float32), ((L, C), jnp.int32),
                             ((L, C), jnp.float32), _STATUS],
             rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.copy_slot,
-            handle.recv_expert_count, num_experts=cfg.num_experts, zero_padding=int(zero_padding))
+            handle.recv_expert_count, num_experts=cfg.num_experts)
         handle = handle.replace(topk_weights=topk_weights, status=status)
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return per_rank(((out_x, recv_idx, recv_w, handle.num_recv, handle.em_per_expert, handle.em_dropped),

@@ -212,10 +212,9 @@ class NcclEpLibJax(CudaNvshmemJax):
                                      f"expert-major layout holds one copy per (token, expert)")
         return LibHandle(config, self.name, idx32, None, None, None, None, None, None, None, group=self.group)
 
-    def dispatch(self, x, topk_weights, handle: LibHandle, zero_padding: bool = False):
+    def dispatch(self, x, topk_weights, handle: LibHandle):
         """``Handle::dispatch`` on a native handle made for this traced dispatch; returns the fields of
-        :class:`Dispatched` and the completed handle. ``zero_padding`` (expert-major): the slots past the
-        counts masked to zero here (NCCL EP leaves them unspecified)."""
+        :class:`Dispatched` and the completed handle."""
         code = self._code(x, "x")
         cfg = handle.config
         C, E, L, R = cfg.capacity, cfg.num_experts, cfg.num_local_experts, cfg.num_ranks
@@ -236,8 +235,6 @@ class NcclEpLibJax(CudaNvshmemJax):
         handle = handle.replace(topk_weights=topk_weights, recv_counts=recv_counts, num_recv=num_recv,
                                 recv_topk_idx=None if em else recv_idx, recv_topk_weights=None if em else recv_w,
                                 status=status, native=native, ticket=ticket.astype(i32))
-        if em and zero_padding:
-            recv_x = jnp.where((recv_idx >= 0)[..., None], recv_x, jnp.zeros((), recv_x.dtype))
         return per_rank(((recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle), self.group)
 
     @staticmethod
