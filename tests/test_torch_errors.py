@@ -353,8 +353,8 @@ def test_failing_rank_fails_the_run_promptly_and_reaps_children(tmp_path):
 
 
 def test_ranks_die_with_a_killed_parent(tmp_path):
-    """A parent killed outright (SIGKILL: no cleanup of run_ranks runs) takes its ranks with it: a GPU
-    benchmark that followed a timed-out test step read 2.7x slower and may have run beside such orphans."""
+    """A parent killed outright (SIGKILL: no cleanup of run_ranks runs) takes its ranks with it, so that
+    no rank of a killed test keeps a GPU busy under whatever runs next."""
     import signal
     import subprocess
     import sys

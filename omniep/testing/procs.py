@@ -47,9 +47,9 @@ CHILD_DEFAULTS = {"OMNIEP_CHECKS": "sync"}
 
 def _die_with_parent(parent: int) -> None:
     """Linux: this process gets SIGKILL when the process that started it dies (PR_SET_PDEATHSIG). A
-    parent killed outright (a step's ``timeout``, SIGKILL) runs none of :func:`run_ranks`' cleanup, and
-    its ranks -- JAX or torch processes, possibly spinning in a GPU kernel for a peer that is gone --
-    would keep running and slow whatever the GPU runs next."""
+    parent killed outright (SIGKILL) runs none of :func:`run_ranks`' cleanup, and its ranks -- JAX or
+    torch processes, possibly spinning in a GPU kernel for a peer that is gone -- would keep running and
+    slow whatever the GPU runs next."""
     import ctypes
     import signal
     import sys
