@@ -286,9 +286,8 @@ def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
         handle = backend.prepare(topk_idx, config, desc)
         (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.dispatch(
             x, topk_weights, handle)
-        out = _materialized(Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle,
-                                       handle.status))
-        return _checked(out, handle.status) if sync else out
+        out = Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle, handle.status)
+        return _materialized(_checked(out, handle.status) if sync else out)
 
     @jax.custom_vjp
     def dispatch_vjp(x, topk_idx, topk_weights):
@@ -319,8 +318,8 @@ def _combine_fn(cls, group, config: DispatchConfig, bias_dtypes: tuple, sync: bo
     expert_major = config.layout == Layout.EXPERT_MAJOR
 
     def run(y, handle, biases):
-        out, status = _materialized(backend.combine(*_materialized((y, handle, biases))))
-        return _checked((out, status), status) if sync else (out, status)
+        out, status = backend.combine(*_materialized((y, handle, biases)))
+        return _materialized(_checked((out, status), status) if sync else (out, status))
 
     @jax.custom_vjp
     def combine_vjp(y, handle, biases):

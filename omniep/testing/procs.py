@@ -58,7 +58,9 @@ def _die_with_parent(parent: int) -> None:
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if libc.prctl(ctypes.c_int(1), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)) != 0:  # PR_SET_PDEATHSIG = 1
+            return
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:  # the parent died before the request was in place

@@ -173,18 +173,21 @@ def check_fp8(mesh, world: int) -> list:
 
 def check_zero_padding(mesh, world: int) -> dict:
     """``zero_padding=True`` on an expert-major dispatch under ``jit``: the slots past the counts come
-    back zero over memory poisoned first. XLA's allocator hands
-    a freed block of the same size back: NaN arrays the size of each output are made and freed before
-    each run. A control run without ``zero_padding`` must show the poison in its padding (else the
-    poisoning did not reach the result and the check proves nothing); its counted slots must equal the
-    zero-padded run's. Returns ``{rank: {"zero": bool, "counted_equal": bool, "control_poisoned": bool}}``
-    for the ranks of this process."""
+    back zero over memory poisoned first. XLA's allocator hands a freed block of the same size back: NaN
+    arrays the size of each output are made and freed before each run. A control run without
+    ``zero_padding`` must show the poison in its padding on a backend that leaves padding unspecified
+    (else the poisoning did not reach the result and the check proves nothing) and zeros on the
+    collective backend, whose padding is zero by construction; its counted slots must equal the
+    zero-padded run's. Returns ``{rank: {"zero": bool, "counted_equal": bool, "control_poisoned" |
+    "control_zero": bool}}`` for the ranks of this process."""
     import jax
     import jax.numpy as jnp
 
     from omniep import jax as ep
+    from omniep.ep_core import registry
     from harness import jax_workers as jw
 
+    collective = registry.select_backend("jax").name == "collective"  # OMNIEP_BACKEND from the parent
     T, H, E, K = 6, 512, 4 * world, 2
     L, C = E // world, 2 * T * world  # C > the copies any expert gets: every expert has padding
     case = make_case(11, num_ranks=world, num_experts=E, num_topk=K, hidden=H, num_tokens=T)
@@ -212,8 +215,11 @@ def check_zero_padding(mesh, world: int) -> dict:
         assert held.any() and not held.all(), f"rank {r}: the case must have counted and padding slots"
         got, ctl = zeroed[r]["recv_x"], control[r]["recv_x"]
         out[r] = {"zero": bool(np.all(jw.bits(got[~held]) == 0)),
-                  "counted_equal": bool(np.array_equal(jw.bits(got[held]), jw.bits(ctl[held]))),
-                  "control_poisoned": bool(np.isnan(ctl[~held].astype(np.float32)).any())}
+                  "counted_equal": bool(np.array_equal(jw.bits(got[held]), jw.bits(ctl[held])))}
+        if collective:
+            out[r]["control_zero"] = bool(np.all(jw.bits(ctl[~held]) == 0))
+        else:
+            out[r]["control_poisoned"] = bool(np.isnan(ctl[~held].astype(np.float32)).any())
     return out
 
 

@@ -540,15 +540,6 @@ def error_silent(rank: int, *, silent: int, sleep_s: float) -> None:
     ep.combine(d.recv_x, d.handle)
 
 
-def sleep_with_pid(rank: int, world: int, port: int, pid_dir: str) -> None:
-    """Writes ``rank<r>.pid`` in ``pid_dir``, then sleeps (a rank whose parent is about to be killed)."""
-    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
-        f.write(str(os.getpid()))
-    import time
-
-    time.sleep(600)
-
-
 def fail_one_rank(rank: int, world: int, port: int, fail_rank: int, pid_dir: str) -> None:
     """Rank ``fail_rank`` raises; the others block in a dispatch that can never complete."""
     import torch

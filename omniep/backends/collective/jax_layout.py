@@ -105,7 +105,8 @@ def send_positions(owner, num_ranks: int):
 
 
 def token_of_slot(send_pos):
-    """``[R, T]``: which token sits at position p of the buffer to rank r (``T`` where none)."""
+    """``[R, T]``: which token sits at position p of the buffer to rank r (``T`` where none), for
+    ``send_pos`` as :func:`send_positions` makes it (per rank, positions 0 .. n-1 in token order)."""
     T, R = send_pos.shape
     # Gathers after a stable sort, no scatter: XLA's deterministic scatter on GPUs
     # (--xla_gpu_deterministic_ops) misplaced rows of the scatter this replaces (benchmarks/RESULTS.md,
@@ -169,7 +170,8 @@ def expert_slots(recv_local_idx, num_local_experts: int, capacity: int):
 
 
 def expert_table(recv_local_idx, slot, num_local_experts: int, capacity: int):
-    """``[L, C]``: flat copy index ``m * K + k`` held by slot c of local expert l, ``-1`` when empty."""
+    """``[L, C]``: flat copy index ``m * K + k`` held by slot c of local expert l, ``-1`` when empty, for
+    ``slot`` as :func:`expert_slots` makes it (per expert, slots 0 .. n-1 in copy order)."""
     M, K = recv_local_idx.shape
     L = num_local_experts
     kept = (slot >= 0).reshape(M * K)
