@@ -4,9 +4,12 @@ The same shape and loss as ``moe_layer_gpu.py`` (the torch layer): T=4096 tokens
 experts, top-8, F=2048, capacity factor 1.25, bf16 parameters and tokens. One ``jax.distributed``
 process per GPU (``--world`` GPUs), a 1-D ``expert`` mesh over them; per backend (``OMNIEP_BACKEND`` of
 the processes): the step's wall time (the jitted value-and-grad, dispatched and waited for), median
-over ``--iters``, and tokens/s per rank.
+over ``--iters``, and tokens/s per rank. ``--hlo PREFIX``: rank 0 writes the step as XLA compiled it
+(``PREFIX.<backend>.hlo.txt``) and prints how many transposes, copies and GEMM calls it holds — to
+compare two trees' programs (a layout XLA chose differently shows there before any profile).
 
     python benchmarks/moe_layer_jax_gpu.py --world 2 [--backends cuda_nvshmem,collective] [--out f.json]
+        [--hlo PREFIX]
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
             return jnp.mean(jnp.square(out.astype(jnp.float32))) + aux
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
+    if args["hlo"] and rank == 0:
+        text = step.lower(params, x).compile().as_text()
+        with open(f"{args['hlo']}.{args['backend']}.hlo.txt", "w") as f:
+            f.write(text)
+        print(f"rank 0 {args['backend']}: compiled step {hlo_summary(text)}", flush=True)
     for _ in range(3):
         jax.block_until_ready(step(params, x))
     times = []
@@ -69,6 +77,17 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     return row
 
 
+def hlo_summary(text: str) -> dict:
+    """Instruction counts of a compiled HLO module's text: ``transpose``, ``copy`` and the GEMM custom
+    calls (cuBLAS / cuBLASLt targets, Triton GEMM fusions)."""
+    import re
+
+    ops = re.findall(r"=\s*\S+\s+([a-z][\w-]*)\(", text)
+    return {"transpose": ops.count("transpose"), "copy": ops.count("copy"),
+            "gemm_calls": len(re.findall(r'custom_call_target="__cublas', text)),
+            "triton_gemm_fusions": len(re.findall(r'"kind":"__triton_gemm"', text))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
@@ -77,6 +96,7 @@ def main(argv=None) -> int:
     add_shape_args(p)
     p.add_argument("--cpu", action="store_true", help="smoke-run on CPU processes (use small shapes)")
     p.add_argument("--out", default="")
+    p.add_argument("--hlo", default="", help="write rank 0's compiled step to PREFIX.<backend>.hlo.txt")
     a = p.parse_args(argv)
     shape = shape_of(a)
     sys.path.insert(0, ".")
@@ -84,7 +104,7 @@ def main(argv=None) -> int:
 
     rows = []
     for backend in a.backends.split(","):
-        args = dict(iters=a.iters, backend=backend, shape=shape, cpu=a.cpu)
+        args = dict(iters=a.iters, backend=backend, shape=shape, cpu=a.cpu, hlo=a.hlo)
         rows += run_ranks(rank_main, a.world, args=(args,), timeout=400,
                           env={"OMNIEP_CHECKS": "default", "JAX_PLATFORMS": "cpu" if a.cpu else "cuda,cpu",
                                "XLA_FLAGS": "--xla_force_host_platform_device_count=1" if a.cpu else ""})
