@@ -318,7 +318,8 @@ def _combine_fn(cls, group, config: DispatchConfig, bias_dtypes: tuple, sync: bo
     expert_major = config.layout == Layout.EXPERT_MAJOR
 
     def run(y, handle, biases):
-        out, status = backend.combine(*_materialized((y, handle, biases)))
+        # (biases behind a barrier of their own: one made early need not wait for y, nor y for it)
+        out, status = backend.combine(*_materialized((y, handle)), _materialized(biases))
         return _materialized(_checked((out, status), status) if sync else (out, status))
 
     @jax.custom_vjp
