@@ -117,25 +117,25 @@ _lib = torch.library.Library("omniep", "DEF")
 
 
 def _python_kernel(name: str):
-    """``omniep::<name>``'s kernel on every device: the context's ``op_<name>`` method."""
+    """``omniep::<name>``'s kernel on every device: the context's ``op_<name>`` method, given the op's
+    arguments but ``ctx``, every one of them (the dispatcher leaves out trailing arguments that have
+    their default value: filled here from the schema)."""
     method = "op_" + name
-    if name in ("dispatch", "dispatch_fp8"):  # four arguments, the config, then zero_padding
-        def kernel(*args):
-            # (the dispatcher leaves out a trailing argument that has its default value)
-            ctx, num_experts, layout, capacity, expert_alignment = args[4:9]
-            return getattr(context_of(ctx), method)(*args[:4], num_experts, layout, capacity, expert_alignment,
-                                                    bool(args[9]) if len(args) > 9 else False)
-        return kernel
+    params = getattr(torch.ops.omniep, name).default._schema.arguments
+    at = [p.name for p in params].index("ctx")
+    defaults = tuple(p.default_value for p in params)
 
     def kernel(*args):
-        *tensors, ctx, num_experts, layout, capacity, expert_alignment = args
-        return getattr(context_of(ctx), method)(*tensors, num_experts, layout, capacity, expert_alignment)
+        if len(args) < len(defaults):
+            args += defaults[len(args):]
+        return getattr(context_of(args[at]), method)(*args[:at], *args[at + 1:])
     return kernel
 
 
-_KERNELS = {name: _python_kernel(name) for name in SCHEMAS}  # registered below, and called by EAGER
 for _name in SCHEMAS:
     _lib.define(_name + SCHEMAS[_name])
+_KERNELS = {name: _python_kernel(name) for name in SCHEMAS}  # registered below, and called by EAGER
+for _name in SCHEMAS:
     _lib.impl(_name, _KERNELS[_name], "CompositeExplicitAutograd")
     torch.library.register_fake(f"omniep::{_name}", FAKES[_name], lib=_lib)
 
