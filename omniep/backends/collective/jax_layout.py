@@ -178,11 +178,12 @@ def expert_table(recv_local_idx, slot, num_local_experts: int, capacity: int):
     expert = jnp.where(kept, recv_local_idx.reshape(M * K), L)
     # Expert l's kept copies hold slots 0 .. n_l - 1 in copy order (expert_slots), so after a stable sort
     # by expert its slot c is entry start_l + c: gathers only (see token_of_slot on scatters).
-    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
-    n = jnp.sum(expert[:, None] == jnp.arange(L, dtype=jnp.int32), axis=0, dtype=jnp.int32)
+    order = jnp.argsort(expert, stable=True)
+    # Where each expert's run starts in the sorted experts, and where it ends (binary searches).
+    bounds = jnp.searchsorted(expert[order], jnp.arange(L + 1, dtype=expert.dtype)).astype(jnp.int32)
     c = jnp.arange(capacity, dtype=jnp.int32)[None, :]
-    at = exclusive_cumsum(n)[:, None] + c
-    return jnp.where(c < n[:, None], take_rows(order, at, c < n[:, None]), -1)
+    held = c < (bounds[1:] - bounds[:-1])[:, None]
+    return jnp.where(held, take_rows(order.astype(jnp.int32), bounds[:-1, None] + c, held), -1)
 
 
 def gather_copies(values, recv_local_idx, slot):
