@@ -2,9 +2,10 @@
 
 One process per device; gloo on CPU, NCCL/RCCL on GPU. Tensors stay on the device of the input.
 
-Data movement per op (DESIGN §5): dispatch = the local layout, ONE count exchange (which on gloo also
-carries the rows' routing and fp8 scales) and ONE all-to-all of the rows, received straight into
-``recv_x``; combine, cached dispatch and the backward passes = ONE all-to-all each (expert-major
+Data movement per op (DESIGN §5): dispatch = the local layout and ONE count exchange, which on gloo also
+carries the rows' routing and fp8 scales and, once the agreed slot holds them (from the second dispatch
+of a shape on, up to BULK bytes per peer), the rows themselves: one collective per dispatch; otherwise
+(NCCL, larger rows) ONE more all-to-all of the rows, received straight into ``recv_x``; combine, cached dispatch and the backward passes = ONE all-to-all each (expert-major
 ``combine_bwd`` adds one of the weights' gradients). Splits are host integers: a dispatch reads the
 counts once; every later op of its handle reuses them (the handle's CPU ``info`` tensor). A rank's
 own rows never travel: they are copied while the all-to-all moves the peers'.
@@ -55,6 +56,7 @@ HEADER = 4 * HEADER_WORDS
 W_MAGIC, W_BODY, W_BLOCK, W_FLAGS = DESC_WORDS, DESC_WORDS + 1, DESC_WORDS + 2, DESC_WORDS + 3
 MAGIC = 0x4F4D4E45
 RESEND = 1               # W_FLAGS: a block of this rank is larger than Q: the op needs the second exchange
+INLINE = 2               # W_FLAGS (dispatch): this rank's rows ride behind its routing in the first exchange
 ALIGN = 16               # every region of a block starts at a multiple of this (dtype views)
 MIN_SLOT = 1 << 16       # Q to start with
 MAX_HEAD_WORDS = 8192    # header + counts must fit the smallest slot: R + E <= MAX_HEAD_WORDS - 16
@@ -236,12 +238,12 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         return buf
 
     def _exchange(self, desc: list, bodies: list, write, device, head: Optional[list] = None,
-                  expect: Optional[list] = None, meanwhile=None):
+                  expect: Optional[list] = None, meanwhile=None, flags: int = 0):
         """The first exchange of an op. Each peer block: the header, ``head`` (int32 words every block
         carries: the dispatch's counts), then a body of ``bodies[d]`` bytes (a multiple of ALIGN; this
         rank's entry is ignored) that ``write(buf, offsets)`` fills, ``offsets[d]`` being where d's body
         starts in ``buf``. ``expect[s]``: body bytes expected from s (transports needing equal sizes).
-        ``meanwhile()`` runs while the exchange is in flight.
+        ``meanwhile()`` runs while the exchange is in flight; ``flags`` go into this rank's W_FLAGS word.
 
         Returns ``(status, table, buf, offsets)``: the op's verdict, every rank's header + head words by
         rank, and where each peer's body landed (``offsets[me]`` is None)."""
@@ -251,7 +253,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         lead = HEADER + _up(4 * len(head))
         sizes = [lead + bodies[d] for d in peers]
         big = max(sizes, default=0)
-        flags = RESEND if self.tolerant and big > self.slot else 0
+        flags |= RESEND if self.tolerant and big > self.slot else 0
         mine = desc + [MAGIC, 0, big, flags] + head
         if not peers:
             if meanwhile is not None:
@@ -281,7 +283,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             posted = [lead + expect[s] for s in peers]
             sent = sizes
         recv = self._workspace("_recv", sum(posted), device)
-        inp = torch.cat([send[o:o + n] for o, n in zip(starts, sent)]) if flags else send[:total]
+        inp = torch.cat([send[o:o + n] for o, n in zip(starts, sent)]) if flags & RESEND else send[:total]
         self._a2a(recv[:sum(posted)], inp, _with_self(posted, me), _with_self(sent, me), meanwhile)
         at_in = _starts(posted)
         rw = self._words["_recv"]
@@ -376,6 +378,17 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             if need > self.slot:
                 self._grow_slot(need)
 
+    def _grow_dispatch(self, pair: int, x: torch.Tensor, K: int, scales, lead: int) -> None:
+        """Make the slot hold a dispatch's block with its rows inline (``pair`` rows: the most any rank sent
+        another, the same number everywhere, as are the row sizes, which the descriptors agreed on), so that
+        the next dispatch of this shape makes one exchange; rows past BULK never go inline."""
+        W = x.element_size() * (x.shape[1] if x.dim() == 2 else 0)
+        if self.tolerant and pair * W <= BULK:
+            S = scales.shape[1] if scales is not None else 0
+            need = lead + _up(pair * 4 * K) * 2 + _up(pair * 4 * S) + _up(pair * W)
+            if need > self.slot:
+                self._grow_slot(need)
+
     def _grow_slot(self, need: int) -> None:
         self.slot = _grow(need)
 
@@ -438,8 +451,18 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         send_n = in_rank.sum(0).tolist()
         sel = _selector(in_rank, send_n, T)
         head = send_n + (expert_counts(topk_idx, E).tolist() if em else [])
-        # Every row's routing rides with the counts: [ids (K int32) | weights (K f32) | fp8 scales].
+        xb = _as_rows(x)
+        W = xb.shape[1]
+        # Every row's routing rides with the counts: [ids (K int32) | weights (K f32) | fp8 scales], and on
+        # gloo the rows themselves behind it (INLINE) when every block fits the slot: one collective for
+        # the dispatch instead of two. Larger rows (past BULK, or the first time a shape comes) go in the
+        # rows exchange, straight into recv_x; the ranks learn from each other's flags which it is.
         side = [_up(n * 4 * K) * 2 + _up(n * 4 * S) for n in send_n]
+        lead = HEADER + _up(4 * len(head))
+        inline = self.tolerant and R > 1 and all(
+            send_n[d] * W <= BULK and lead + side[d] + _up(send_n[d] * W) <= self.slot for d in self.peers)
+        if inline:
+            side = [b + _up(n * W) for b, n in zip(side, send_n)]
 
         def write_side(buf, offsets):
             for d in self.peers:
@@ -448,9 +471,12 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
                 _take(idx32, rows, n, buf[o:o + n * 4 * K].view(torch.int32).view(n, K))
                 o += _up(n * 4 * K)
                 _take(weights, rows, n, buf[o:o + n * 4 * K].view(torch.float32).view(n, K))
+                o += _up(n * 4 * K)
                 if S:
-                    o += _up(n * 4 * K)
                     _take(scales, rows, n, buf[o:o + n * 4 * S].view(torch.float32).view(n, S))
+                    o += _up(n * 4 * S)
+                if inline:
+                    _take(xb, rows, n, buf[o:o + n * W].view(n, W))
 
         packed = []
 
@@ -458,7 +484,9 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             packed.append(self._pack(x, sel, send_n))
 
         if self.tolerant:
-            status, table, buf, offsets = self._exchange(desc, side, write_side, dev, head, meanwhile=pack)
+            status, table, buf, offsets = self._exchange(desc, side, write_side, dev, head,
+                                                         meanwhile=None if inline else pack,
+                                                         flags=INLINE if inline else 0)
         else:
             status, table, buf, offsets = self._exchange(desc, [0] * R, _nothing, dev, head, expect=[0] * R,
                                                          meanwhile=pack)
@@ -490,14 +518,23 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             o += _up(m * 4 * K)
             return ids, w, buf[o:o + n * 4 * S].view(torch.float32).view(n, S) if S else None
 
+        rows_of = None
+        if R > 1 and all(row[W_FLAGS] & INLINE for row in table):  # every rank's rows came with the counts
+            def rows_of(s: int, n: int) -> torch.Tensor:
+                """The first ``n`` rows peer s sent here, as ``[n, W]`` bytes in the receive workspace."""
+                m = tok[s][me]
+                o = offsets[s] + _up(m * 4 * K) * 2 + _up(m * 4 * S)
+                return buf[o:o + n * W].view(n, W)
+
         if em:
             copies = torch.tensor([row[HEADER_WORDS + R:HEADER_WORDS + R + E] for row in table], dtype=torch.int64)
             return self._dispatch_em(x, scales, idx32, owner, in_rank, sel, send_n, tok, copies, side_of, cap, E, K,
-                                     expert_alignment, packed[0] if packed else False)
+                                     expert_alignment, packed[0] if packed else False, rows_of, lead)
         return self._dispatch_rm(x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, expert_alignment, wait,
-                                 packed[0] if packed else False)
+                                 packed[0] if packed else False, rows_of, lead)
 
-    def _dispatch_rm(self, x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, align, wait, packed):
+    def _dispatch_rm(self, x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, align, wait, packed, rows_of,
+                     lead):
         R, me, L = self.world, self.rank, E // self.world
         T, H = x.shape
         kept_from, kept_to, over = rank_major_plan(tok, me, cap)
@@ -531,9 +568,15 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             out.extend((recv_scales, recv_idx, recv_w, _scalar(n, dev), _aligned(per_expert, align),
                         _scalar(sum(t[me] for t in tok) - n, dev), [idx32, info, sent]))
 
-        self._rows_exchange(x, _selector(sent, kept_to, T), kept_to, kept_from, recv_x, routing, packed)
+        sel = _selector(sent, kept_to, T)
+        if rows_of is not None:  # the rows came with the counts: each source's first kept rows, in place
+            _place(recv_x, x, sel(me), kept_from, me, rows_of)
+            routing()
+        else:
+            self._rows_exchange(x, sel, kept_to, kept_from, recv_x, routing, packed)
         if R > 1:  # the handle's ops move at most these rows per pair
             self._grow_for(pair, _width(x, scales, H) + 4 * K)
+            self._grow_dispatch(pair, x, K, scales, lead)
         if over is not None:
             self._report(self._status(StatusCode.CAPACITY, over[0], over[1], cap), wait)
         elif wait and self._pending is not None:
@@ -541,7 +584,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         return (recv_x, *out)
 
     def _dispatch_em(self, x, scales, idx32, owner, in_rank, sel, send_n, tok, copies, side_of, C, E, K, align,
-                     packed):
+                     packed, rows_of, lead):
         R, me, L = self.world, self.rank, E // self.world
         T, H = x.shape
         dev = x.device
@@ -549,10 +592,14 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         M = sum(rows_from)
         kept, kept_to, kept_from, per_expert, over = expert_major_plan(copies, me, R, C)
         moved = torch.empty((M, H), dtype=x.dtype, device=dev)
-        self._rows_exchange(x, sel, send_n, rows_from, moved, _nothing, packed)
+        if rows_of is not None:
+            _place(moved, x, sel(me), rows_from, me, rows_of)
+        else:
+            self._rows_exchange(x, sel, send_n, rows_from, moved, _nothing, packed)
         pair = max((tok[s][d] for s in range(R) for d in range(R) if s != d), default=0)
         if R > 1:  # the handle's ops move at most these rows (copies) per pair
             self._grow_for(max(max(_em_pairs(kept, R)), pair), _width(x, scales, H) + 4)
+            self._grow_dispatch(pair, x, K, scales, lead)
         parts = [side_of(s, rows_from[s]) for s in range(R)]
         ids, w = (torch.cat([p[i] for p in parts]) if R > 1 else parts[0][i] for i in (0, 1))
         recv_local = torch.take(local_table(E, R, me, dev), ids.long() + 1)
@@ -1058,6 +1105,20 @@ def _selector(mask: torch.Tensor, counts: list, T: int):
             rows = found[d] = mask[:, d].nonzero().view(-1)
         return rows
     return sel
+
+
+def _place(out: torch.Tensor, x: torch.Tensor, own, counts: list, me: int, rows_of) -> None:
+    """``out [sum(counts), ...]``: ``counts[s]`` rows from every rank s in rank order — this rank's own from
+    ``x`` (``own``: their indices, None = the first ones in order), a peer's from ``rows_of(s, n)``."""
+    ob, xb = _as_rows(out), _as_rows(x)
+    at = 0
+    for s, n in enumerate(counts):
+        if n:
+            if s == me:
+                _take(xb, own, n, ob[at:at + n])
+            else:
+                ob[at:at + n].copy_(rows_of(s, n))
+        at += n
 
 
 def _take(src: torch.Tensor, rows, n: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
