@@ -230,6 +230,14 @@ PYBIND11_MODULE(_native_torch, m) {
   m.def("receive", &omniep_torch::receive, py::arg("id"), py::arg("seq"),
         "Run the second half of context `id`'s send_only op `seq` on the current stream (DeepEP's receive "
         "hook); False when it is not pending (it ran already).");
+  m.def("host_steps", [](bool reset) {
+        std::vector<std::tuple<std::string, double, int64_t>> out;
+        for (const auto& h : omniep_torch::host_steps(reset)) out.emplace_back(h.name, h.total_us, h.count);
+        return out;
+      }, py::arg("reset") = false,
+      "[(step, total µs, count)] of the ops' host stamps (OMNIEP_HOST_STAMPS=1 when the module loaded; "
+      "empty otherwise); reset clears them.");
+  m.def("host_stamps_on", &omniep_torch::host_stamps_on, "Whether the ops record host stamps.");
   m.def("take_raised", [](int64_t id) -> py::object {
         auto& c = omniep_torch::context_of(id);
         if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();

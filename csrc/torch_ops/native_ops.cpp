@@ -28,7 +28,11 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -44,6 +48,48 @@ using at::Tensor;
 using omniep::EpRank;
 using omniep::OpDesc;
 using omniep::Status;
+
+// ---- host stamps ---------------------------------------------------------------------------------------
+// Where an op's host time goes (OMNIEP_HOST_STAMPS=1 when the module loads; benchmarks/host_split_gpu.py
+// --stamps): each stamp adds the time since the op's previous stamp to its step. Off, a stamp is one
+// predictable branch.
+
+namespace {
+const bool g_stamps_on = [] {
+  const char* v = std::getenv("OMNIEP_HOST_STAMPS");
+  return v != nullptr && *v != '\0' && *v != '0';
+}();
+std::mutex g_stamps_mu;
+std::vector<HostStep> g_steps;
+thread_local std::chrono::steady_clock::time_point t_last_stamp;
+
+void stamp_start() {
+  if (g_stamps_on) t_last_stamp = std::chrono::steady_clock::now();
+}
+
+void stamp(const char* step) {
+  if (!g_stamps_on) return;
+  const auto now = std::chrono::steady_clock::now();
+  const double us = std::chrono::duration<double, std::micro>(now - t_last_stamp).count();
+  {
+    std::lock_guard<std::mutex> lock(g_stamps_mu);
+    auto it = std::find_if(g_steps.begin(), g_steps.end(), [&](const HostStep& h) { return h.name == step; });
+    if (it == g_steps.end()) it = g_steps.insert(g_steps.end(), HostStep{step, 0.0, 0});
+    it->total_us += us;
+    it->count += 1;
+  }
+  t_last_stamp = std::chrono::steady_clock::now();  // the bookkeeping above is not the next step's
+}
+}  // namespace
+
+std::vector<HostStep> host_steps(bool reset) {
+  std::lock_guard<std::mutex> lock(g_stamps_mu);
+  std::vector<HostStep> out = g_steps;
+  if (reset) g_steps.clear();
+  return out;
+}
+
+bool host_stamps_on() { return g_stamps_on; }
 
 // ---- contexts ----------------------------------------------------------------------------------------
 
@@ -316,6 +362,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
                           bool round_scale, const Tensor& topk_idx_in, const Tensor& topk_weights_in, int64_t ctx,
                           int64_t num_experts, int64_t layout, int64_t capacity, int64_t expert_alignment,
                           bool zero_padding) {
+  stamp_start();
   Context& c = context_of(ctx);
   const bool em = layout == 1;
   const bool send_only = std::exchange(c.send_only_next, false) && em;
@@ -342,12 +389,14 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   OpDesc d = begin_op(c, omniep::kOpDispatch, static_cast<int>(num_experts), static_cast<int>(H),
                       desc_dtype(x_in), static_cast<int>(layout), static_cast<int>(cap), -1, static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
+  stamp("dispatch: checks, descriptor");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const cudaStream_t s = stream_of(c);
   const Tensor x = x_in.contiguous(), topk_idx = topk_idx_in.contiguous(), weights = topk_weights_in.contiguous();
   const std::optional<Tensor> x_scales =
       x_scales_in.has_value() ? std::optional<Tensor>(x_scales_in->contiguous()) : std::nullopt;
   const int64_t E = num_experts, L = E / R;
+  stamp("dispatch: device guard, stream, contiguous");
 
   const Routing parts(T, K, R, E, em);
   Tensor idx32 = device_empty({T, K}, at::kInt, c);
@@ -356,6 +405,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   Tensor num_recv = device_empty({}, at::kInt, c), dropped = device_empty({}, at::kInt, c);
   Tensor per_expert = device_empty({L}, at::kInt, c);
   int32_t* r = routing.data_ptr<int32_t>();
+  stamp("dispatch: 6 handle / count tensors");
 
   omniep::PrepareCall p = {};
   p.topk_idx = topk_idx.data_ptr();
@@ -387,6 +437,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   // Expert-major: the dispatch kernel routes itself (one launch, below); rank-major: prepare first.
   const omniep::PrepareResult prep =
       em ? omniep::PrepareResult{static_cast<int>(cap), static_cast<int>(cap), false, 0, 0} : c.rank->prepare(p, d, s);
+  stamp("dispatch: prepare (layout launch; the counted wait)");
   if (prep.stopped) {  // the op stopped on every rank: its status says why
     check(c, "dispatch");
     throw std::runtime_error("omniep: dispatch stopped on every rank without a status (a bug in omniep)");
@@ -406,6 +457,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   Tensor recv_s = fp8 ? device_empty(with(lead, {S}), at::kFloat, c) : device_empty({0}, at::kFloat, c);
   Tensor recv_idx = device_empty(em ? lead : with(lead, {K}), at::kInt, c);
   Tensor recv_w = device_empty(em ? lead : with(lead, {K}), at::kFloat, c);
+  stamp("dispatch: 4 result tensors");
   if (em) {
     omniep::EMDispatchCall e = {};
     e.route = &p;
@@ -452,9 +504,11 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     q.num_recv_tokens_per_expert = per_expert.data_ptr<int32_t>();
     c.rank->dispatch(q, d, s);
   }
+  stamp("dispatch: dispatch launch");
   // The counted wait saw what an earlier op left pending: raise it now that this op ran everywhere.
   if (prep.fatal != omniep::kStatusOk || prep.pending != omniep::kStatusOk) check(c, "dispatch");
   after_op(c, "dispatch");
+  stamp("dispatch: after_op");
   return DispatchOut(recv_x, recv_s, recv_idx, recv_w, num_recv, per_expert, dropped,
                      std::vector<Tensor>{idx32, routing, info});
 }
@@ -538,6 +592,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
                                         const std::optional<Tensor>& b0, const std::optional<Tensor>& b1,
                                         const Tensor* g_recv_w_in, const std::vector<Tensor>& handle,
                                         int64_t num_experts, int64_t layout, const char* what) {
+  stamp_start();
   const bool em = layout == 1;
   const bool send_only = std::exchange(c.send_only_next, false) && em;
   Checker chk{c, {}};
@@ -559,6 +614,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
                       static_cast<int>(layout), static_cast<int>(h.capacity), static_cast<int>(h.seq),
                       static_cast<int>(K));
   if (!chk.error.empty()) reject(c, d, chk.error);
+  stamp("combine: handle, checks, descriptor");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c.device));
   const Tensor y = y_in.contiguous();
   Tensor bias[2];
@@ -571,6 +627,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
   const Tensor g_recv_w = grad ? g_recv_w_in->contiguous() : Tensor();
   Tensor g_w = grad ? device_empty({T, K}, at::kFloat, c) : device_empty({0}, at::kFloat, c);
   const cudaStream_t s = stream_of(c);
+  stamp("combine: device guard, contiguous, 2 result tensors");
   // What both layouts take alike (omniep::CombineBase).
   const auto fill = [&](omniep::CombineBase& b) {
     b.y = y.data_ptr();
@@ -612,7 +669,9 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
     q.recv_counts = h.routing + h.parts.recv_counts;
     c.rank->combine(q, d, s);
   }
+  stamp("combine: combine launch");
   after_op(c, what);
+  stamp("combine: after_op");
   return {out, g_w};
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -33,6 +34,16 @@ void set_context(int64_t id, Context* c);
 // The second half of the context's send_only op `seq` (DeepEP's receive hook), on the current stream;
 // false when it is not pending (it ran already: any later op runs it first).
 bool receive(int64_t ctx, int64_t seq);
+
+// Host stamps (OMNIEP_HOST_STAMPS=1 when the module loads): µs spent in each named step of the ops so
+// far, and how often it ran; `reset` clears them.
+struct HostStep {
+  std::string name;
+  double total_us;
+  int64_t count;
+};
+std::vector<HostStep> host_steps(bool reset);
+bool host_stamps_on();
 
 using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
 
