@@ -305,6 +305,45 @@ Tensor device_empty(at::IntArrayRef shape, at::ScalarType t, const Context& c) {
                                 std::nullopt);
 }
 
+// An op's small int32 / float32 tensors (handle, counts, routing results) carved from ONE allocation:
+// each allocation costs the host ~1.3 µs on the lent H100 hosts (host_split_gpu.py --stamps, 2026-11-26)
+// and a dispatch made ten. Parts do not overlap and start on 256-byte boundaries, as allocations do.
+class Carved {
+ public:
+  int add(std::vector<int64_t> shape, at::ScalarType type) {
+    int64_t n = 1;
+    for (const int64_t d : shape) n *= d;
+    parts_.push_back(Part{std::move(shape), type, bytes_});
+    bytes_ += (n * static_cast<int64_t>(c10::elementSize(type)) + 255) / 256 * 256;
+    return static_cast<int>(parts_.size()) - 1;
+  }
+  // The parts, in the order added, over one fresh allocation.
+  std::vector<Tensor> make(const Context& c) const {
+    const Tensor base = device_empty({std::max<int64_t>(bytes_, 1)}, at::kByte, c);
+    std::vector<Tensor> out;
+    out.reserve(parts_.size());
+    for (const Part& p : parts_) {
+      // (the key set empty_cuda gives a tensor: the constructor adds the autograd keys)
+      auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()),
+                                                       c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                       c10::scalarTypeToTypeMeta(p.type));
+      impl->set_storage_offset(p.offset / static_cast<int64_t>(c10::elementSize(p.type)));
+      impl->set_sizes_contiguous(p.shape);
+      out.push_back(Tensor::wrap_tensor_impl(std::move(impl)));
+    }
+    return out;
+  }
+
+ private:
+  struct Part {
+    std::vector<int64_t> shape;
+    at::ScalarType type;
+    int64_t offset;  // bytes
+  };
+  std::vector<Part> parts_;
+  int64_t bytes_ = 0;
+};
+
 // Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts.
 struct Routing {
   int64_t send_pos, per_rank, per_expert, recv_counts, send_offset, scratch, copy_slot, recv_expert_count, em_scratch,
@@ -399,13 +438,32 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   stamp("dispatch: device guard, stream, contiguous");
 
   const Routing parts(T, K, R, E, em);
-  Tensor idx32 = device_empty({T, K}, at::kInt, c);
-  Tensor routing = device_empty({parts.total}, at::kInt, c);
+  const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
+  const int64_t S = fp8 ? x_scales->size(1) : 0;
+  // The small results: per received row (rank-major [rows, K]) or slot (expert-major [L, rows]).
+  const auto add_results = [&](Carved& k, int64_t n_rows) {
+    const std::vector<int64_t> lead = em ? std::vector<int64_t>{L, n_rows} : std::vector<int64_t>{n_rows};
+    std::vector<int64_t> per_copy = lead, scales = lead;
+    if (!em) per_copy.push_back(K);
+    scales.push_back(S);
+    k.add(fp8 ? scales : std::vector<int64_t>{0}, at::kFloat);  // recv_x_scales
+    k.add(per_copy, at::kInt);                                   // recv_topk_idx
+    k.add(per_copy, at::kFloat);                                 // recv_topk_weights
+  };
+  // Rows known before the layout (a capacity): every small tensor in one allocation; exact: two.
+  const bool rows_known = cap >= 0;
+  Carved small;
+  small.add({T, K}, at::kInt);            // idx32
+  small.add({parts.total}, at::kInt);     // routing
+  small.add({}, at::kInt);                // num_recv
+  small.add({}, at::kInt);                // dropped
+  small.add({L}, at::kInt);               // num_recv_tokens_per_expert
+  if (rows_known) add_results(small, cap);
+  std::vector<Tensor> carved = small.make(c);
+  Tensor idx32 = carved[0], routing = carved[1], num_recv = carved[2], dropped = carved[3], per_expert = carved[4];
   Tensor info = at::detail::empty_cpu({2}, at::kLong);
-  Tensor num_recv = device_empty({}, at::kInt, c), dropped = device_empty({}, at::kInt, c);
-  Tensor per_expert = device_empty({L}, at::kInt, c);
   int32_t* r = routing.data_ptr<int32_t>();
-  stamp("dispatch: 6 handle / count tensors");
+  stamp("dispatch: handle / count tensors (one allocation)");
 
   omniep::PrepareCall p = {};
   p.topk_idx = topk_idx.data_ptr();
@@ -446,18 +504,16 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   info.data_ptr<int64_t>()[1] = prep.capacity;
 
   const int64_t rows = prep.rows;
-  const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
-  const int64_t S = fp8 ? x_scales->size(1) : 0;
-  std::vector<int64_t> lead = em ? std::vector<int64_t>{L, rows} : std::vector<int64_t>{rows};
-  const auto with = [&](std::vector<int64_t> v, std::vector<int64_t> more) {
-    v.insert(v.end(), more.begin(), more.end());
-    return v;
-  };
-  Tensor recv_x = device_empty(with(lead, {H}), x.scalar_type(), c);
-  Tensor recv_s = fp8 ? device_empty(with(lead, {S}), at::kFloat, c) : device_empty({0}, at::kFloat, c);
-  Tensor recv_idx = device_empty(em ? lead : with(lead, {K}), at::kInt, c);
-  Tensor recv_w = device_empty(em ? lead : with(lead, {K}), at::kFloat, c);
-  stamp("dispatch: 4 result tensors");
+  if (!rows_known) {
+    Carved results;
+    add_results(results, rows);
+    for (Tensor& t : results.make(c)) carved.push_back(std::move(t));
+  }
+  Tensor recv_s = carved[5], recv_idx = carved[6], recv_w = carved[7];
+  std::vector<int64_t> x_shape = em ? std::vector<int64_t>{L, rows} : std::vector<int64_t>{rows};
+  x_shape.push_back(H);
+  Tensor recv_x = device_empty(x_shape, x.scalar_type(), c);
+  stamp("dispatch: result tensors");
   if (em) {
     omniep::EMDispatchCall e = {};
     e.route = &p;

@@ -95,8 +95,8 @@ def _open(group, backend, device: str):
     if ctx is None or not ctx.alive:
         ctx = _BY_GROUP[(resolved, cls.name)] = cls.open(resolved)
         # Backends written in Python: their kernels called straight, not through the dispatcher, in eager
-        # use (the native ops are one C++ call either way).
-        ctx.eager_ops = torch_ops.EAGER if ctx.ops is torch.ops.omniep else ctx.ops
+        # use; the native ops: their default overloads (one C++ call either way).
+        ctx.eager_ops = torch_ops.EAGER if ctx.ops is torch.ops.omniep else torch_ops.Overloads(ctx.ops)
     _CONTEXTS[(group, backend, device)] = ctx
     return ctx
 
