@@ -76,6 +76,10 @@ struct DispatchCall {
   int32_t* recv_topk_idx;    // [rows, K] (with topk_weights)
   float* recv_topk_weights;  // [rows, K] (with topk_weights)
   int32_t* num_recv_tokens_per_expert;  // [L] (with topk_weights)
+  // Static capacity: the dispatch kernel routes itself (no prepare call before it, one launch): the
+  // prepare's arguments; its outputs (topk_idx32, send_pos, send_offset, recv_counts, the counts) are
+  // written by the kernel, and the fields above of the same names are ignored.
+  const PrepareCall* route = nullptr;
 };
 
 // What both layouts' combine (and dispatch_bwd) take: y's rows summed per source token, plus biases.

@@ -48,6 +48,13 @@ inline size_t checked_smem(const LayoutArgs& a) { return per_expert_smem(a.num_e
 
 inline size_t checked_smem(const DispatchArgs& a) {
   if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
+  if (a.route.on) {
+    if (!a.with_routing) throw std::invalid_argument("omniep: a dispatch that routes itself moves the routing");
+    if (a.route.index_bytes != 4 && a.route.index_bytes != 8) {
+      throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
+    }
+    return per_expert_smem(a.num_experts, "dispatch", /*arrays=*/2);  // delivered pairs, the layout's counts
+  }
   return a.with_routing ? per_expert_smem(a.num_experts, "dispatch") : 0;
 }
 

@@ -254,9 +254,28 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
 
   DispatchArgs a = {};
   a.x = mine<const uint8_t>(g, c.x);
-  a.send_pos = mine<const int32_t>(g, c.send_pos);
-  a.send_offset = mine<const int32_t>(g, c.send_offset);
-  a.recv_counts = mine<const int32_t>(g, c.recv_counts);
+  const int32_t *topk_idx32 = c.topk_idx32, *send_pos = c.send_pos, *send_offset = c.send_offset,
+                *recv_counts = c.recv_counts;
+  if (const PrepareCall* p = c.route) {  // the kernel routes first: prepare's rank-major outputs
+    if (p->index_bytes != 4 && p->index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
+    if (p->expert_major || p->capacity != c.capacity || c.capacity < 0 || !routing) {
+      throw std::invalid_argument("omniep: the route is not this static-capacity dispatch's");
+    }
+    a.route.on = 1;
+    a.route.index_bytes = p->index_bytes;
+    a.route.topk_idx = mine<const void>(g, p->topk_idx);
+    a.route.num_tokens_per_rank = mine<int32_t>(g, p->num_tokens_per_rank);
+    a.route.num_tokens_per_expert = mine<int32_t>(g, p->num_tokens_per_expert);
+    a.route.num_recv = mine<int32_t>(g, p->num_recv);
+    a.route.dropped = mine<int32_t>(g, p->dropped);
+    topk_idx32 = p->topk_idx32;
+    send_pos = p->send_pos;
+    send_offset = p->send_offset;
+    recv_counts = p->recv_counts;
+  }
+  a.send_pos = mine<const int32_t>(g, send_pos);
+  a.send_offset = mine<const int32_t>(g, send_offset);
+  a.recv_counts = mine<const int32_t>(g, recv_counts);
   a.recv_x = g.template sym<uint8_t>(offsets[0]);
   if (at_x2 >= 0) {
     a.x2 = mine<const uint8_t>(g, c.x2);
@@ -264,7 +283,7 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
     a.own_x2 = mine<uint8_t>(g, c.recv_x2);
   }
   if (routing) {
-    a.topk_idx32 = mine<const int32_t>(g, c.topk_idx32);
+    a.topk_idx32 = mine<const int32_t>(g, topk_idx32);
     a.topk_weights = mine<const float>(g, c.topk_weights);
     a.recv_topk_idx = g.template sym<int32_t>(offsets[at_idx]);
     a.recv_topk_weights = g.template sym<float>(offsets[at_idx + 1]);
@@ -292,8 +311,8 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   if (fused) return;
 
   const uintptr_t base = g.data_ptr();
-  const uintptr_t skip_begin = reinterpret_cast<uintptr_t>(c.send_offset + g.rank());
-  const uintptr_t skip_count = reinterpret_cast<uintptr_t>(c.recv_counts + g.rank());
+  const uintptr_t skip_begin = reinterpret_cast<uintptr_t>(send_offset + g.rank());
+  const uintptr_t skip_count = reinterpret_cast<uintptr_t>(recv_counts + g.rank());
   const auto out = [](const void* p) { return reinterpret_cast<uintptr_t>(p); };
   copy_rows_except(out(c.recv_x), base + offsets[0], c.row_bytes, c.rows, skip_begin, skip_count, s);
   if (at_x2 >= 0) copy_rows_except(out(c.recv_x2), base + offsets[at_x2], c.row2_bytes, c.rows, skip_begin, skip_count, s);

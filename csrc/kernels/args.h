@@ -48,7 +48,21 @@ struct LayoutArgs {
   OpDesc desc[kMaxRanks];  // entry [rank]: the rank's op descriptor (status.h), exchanged at the first barrier
 };
 
+// A static-capacity rank-major dispatch that routes itself (route.on): block 0 of the dispatch kernel
+// does the layout kernel's work before the start barrier, which carries the counts (layout.cuh), and
+// writes DispatchArgs' topk_idx32, send_pos, send_offset and recv_counts, which the kernel then reads.
+struct RMRouteArgs {
+  int on;
+  int index_bytes;                          // 4 or 8
+  PerRank<const void> topk_idx;             // [T, K] int32 or int64, -1 = none
+  PerRank<int32_t> num_tokens_per_rank;     // out [R]
+  PerRank<int32_t> num_tokens_per_expert;   // out [E]
+  PerRank<int32_t> num_recv;                // out []: min(sum(recv_counts), C)
+  PerRank<int32_t> dropped;                 // out []
+};
+
 struct DispatchArgs {
+  RMRouteArgs route;
   PerRank<const uint8_t> x;                 // [T, row_bytes]
   PerRank<const uint8_t> x2;                // [T, row2_bytes]: optional second payload (fp8 scales)
   PerRank<const int32_t> topk_idx32;        // [T, K]

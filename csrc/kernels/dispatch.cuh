@@ -24,10 +24,15 @@
 // Barriers: start (receivers are ready: counters zeroed, earlier users of the buffers done), end
 // (all rows have arrived). The kernel completes on a rank only when its rows are all there, so
 // stream order is enough for whatever runs next on that rank.
+//
+// With a.route.on (static capacity) the kernel routes itself: block 0 runs the layout (layout.cuh) while
+// the other blocks wait at the start barrier, which then also carries the count rows and judges the ids;
+// after it every block reads the count matrix, which no peer rewrites before the end barrier.
 #pragma once
 
 #include "kernels/args.h"
 #include "kernels/copy_rows.cuh"
+#include "kernels/layout.cuh"
 #include "kernels/rows.cuh"
 #include "kernels/sync.cuh"
 
@@ -37,9 +42,10 @@ inline constexpr int kDispatchThreads = 512;
 
 template <typename Tr>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs a, Tr tr) {
-  extern __shared__ int s_delivered[];  // [E]: pairs this block delivered to each expert
+  extern __shared__ int s_delivered[];  // [E]: pairs this block delivered to each expert; route: [E] more
   __shared__ int s_offset[kMaxRanks];
   __shared__ int s_rows[kMaxRanks];  // remote path (block 0): my rows that remote rank r keeps
+  __shared__ OpDesc s_desc;          // mine (route, block 0: with the verdict on my ids)
 
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R, C = a.capacity;
@@ -57,8 +63,44 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   if (routing) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_delivered[e] = 0;
   }
-  if (static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
-  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
+  const bool route = a.route.on != 0;
+  if (threadIdx.x == 0) s_desc = a.desc[me];
+  if (route && blockIdx.x == 0) {  // the layout, before the barrier that exchanges its counts
+    int32_t* idx32 = const_cast<int32_t*>(tr.local(a.topk_idx32));
+    int32_t* send_pos = const_cast<int32_t*>(tr.local(a.send_pos));
+    if (a.route.index_bytes == 8) {
+      local_layout<Tr, int64_t>(tr, static_cast<const int64_t*>(tr.local(a.route.topk_idx)), idx32, send_pos,
+                                tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K,
+                                E, s_delivered + E, s_rows, &s_desc);
+    } else {
+      local_layout<Tr, int32_t>(tr, static_cast<const int32_t*>(tr.local(a.route.topk_idx)), idx32, send_pos,
+                                tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K,
+                                E, s_delivered + E, s_rows, &s_desc);
+    }
+  }
+  if (!route && static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
+  if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &s_desc)) {
+    if (route && blockIdx.x == 0) {
+      layout_route_nothing(tr, const_cast<int32_t*>(tr.local(a.send_pos)), const_cast<int32_t*>(tr.local(a.recv_counts)),
+                           const_cast<int32_t*>(tr.local(a.send_offset)), tr.local(a.route.num_recv),
+                           tr.local(a.route.dropped), T);
+    }
+    return;
+  }
+  if (route) {  // every block: where my rows start at each receiver, from the count matrix
+    const int32_t* counts = tr.workspace(me)->counts;
+    if (static_cast<int>(threadIdx.x) < R) {
+      int offset = 0;
+      for (int s = 0; s < me; ++s) offset += counts[s * kMaxRanks + threadIdx.x];
+      s_offset[threadIdx.x] = offset;
+    }
+    if (blockIdx.x == 0) {
+      int64_t total = 0, largest = 0;
+      layout_exchanged(tr, const_cast<int32_t*>(tr.local(a.recv_counts)), const_cast<int32_t*>(tr.local(a.send_offset)),
+                       nullptr, tr.local(a.route.num_recv), tr.local(a.route.dropped), C, &total, &largest);
+    }
+    __syncthreads();
+  }
 
   // ---- push my rows ----
   const uint8_t* x = tr.local(a.x);
@@ -116,9 +158,15 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
 
   // ---- zero my padding rows [rows received, C) ----
   {
-    const int32_t* recv_counts = tr.local(a.recv_counts);
+    // (route: block 0 writes recv_counts after the start barrier, so the other blocks read the matrix)
     int64_t received = 0;
-    for (int s = 0; s < R; ++s) received += recv_counts[s];
+    if (route) {
+      const int32_t* counts = tr.workspace(me)->counts;
+      for (int s = 0; s < R; ++s) received += counts[s * kMaxRanks + me];
+    } else {
+      const int32_t* recv_counts = tr.local(a.recv_counts);
+      for (int s = 0; s < R; ++s) received += recv_counts[s];
+    }
     const int first = static_cast<int>(received < C ? received : C);
     uint8_t* recv_x = tr.local(a.recv_x);
     uint8_t* recv_x2 = tr.local(a.recv_x2);

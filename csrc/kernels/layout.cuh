@@ -16,6 +16,10 @@
 // every rank knows every rank's receive size: an overflow of a static capacity is recorded as a
 // pending CAPACITY status (rows are dropped and counted), and with a mailbox the kernel tells the
 // host its receive size and the largest one (HostMailbox), whatever happened.
+//
+// A static-capacity rank-major dispatch runs the same steps inside the dispatch kernel (dispatch.cuh,
+// DispatchArgs::route): its start barrier carries the counts, its end barrier keeps them from being
+// rewritten too early; one launch and two barriers fewer.
 #pragma once
 
 #include "kernels/args.h"
@@ -37,28 +41,23 @@ OMNIEP_DEVICE void publish(HostMailbox* mailbox, int32_t ticket, int32_t rows, i
   mailbox->ticket = ticket;
 }
 
+// Block-wide, before the count exchange: this rank's layout (idx32, send_pos, the per-expert and per-rank
+// counts), its row of every peer's count matrix (stores, or puts for a remote peer: the barrier quiets
+// and signals), and in *s_desc the verdict on its ids. s_per_expert: E ints of shared memory; s_running:
+// kMaxRanks ints of shared memory (out: the per-rank totals). blockDim.x <= kLayoutThreads.
 template <typename Tr, typename Index>
-__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr tr) {
-  extern __shared__ int s_per_expert[];  // [E]
+OMNIEP_DEVICE void local_layout(const Tr& tr, const Index* idx, int32_t* idx32, int32_t* send_pos,
+                                int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
+                                int* s_per_expert, int* s_running, OpDesc* s_desc) {
   __shared__ int s_warp_base[kLayoutThreads / gpu::kWarpSize][kMaxRanks];
-  __shared__ int s_running[kMaxRanks];
-  __shared__ OpDesc s_desc;  // mine, with the verdict on my ids
-  __shared__ int s_bad;      // an id outside [-1, E) was seen
+  __shared__ int s_bad;  // an id outside [-1, E) was seen
   __shared__ long long s_bad_id;
-
-  const int me = tr.rank(), R = tr.num_ranks();
-  const int T = a.num_tokens[me], K = a.num_topk, E = a.num_experts, L = E / R;
+  const int me = tr.rank(), R = tr.num_ranks(), L = E / R;
   const int warp = gpu::warp_id(), nwarps = gpu::warps_per_block();
-  const Index* idx = static_cast<const Index*>(tr.local(a.topk_idx));
-  int32_t* idx32 = tr.local(a.topk_idx32);
-  int32_t* send_pos = tr.local(a.send_pos);
 
   for (int e = threadIdx.x; e < E; e += blockDim.x) s_per_expert[e] = 0;
   if (threadIdx.x < kMaxRanks) s_running[threadIdx.x] = 0;
-  if (threadIdx.x == 0) {
-    s_desc = a.desc[me];
-    s_bad = 0;
-  }
+  if (threadIdx.x == 0) s_bad = 0;
   __syncthreads();
 
   for (int base = 0; base < T; base += blockDim.x) {  // uniform trip count: ballots stay convergent
@@ -109,10 +108,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
     __syncthreads();  // s_warp_base is rewritten by the next chunk
   }
 
-  for (int e = threadIdx.x; e < E; e += blockDim.x) tr.local(a.num_tokens_per_expert)[e] = s_per_expert[e];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) num_tokens_per_expert[e] = s_per_expert[e];
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
-    tr.local(a.num_tokens_per_rank)[r] = s_running[r];
+    num_tokens_per_rank[r] = s_running[r];
     bool remote = false;
     if constexpr (Tr::kHasRemote) remote = tr.is_remote(r);
     if (!remote) {
@@ -125,54 +124,92 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   }
   __syncthreads();
   if (threadIdx.x == 0 && s_bad) {
-    s_desc.w[kDescInputStatus] = kInputBadExpertId;
+    s_desc->w[kDescInputStatus] = kInputBadExpertId;
     const long long id = s_bad_id;  // reported as int32 (clamped): the message names a bad id
-    s_desc.w[kDescInputDetail] = static_cast<int32_t>(id > INT32_MAX ? INT32_MAX : id < INT32_MIN ? INT32_MIN : id);
+    s_desc->w[kDescInputDetail] = static_cast<int32_t>(id > INT32_MAX ? INT32_MAX : id < INT32_MIN ? INT32_MIN : id);
   }
-  RankWorkspace* ws = tr.workspace(me);
-  HostMailbox* mailbox = tr.local(a.mailbox);
-  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
-    // The op stopped on every rank. Leave a handle that routes nothing: a binding that cannot stop
-    // the ops after this one (XLA runs the whole program) then moves nothing with it, instead of
-    // indexing peers' buffers with counts that were never exchanged.
-    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * R; i += blockDim.x) send_pos[i] = -1;
-    if (static_cast<int>(threadIdx.x) < R) {
-      tr.local(a.recv_counts)[threadIdx.x] = 0;
-      tr.local(a.send_offset)[threadIdx.x] = 0;
-    }
-    if (threadIdx.x == 0) {
-      *tr.local(a.num_recv) = 0;
-      *tr.local(a.dropped) = 0;
-      if (mailbox != nullptr) publish(mailbox, a.ticket, 0, 0, true, ws);
-    }
-    return;
-  }
+  __syncthreads();
+}
 
+// Block-wide, when the op stopped at its count exchange (on every rank): a handle that routes nothing,
+// so that a binding which cannot stop the ops after this one (XLA runs the whole program) moves nothing
+// with it, instead of indexing peers' buffers with counts that were never exchanged.
+template <typename Tr>
+OMNIEP_DEVICE void layout_route_nothing(const Tr& tr, int32_t* send_pos, int32_t* recv_counts, int32_t* send_offset,
+                                        int32_t* num_recv, int32_t* dropped, int T) {
+  const int R = tr.num_ranks();
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * R; i += blockDim.x) send_pos[i] = -1;
   if (static_cast<int>(threadIdx.x) < R) {
-    const int r = threadIdx.x;
-    tr.local(a.recv_counts)[r] = ws->counts[r * kMaxRanks + me];
-    int offset = 0;
-    for (int s = 0; s < me; ++s) offset += ws->counts[s * kMaxRanks + r];
-    tr.local(a.send_offset)[r] = offset;
-  }
-  if (int32_t* matrix = tr.local(a.count_matrix)) {
-    for (int i = threadIdx.x; i < R * R; i += blockDim.x) matrix[i] = ws->counts[(i / R) * kMaxRanks + i % R];
+    recv_counts[threadIdx.x] = 0;
+    send_offset[threadIdx.x] = 0;
   }
   if (threadIdx.x == 0) {
-    int64_t total = 0, largest = 0;
+    *num_recv = 0;
+    *dropped = 0;
+  }
+}
+
+// Block-wide, after the count exchange: the receive side of the layout from the count matrix (every
+// rank's row), read before the barrier that lets a peer's next op rewrite it. Returns (thread 0) this
+// rank's received rows in *total and the largest receive in *largest.
+template <typename Tr>
+OMNIEP_DEVICE void layout_exchanged(const Tr& tr, int32_t* recv_counts, int32_t* send_offset, int32_t* count_matrix,
+                                    int32_t* num_recv, int32_t* dropped, int capacity, int64_t* total,
+                                    int64_t* largest) {
+  const int me = tr.rank(), R = tr.num_ranks();
+  RankWorkspace* ws = tr.workspace(me);
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    recv_counts[r] = ws->counts[r * kMaxRanks + me];
+    int offset = 0;
+    for (int s = 0; s < me; ++s) offset += ws->counts[s * kMaxRanks + r];
+    send_offset[r] = offset;
+  }
+  if (count_matrix != nullptr) {
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) count_matrix[i] = ws->counts[(i / R) * kMaxRanks + i % R];
+  }
+  if (threadIdx.x == 0) {
+    int64_t mine = 0, most = 0;
     for (int r = 0; r < R; ++r) {
       int64_t rows = 0;
       for (int s = 0; s < R; ++s) rows += ws->counts[s * kMaxRanks + r];
-      if (r == me) total = rows;
-      if (rows > a.capacity) record_overflow(ws, me, r, static_cast<int>(rows), a.capacity);  // the first wins
-      largest = rows > largest ? rows : largest;
+      if (r == me) mine = rows;
+      if (rows > capacity) record_overflow(ws, me, r, static_cast<int>(rows), capacity);  // the first wins
+      most = rows > most ? rows : most;
     }
-    const int64_t kept = total < a.capacity ? total : a.capacity;
-    *tr.local(a.num_recv) = static_cast<int32_t>(kept);
-    *tr.local(a.dropped) = static_cast<int32_t>(total - kept);
-    if (mailbox != nullptr) {
-      publish(mailbox, a.ticket, static_cast<int32_t>(total), static_cast<int32_t>(largest), false, ws);
-    }
+    const int64_t kept = mine < capacity ? mine : capacity;
+    *num_recv = static_cast<int32_t>(kept);
+    *dropped = static_cast<int32_t>(mine - kept);
+    *total = mine;
+    *largest = most;
+  }
+}
+
+template <typename Tr, typename Index>
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr tr) {
+  extern __shared__ int s_per_expert[];  // [E]
+  __shared__ int s_running[kMaxRanks];
+  __shared__ OpDesc s_desc;  // mine, with the verdict on my ids
+
+  const int me = tr.rank();
+  const int T = a.num_tokens[me];
+  if (threadIdx.x == 0) s_desc = a.desc[me];
+  local_layout<Tr, Index>(tr, static_cast<const Index*>(tr.local(a.topk_idx)), tr.local(a.topk_idx32),
+                          tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
+                          a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
+  RankWorkspace* ws = tr.workspace(me);
+  HostMailbox* mailbox = tr.local(a.mailbox);
+  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
+    layout_route_nothing(tr, tr.local(a.send_pos), tr.local(a.recv_counts), tr.local(a.send_offset),
+                         tr.local(a.num_recv), tr.local(a.dropped), T);
+    if (threadIdx.x == 0 && mailbox != nullptr) publish(mailbox, a.ticket, 0, 0, true, ws);
+    return;
+  }
+  int64_t total = 0, largest = 0;
+  layout_exchanged(tr, tr.local(a.recv_counts), tr.local(a.send_offset), tr.local(a.count_matrix), tr.local(a.num_recv),
+                   tr.local(a.dropped), a.capacity, &total, &largest);
+  if (threadIdx.x == 0 && mailbox != nullptr) {
+    publish(mailbox, a.ticket, static_cast<int32_t>(total), static_cast<int32_t>(largest), false, ws);
   }
   rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
 }

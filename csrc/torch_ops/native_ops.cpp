@@ -492,9 +492,11 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     p.num_recv = num_recv.data_ptr<int32_t>();
     p.dropped = dropped.data_ptr<int32_t>();
   }
-  // Expert-major: the dispatch kernel routes itself (one launch, below); rank-major: prepare first.
-  const omniep::PrepareResult prep =
-      em ? omniep::PrepareResult{static_cast<int>(cap), static_cast<int>(cap), false, 0, 0} : c.rank->prepare(p, d, s);
+  // Expert-major and static rank-major: the dispatch kernel routes itself (one launch, below); exact
+  // rank-major: prepare first (its counted wait sizes the results).
+  const omniep::PrepareResult prep = rows_known
+      ? omniep::PrepareResult{static_cast<int>(cap), static_cast<int>(cap), false, 0, 0}
+      : c.rank->prepare(p, d, s);
   stamp("dispatch: prepare (layout launch; the counted wait)");
   if (prep.stopped) {  // the op stopped on every rank: its status says why
     check(c, "dispatch");
@@ -558,6 +560,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     q.recv_topk_idx = recv_idx.data_ptr<int32_t>();
     q.recv_topk_weights = recv_w.data_ptr<float>();
     q.num_recv_tokens_per_expert = per_expert.data_ptr<int32_t>();
+    if (rows_known) q.route = &p;
     c.rank->dispatch(q, d, s);
   }
   stamp("dispatch: dispatch launch");
