@@ -684,9 +684,9 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
   Tensor out = device_empty({T, H}, y.scalar_type(), c);
   const bool grad = g_recv_w_in != nullptr;
   const Tensor g_recv_w = grad ? g_recv_w_in->contiguous() : Tensor();
-  Tensor g_w = grad ? device_empty({T, K}, at::kFloat, c) : device_empty({0}, at::kFloat, c);
+  Tensor g_w = grad ? device_empty({T, K}, at::kFloat, c) : Tensor();  // (a combine returns `out` only)
   const cudaStream_t s = stream_of(c);
-  stamp("combine: device guard, contiguous, 2 result tensors");
+  stamp("combine: device guard, contiguous, result tensor");
   // What both layouts take alike (omniep::CombineBase).
   const auto fill = [&](omniep::CombineBase& b) {
     b.y = y.data_ptr();
