@@ -530,11 +530,11 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             copies = torch.tensor([row[HEADER_WORDS + R:HEADER_WORDS + R + E] for row in table], dtype=torch.int64)
             return self._dispatch_em(x, scales, idx32, owner, in_rank, sel, send_n, tok, copies, side_of, cap, E, K,
                                      expert_alignment, packed[0] if packed else False, rows_of, lead)
-        return self._dispatch_rm(x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, expert_alignment, wait,
-                                 packed[0] if packed else False, rows_of, lead)
+        return self._dispatch_rm(x, scales, idx32, in_rank, sel, send_n, tok, side_of, cap, E, K, expert_alignment,
+                                 wait, packed[0] if packed else False, rows_of, lead)
 
-    def _dispatch_rm(self, x, scales, idx32, in_rank, send_n, tok, side_of, cap, E, K, align, wait, packed, rows_of,
-                     lead):
+    def _dispatch_rm(self, x, scales, idx32, in_rank, sel_all, send_n, tok, side_of, cap, E, K, align, wait, packed,
+                     rows_of, lead):
         R, me, L = self.world, self.rank, E // self.world
         T, H = x.shape
         kept_from, kept_to, over = rank_major_plan(tok, me, cap)
@@ -553,7 +553,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         def routing():  # from the count exchange: while the rows travel
             parts = [side_of(s, kept_from[s]) for s in range(R)]
             ids, w = (torch.cat([p[i] for p in parts]) if R > 1 else parts[0][i] for i in (0, 1))
-            recv_idx = torch.take(local_table(E, R, me, dev), ids.long() + 1)  # local expert id, -1: another rank's
+            recv_idx = local_table(E, R, me, dev)[ids]  # local expert id, -1: another rank's
             recv_w = torch.where(recv_idx >= 0, w, 0.0)
             per_expert = torch.bincount(recv_idx.view(-1) + 1, minlength=L + 1)[1:]
             recv_scales = x.new_empty((0,), dtype=torch.float32)
@@ -568,7 +568,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             out.extend((recv_scales, recv_idx, recv_w, _scalar(n, dev), _aligned(per_expert, align),
                         _scalar(sum(t[me] for t in tok) - n, dev), [idx32, info, sent]))
 
-        sel = _selector(sent, kept_to, T)
+        sel = sel_all if sent is in_rank else _selector(sent, kept_to, T)
         if rows_of is not None:  # the rows came with the counts: each source's first kept rows, in place
             _place(recv_x, x, sel(me), kept_from, me, rows_of)
             routing()
@@ -602,7 +602,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             self._grow_dispatch(pair, x, K, scales, lead)
         parts = [side_of(s, rows_from[s]) for s in range(R)]
         ids, w = (torch.cat([p[i] for p in parts]) if R > 1 else parts[0][i] for i in (0, 1))
-        recv_local = torch.take(local_table(E, R, me, dev), ids.long() + 1)
+        recv_local = local_table(E, R, me, dev)[ids]
         slots = expert_major_recv_slots(recv_local, L, C)
         m, k = torch.nonzero(slots >= 0).unbind(1)
         m = m.clone()  # a handle tensor: its own storage

@@ -16,28 +16,33 @@ import torch
 
 @functools.lru_cache(maxsize=64)
 def owner_table(num_experts: int, num_ranks: int, device) -> torch.Tensor:
-    """``[E + 1]`` int64: at ``id + 1`` the rank holding expert ``id``; ``R`` for ``id = -1``."""
+    """``[E + 1]`` int64, indexed by expert id (``-1`` wraps to the last entry): the rank holding expert
+    ``id``; ``R`` for ``id = -1``. One indexing op routes a whole ``topk_idx``."""
     local = num_experts // num_ranks
-    return torch.tensor([num_ranks] + [e // local for e in range(num_experts)], dtype=torch.int64, device=device)
+    return torch.tensor([e // local for e in range(num_experts)] + [num_ranks], dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=64)
 def local_table(num_experts: int, num_ranks: int, rank: int, device) -> torch.Tensor:
-    """``[E + 1]`` int32: at ``id + 1`` expert ``id``'s index among ``rank``'s experts, -1 if it is not
-    one of them (or ``id = -1``)."""
+    """``[E + 1]`` int32, indexed by expert id (``-1`` wraps to the last entry): expert ``id``'s index among
+    ``rank``'s experts, -1 if it is not one of them (or ``id = -1``)."""
     local = num_experts // num_ranks
-    return torch.tensor([-1] + [e - rank * local if e // local == rank else -1 for e in range(num_experts)],
+    return torch.tensor([e - rank * local if e // local == rank else -1 for e in range(num_experts)] + [-1],
                         dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_ids(num_ranks: int, device) -> torch.Tensor:
+    return torch.arange(num_ranks, dtype=torch.int64, device=device)
 
 
 def routes(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """``(owner [T, K] int64, in_rank [T, R] bool)`` for ids in ``[-1, E)`` (checked before): the rank
     holding each chosen expert (``R`` for -1) and whether token t goes to rank r (at most once, however
     many of r's experts it chose)."""
-    owner = torch.take(owner_table(num_experts, num_ranks, topk_idx.device), topk_idx.long() + 1)
-    in_rank = torch.zeros((owner.shape[0], num_ranks + 1), dtype=torch.bool, device=owner.device)
-    in_rank.scatter_(1, owner, True)
-    return owner, in_rank.narrow(1, 0, num_ranks).contiguous()
+    owner = owner_table(num_experts, num_ranks, topk_idx.device)[topk_idx]
+    in_rank = (owner.unsqueeze(-1) == _rank_ids(num_ranks, topk_idx.device)).any(1)
+    return owner, in_rank
 
 
 def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
