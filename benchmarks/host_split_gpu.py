@@ -4,10 +4,10 @@ a kernel launch, a cudaMemcpyAsync), each timed on the host while a spin kernel 
 With OMNIEP_FUSED_COPY_BYTES=0 the kernels leave the local copy-out / copy-in to a launch of their own
 (the layout before 2026-11-25): run both to see what the fused copies save.
 
-``--stamps``: the C++ ops record where their host time goes (OMNIEP_HOST_STAMPS=1): after the rounds,
-``--iters`` static pairs through the public API, and a row per step of the C++ dispatch and combine (mean
-µs per call; what the rows leave of ``torch.ops dispatch`` is the dispatcher, the autograd layer and
-the conversion of the arguments and results).
+``--stamps``: after the rounds (timed without them), the C++ ops record where their host time goes
+(``_native_torch.set_host_stamps``) over ``--iters`` static pairs through the public API: a row per step of
+the C++ dispatch and combine (mean µs per call; what the rows leave of ``torch.ops dispatch`` is the
+dispatcher, the autograd layer and the conversion of the arguments and results).
 
     python benchmarks/host_split_gpu.py [--tokens 128] [--iters 200] [--rounds 3] [--stamps]
 """
@@ -24,10 +24,6 @@ from host_timing import host_times, pin_cpu, quantile
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     import datetime
 
-    import os
-
-    if args["stamps"]:  # read when the native module loads
-        os.environ["OMNIEP_HOST_STAMPS"] = "1"
     import torch
     import torch.distributed as dist
 
@@ -79,9 +75,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     if args["stamps"]:
         from omniep import _native_torch
 
-        assert _native_torch.host_stamps_on(), "OMNIEP_HOST_STAMPS was not set when the module loaded"
+        _native_torch.set_host_stamps(True)
         _native_torch.host_steps(True)
         pairs = host_times(torch, static_pair, args["iters"])
+        _native_torch.set_host_stamps(False)
         rows["stamps run: static pair (mean)"] = (statistics.fmean(pairs), quantile(pairs, 0.1))
         for step, total, count in _native_torch.host_steps(True):
             per_call = total / args["iters"]  # a step runs once per pair
@@ -96,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--stamps", action="store_true", help="rows for the C++ ops' host steps (OMNIEP_HOST_STAMPS=1)")
+    p.add_argument("--stamps", action="store_true", help="rows for the C++ ops' host steps (recorded after the rounds)")
     a = p.parse_args(argv)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks

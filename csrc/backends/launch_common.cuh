@@ -34,12 +34,13 @@ inline void check_group_shape(int num_experts, int capacity, int num_ranks) {
 
 // ---- argument checks: throw on what no kernel instance can run; return the dynamic shared memory ----
 // `arrays` int arrays of num_experts entries each.
-inline size_t per_expert_smem(int num_experts, const char* what, int arrays = 1) {
+// `reserved`: the kernel's own static shared memory, which counts against the same limit.
+inline size_t per_expert_smem(int num_experts, const char* what, int arrays = 1, size_t reserved = 0) {
   const size_t per_expert = sizeof(int) * static_cast<size_t>(arrays);
   const size_t smem = per_expert * static_cast<size_t>(num_experts);
-  if (smem > kMaxDynamicSmem) {
+  if (smem + reserved > kMaxDynamicSmem) {
     throw std::invalid_argument(std::string("omniep: ") + what + ": at most " +
-                                std::to_string(kMaxDynamicSmem / per_expert) + " experts");
+                                std::to_string((kMaxDynamicSmem - reserved) / per_expert) + " experts");
   }
   return smem;
 }
@@ -53,9 +54,10 @@ inline size_t checked_smem(const DispatchArgs& a) {
     if (a.route.index_bytes != 4 && a.route.index_bytes != 8) {
       throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
     }
-    return per_expert_smem(a.num_experts, "dispatch", /*arrays=*/2);  // delivered pairs, the layout's counts
+    // delivered pairs, the layout's counts
+    return per_expert_smem(a.num_experts, "dispatch", /*arrays=*/2, kDispatchStaticSmem);
   }
-  return a.with_routing ? per_expert_smem(a.num_experts, "dispatch") : 0;
+  return a.with_routing ? per_expert_smem(a.num_experts, "dispatch", 1, kDispatchStaticSmem) : 0;
 }
 
 inline size_t no_smem_if_rows_ok(int hidden, int num_bias) {  // combine-like kernels use static smem only

@@ -156,6 +156,33 @@ bool OneRankOps<Rank>::ensure_data(size_t bytes, OpDesc& d, cudaStream_t s) {
   return true;
 }
 
+// A dispatch that routes itself and stopped at the data buffer's growth barrier (then its first exchange,
+// before its kernel ran): a handle that routes nothing, as the layout kernels leave one
+// (layout.cuh layout_route_nothing, em_layout.cuh), on the op's stream.
+inline void route_nothing(const PrepareCall& p, int num_ranks, cudaStream_t s) {
+  const auto fill = [s](void* dst, int byte, int64_t words) {
+    if (dst != nullptr && words > 0) {
+      check_cuda(cudaMemsetAsync(dst, byte, static_cast<size_t>(words) * sizeof(int32_t), s), "routing nothing");
+    }
+  };
+  const int64_t T = p.num_tokens, K = p.num_topk, R = num_ranks, L = p.num_experts / num_ranks;
+  fill(p.topk_idx32, 0xff, T * K);  // -1
+  fill(p.send_pos, 0xff, T * R);
+  fill(p.num_tokens_per_rank, 0, R);
+  fill(p.num_tokens_per_expert, 0, p.num_experts);
+  fill(p.recv_counts, 0, R);
+  fill(p.send_offset, 0, R);
+  fill(p.num_recv, 0, 1);
+  fill(p.dropped, 0, 1);
+  if (p.expert_major) {
+    fill(p.copy_slot, 0xff, T * K);
+    fill(p.recv_expert_count, 0, L);
+    fill(p.num_recv_tokens_per_expert, 0, L);
+    fill(p.em_num_recv, 0, 1);
+    fill(p.em_dropped, 0, 1);
+  }
+}
+
 // ---- ops ----
 
 template <typename Rank>
@@ -250,7 +277,10 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
     sizes[n++] = K * 4;
     sizes[n++] = K * 4;
   }
-  if (!ensure_data(static_cast<size_t>(pack_regions(C, sizes, n, offsets)), d, s)) return;
+  if (!ensure_data(static_cast<size_t>(pack_regions(C, sizes, n, offsets)), d, s)) {
+    if (c.route != nullptr) self().on_device([&] { route_nothing(*c.route, self().num_ranks(), s); });
+    return;
+  }
 
   DispatchArgs a = {};
   a.x = mine<const uint8_t>(g, c.x);
@@ -359,7 +389,10 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   Rank& g = self();
   const int64_t L = c.num_experts / g.num_ranks(), C = c.capacity;
   int64_t sizes[4] = {c.row_bytes, c.row2_bytes > 0 ? c.row2_bytes : 4, 4, 4}, offsets[4] = {};
-  if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, 4, offsets)), d, s)) return;
+  if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, 4, offsets)), d, s)) {
+    if (c.route != nullptr) self().on_device([&] { route_nothing(*c.route, g.num_ranks(), s); });
+    return;
+  }
   EMDispatchArgs a = {};
   a.x = mine<const uint8_t>(g, c.x);
   a.cast_src = mine<const uint8_t>(g, c.cast_src);

@@ -1,5 +1,5 @@
 // The exported XLA FFI handlers of the native JAX backends (defined by ffi/jax_ops.h's
-// OMNIEP_JAX_HANDLERS), ten per backend under a name prefix (five per layout):
+// OMNIEP_JAX_HANDLERS), eleven per backend under a name prefix (six rank-major, five expert-major):
 //   omniep_jax_*       cuda_nvshmem (IpcRank: CUDA IPC peers one process per GPU, or peer access in one
 //                      process driving every local GPU), omniep._native_jax
 //   omniep_nccl_jax_*  nccl_ep (NcclRank: NCCL windows; one process per GPU or one for all), omniep._native_nccl
@@ -15,6 +15,9 @@
 //                send_pos, send_offset, recv_counts, num_recv -> recv_x[C, H], recv_x2[C, H2], recv_topk_idx[C, K],
 //                recv_topk_weights[C, K], num_recv_tokens_per_expert[L]. Attrs: state, num_experts,
 //                expert_alignment.
+// routed_dispatch: prepare + dispatch as one launch (the dispatch kernel routes itself; a capacity is
+//                needed): x, x2, topk_idx[T, K] s32/s64, topk_weights -> the eight prepare outputs, then the
+//                five dispatch outputs and status. Attrs: state, num_experts, capacity, expert_alignment.
 // dispatch_rows: rows only (combine_bwd: a cached dispatch of g_out): x[T, H], send_pos, send_offset,
 //                recv_counts, num_recv -> recv_x[C, H] (padding rows 0). Attrs: state, num_experts.
 // combine:       y[C, H], topk_idx32, send_pos, send_offset, recv_counts, biases... ([T, H] each, 0-2)
@@ -43,6 +46,7 @@
   extern "C" {                                                         \
   XLA_FFI_Error* prefix##_prepare(XLA_FFI_CallFrame* call_frame);      \
   XLA_FFI_Error* prefix##_dispatch(XLA_FFI_CallFrame* call_frame);     \
+  XLA_FFI_Error* prefix##_routed_dispatch(XLA_FFI_CallFrame* call_frame); \
   XLA_FFI_Error* prefix##_dispatch_rows(XLA_FFI_CallFrame* call_frame); \
   XLA_FFI_Error* prefix##_combine(XLA_FFI_CallFrame* call_frame);      \
   XLA_FFI_Error* prefix##_dispatch_bwd(XLA_FFI_CallFrame* call_frame); \
@@ -53,10 +57,11 @@
   XLA_FFI_Error* prefix##_em_combine_bwd(XLA_FFI_CallFrame* call_frame); \
   }
 
-// {name, function} of the ten handlers under `prefix`, as an initializer list.
+// {name, function} of the eleven handlers under `prefix`, as an initializer list.
 #define OMNIEP_JAX_HANDLER_TABLE(prefix)                                                          \
   {                                                                                               \
     {#prefix "_prepare", &prefix##_prepare}, {#prefix "_dispatch", &prefix##_dispatch},           \
+        {#prefix "_routed_dispatch", &prefix##_routed_dispatch},                                  \
         {#prefix "_dispatch_rows", &prefix##_dispatch_rows}, {#prefix "_combine", &prefix##_combine}, \
         {#prefix "_dispatch_bwd", &prefix##_dispatch_bwd},                                        \
         {#prefix "_em_prepare", &prefix##_em_prepare}, {#prefix "_em_dispatch", &prefix##_em_dispatch}, \

@@ -8,10 +8,11 @@
 //
 // dispatch and combine (both layouts) return the op's `status` (omniep/status.h, kStatusWords int32:
 // what the op's descriptor exchange and the rank found; zeros when all is well). A dispatch spans two
-// handlers (prepare, then dispatch, in program order): the dispatch continues prepare's op.
+// handlers (prepare, then dispatch, in program order: the dispatch continues prepare's op), or one
+// (routed_dispatch: the layout inside the dispatch kernel, one launch; what the JAX backends use).
 //
-// A translation unit instantiates the ten handlers for its rank type and exports them under a name
-// prefix with OMNIEP_JAX_HANDLERS(prefix, G): rank-major prefix_prepare, prefix_dispatch,
+// A translation unit instantiates the eleven handlers for its rank type and exports them under a name
+// prefix with OMNIEP_JAX_HANDLERS(prefix, G): rank-major prefix_prepare, prefix_dispatch, prefix_routed_dispatch,
 // prefix_dispatch_rows, prefix_combine, prefix_dispatch_bwd; expert-major prefix_em_prepare,
 // prefix_em_dispatch, prefix_em_combine, prefix_em_dispatch_bwd, prefix_em_combine_bwd (operands:
 // ffi/jax_handlers.h).
@@ -188,15 +189,17 @@ ffi::Error Prepare(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer topk_idx
   });
 }
 
-// Shared by dispatch (routing, continues prepare's op) and dispatch_rows (rows only: combine_bwd).
+// Shared by dispatch (routing, continues prepare's op), routed_dispatch (`route`: the kernel runs
+// prepare's layout itself, the op's only launch) and dispatch_rows (rows only: combine_bwd). idx32,
+// send_pos, send_offset and recv_counts: prepare's arrays (with a route, the kernel writes them).
 template <typename G>
 void run_dispatch(G& g, cudaStream_t stream, OpDesc& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer* x2,
-                  const ffi::AnyBuffer* idx32, const ffi::AnyBuffer* weights, const ffi::AnyBuffer& send_pos,
-                  const ffi::AnyBuffer& send_offset, const ffi::AnyBuffer& recv_counts, const ffi::AnyBuffer& num_recv,
-                  ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>* recv_x2,
-                  ffi::Result<ffi::AnyBuffer>* recv_idx, ffi::Result<ffi::AnyBuffer>* recv_w,
-                  ffi::Result<ffi::AnyBuffer>* per_expert, int64_t num_experts, int64_t expert_alignment) {
-  const bool routing = idx32 != nullptr;
+                  const void* idx32, int64_t num_topk, const ffi::AnyBuffer* weights, const void* send_pos,
+                  const void* send_offset, const void* recv_counts, ffi::Result<ffi::AnyBuffer>& recv_x,
+                  ffi::Result<ffi::AnyBuffer>* recv_x2, ffi::Result<ffi::AnyBuffer>* recv_idx,
+                  ffi::Result<ffi::AnyBuffer>* recv_w, ffi::Result<ffi::AnyBuffer>* per_expert, int64_t num_experts,
+                  int64_t expert_alignment, const PrepareCall* route = nullptr) {
+  const bool routing = weights != nullptr;
   if (routing) need_f32(*weights, "topk_weights");
   DispatchCall c = {};
   c.x = data(x);
@@ -204,19 +207,19 @@ void run_dispatch(G& g, cudaStream_t stream, OpDesc& d, const ffi::AnyBuffer& x,
   c.x2 = x2 ? data(*x2) : nullptr;
   c.row2_bytes = x2 ? row_bytes_of(*x2) : 0;
   c.num_tokens = static_cast<int>(rows_of(x));
-  c.num_topk = static_cast<int>(routing ? cols_of(*idx32) : 0);
+  c.num_topk = static_cast<int>(routing ? num_topk : 0);
   c.num_experts = static_cast<int>(num_experts);
   c.capacity = c.rows = static_cast<int>(rows_of(*recv_x));
   c.expert_alignment = static_cast<int>(expert_alignment);
-  c.send_pos = as<const int32_t>(send_pos);
-  c.send_offset = as<const int32_t>(send_offset);
-  c.recv_counts = as<const int32_t>(recv_counts);
-  (void)num_recv;  // the kernel finds the padding from recv_counts
+  c.send_pos = static_cast<const int32_t*>(send_pos);
+  c.send_offset = static_cast<const int32_t*>(send_offset);
+  c.recv_counts = static_cast<const int32_t*>(recv_counts);
+  c.route = route;
   c.recv_x = data(recv_x);
   c.recv_x2 = recv_x2 ? data(*recv_x2) : nullptr;
   c.routing = routing;
   if (routing) {
-    c.topk_idx32 = as<const int32_t>(*idx32);
+    c.topk_idx32 = static_cast<const int32_t*>(idx32);
     c.topk_weights = as<const float>(*weights);
     c.recv_topk_idx = as<int32_t>(*recv_idx);
     c.recv_topk_weights = as<float>(*recv_w);
@@ -233,9 +236,37 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
                     ffi::Result<ffi::AnyBuffer> recv_x2, ffi::Result<ffi::AnyBuffer> recv_idx,
                     ffi::Result<ffi::AnyBuffer> recv_w, ffi::Result<ffi::AnyBuffer> per_expert,
                     ffi::Result<ffi::AnyBuffer> status, int64_t state, int64_t num_experts, int64_t expert_alignment) {
+  (void)num_recv;  // the kernel finds the padding from recv_counts
   return guarded<G>(state, ordinal, "omniep dispatch (JAX)", [&](G& g) {
-    run_dispatch(g, stream, g.current(), x, &x2, &idx32, &weights, send_pos, send_offset, recv_counts, num_recv,
-                 recv_x, &recv_x2, &recv_idx, &recv_w, &per_expert, num_experts, expert_alignment);  // prepare's op
+    run_dispatch(g, stream, g.current(), x, &x2, data(idx32), cols_of(idx32), &weights, data(send_pos),
+                 data(send_offset), data(recv_counts), recv_x, &recv_x2, &recv_idx, &recv_w, &per_expert, num_experts,
+                 expert_alignment);  // prepare's op
+    g.take_status(as<Status>(status), stream);
+  });
+}
+
+// prepare + dispatch as ONE launch (a rank-major dispatch in JAX always has a capacity): the dispatch
+// kernel runs the layout itself (kernels/dispatch.cuh, DispatchArgs::route); prepare's results are this
+// handler's first eight, dispatch's the rest.
+template <typename G>
+ffi::Error RoutedDispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer x2,
+                          ffi::AnyBuffer topk_idx, ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> idx32,
+                          ffi::Result<ffi::AnyBuffer> send_pos, ffi::Result<ffi::AnyBuffer> per_rank,
+                          ffi::Result<ffi::AnyBuffer> per_expert_all, ffi::Result<ffi::AnyBuffer> recv_counts,
+                          ffi::Result<ffi::AnyBuffer> send_offset, ffi::Result<ffi::AnyBuffer> num_recv,
+                          ffi::Result<ffi::AnyBuffer> dropped, ffi::Result<ffi::AnyBuffer> recv_x,
+                          ffi::Result<ffi::AnyBuffer> recv_x2, ffi::Result<ffi::AnyBuffer> recv_idx,
+                          ffi::Result<ffi::AnyBuffer> recv_w, ffi::Result<ffi::AnyBuffer> per_expert,
+                          ffi::Result<ffi::AnyBuffer> status, int64_t state, int64_t num_experts, int64_t capacity,
+                          int64_t expert_alignment) {
+  return guarded<G>(state, ordinal, "omniep dispatch (JAX)", [&](G& g) {
+    PrepareCall p = prepare_call(topk_idx, idx32, send_pos, per_rank, per_expert_all, recv_counts, send_offset,
+                                 num_recv, dropped, num_experts, capacity, expert_alignment);
+    if (p.capacity < 0) throw std::invalid_argument("a dispatch that routes itself needs a capacity");
+    OpDesc& d = g.begin(kOpDispatch, p.num_experts, static_cast<int>(cols_of(x)), desc_dtype(x.element_type()), 0,
+                        p.capacity, -1, p.num_topk);
+    run_dispatch(g, stream, d, x, &x2, p.topk_idx32, p.num_topk, &weights, p.send_pos, p.send_offset, p.recv_counts,
+                 recv_x, &recv_x2, &recv_idx, &recv_w, &per_expert, num_experts, expert_alignment, &p);
     g.take_status(as<Status>(status), stream);
   });
 }
@@ -247,8 +278,9 @@ ffi::Error DispatchRows(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, 
   return guarded<G>(state, ordinal, "omniep dispatch rows (JAX)", [&](G& g) {
     OpDesc& d = g.begin(kOpCombineBwd, static_cast<int>(num_experts), static_cast<int>(cols_of(x)),
                         desc_dtype(x.element_type()), 0, static_cast<int>(rows_of(*recv_x)), -1, 0);
-    run_dispatch(g, stream, d, x, nullptr, nullptr, nullptr, send_pos, send_offset, recv_counts, num_recv, recv_x,
-                 nullptr, nullptr, nullptr, nullptr, num_experts, 1);
+    (void)num_recv;  // the kernel finds the padding from recv_counts
+    run_dispatch(g, stream, d, x, nullptr, nullptr, 0, nullptr, data(send_pos), data(send_offset), data(recv_counts),
+                 recv_x, nullptr, nullptr, nullptr, nullptr, num_experts, 1);
   });
 }
 
@@ -461,12 +493,14 @@ auto bind(Names... attrs) {
 }  // namespace jax_ffi
 }  // namespace omniep
 
-// Defines the ten exported handler symbols `prefix_*` over rank type G (see the file comment).
+// Defines the eleven exported handler symbols `prefix_*` over rank type G (see the file comment).
 #define OMNIEP_JAX_HANDLER(prefix, name, Impl, G, ...) \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(prefix##_##name, omniep::jax_ffi::Impl<G>, (omniep::jax_ffi::__VA_ARGS__))
 #define OMNIEP_JAX_HANDLERS(prefix, G)                                                                         \
   OMNIEP_JAX_HANDLER(prefix, prepare, Prepare, G, bind<1, 8>("state", "num_experts", "capacity", "hidden", "dtype")); \
   OMNIEP_JAX_HANDLER(prefix, dispatch, Dispatch, G, bind<8, 6>("state", "num_experts", "expert_alignment"));   \
+  OMNIEP_JAX_HANDLER(prefix, routed_dispatch, RoutedDispatch, G,                                              \
+                     bind<4, 14>("state", "num_experts", "capacity", "expert_alignment"));                    \
   OMNIEP_JAX_HANDLER(prefix, dispatch_rows, DispatchRows, G, bind<5, 1>("state", "num_experts"));              \
   OMNIEP_JAX_HANDLER(prefix, combine, Combine, G, bind<5, 2, true>("state", "num_experts"));                   \
   OMNIEP_JAX_HANDLER(prefix, dispatch_bwd, DispatchBwd, G, bind<6, 2>("state", "num_experts"));                \

@@ -39,6 +39,9 @@
 namespace omniep {
 
 inline constexpr int kDispatchThreads = 512;
+// A bound on dispatch_kernel's static shared memory (~2.5 KB: the layout scan's per-warp bases, the
+// barrier's and the kernel's own arrays), which shares the 48 KB with the per-expert arrays.
+inline constexpr size_t kDispatchStaticSmem = 4096;
 
 template <typename Tr>
 __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs a, Tr tr) {
@@ -68,15 +71,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   if (route && blockIdx.x == 0) {  // the layout, before the barrier that exchanges its counts
     int32_t* idx32 = const_cast<int32_t*>(tr.local(a.topk_idx32));
     int32_t* send_pos = const_cast<int32_t*>(tr.local(a.send_pos));
-    if (a.route.index_bytes == 8) {
-      local_layout<Tr, int64_t>(tr, static_cast<const int64_t*>(tr.local(a.route.topk_idx)), idx32, send_pos,
-                                tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K,
-                                E, s_delivered + E, s_rows, &s_desc);
-    } else {
-      local_layout<Tr, int32_t>(tr, static_cast<const int32_t*>(tr.local(a.route.topk_idx)), idx32, send_pos,
-                                tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K,
-                                E, s_delivered + E, s_rows, &s_desc);
-    }
+    local_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
+                 tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,
+                 s_delivered + E, s_rows, &s_desc);
   }
   if (!route && static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
   if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &s_desc)) {

@@ -43,10 +43,12 @@ OMNIEP_DEVICE void publish(HostMailbox* mailbox, int32_t ticket, int32_t rows, i
 
 // Block-wide, before the count exchange: this rank's layout (idx32, send_pos, the per-expert and per-rank
 // counts), its row of every peer's count matrix (stores, or puts for a remote peer: the barrier quiets
-// and signals), and in *s_desc the verdict on its ids. s_per_expert: E ints of shared memory; s_running:
-// kMaxRanks ints of shared memory (out: the per-rank totals). blockDim.x <= kLayoutThreads.
-template <typename Tr, typename Index>
-OMNIEP_DEVICE void local_layout(const Tr& tr, const Index* idx, int32_t* idx32, int32_t* send_pos,
+// and signals), and in *s_desc the verdict on its ids. idx: [T, K] int32 or int64 (index_bytes 4 or 8:
+// a runtime choice, so that a kernel holds one copy of the shared arrays below). s_per_expert: E ints of
+// shared memory; s_running: kMaxRanks ints of shared memory (out: the per-rank totals).
+// blockDim.x <= kLayoutThreads.
+template <typename Tr>
+OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
                                 int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
                                 int* s_per_expert, int* s_running, OpDesc* s_desc) {
   __shared__ int s_warp_base[kLayoutThreads / gpu::kWarpSize][kMaxRanks];
@@ -65,7 +67,9 @@ OMNIEP_DEVICE void local_layout(const Tr& tr, const Index* idx, int32_t* idx32, 
     uint32_t dest_mask = 0;
     if (t < T) {
       for (int k = 0; k < K; ++k) {
-        const int64_t e64 = static_cast<int64_t>(idx[static_cast<int64_t>(t) * K + k]);
+        const int64_t i = static_cast<int64_t>(t) * K + k;
+        const int64_t e64 = index_bytes == 8 ? static_cast<const int64_t*>(idx)[i]
+                                             : static_cast<int64_t>(static_cast<const int32_t*>(idx)[i]);
         const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;
         if (e64 < -1 || e64 >= E) {
           if (atomicCAS(&s_bad, 0, 1) == 0) s_bad_id = static_cast<long long>(e64);
@@ -194,9 +198,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   const int me = tr.rank();
   const int T = a.num_tokens[me];
   if (threadIdx.x == 0) s_desc = a.desc[me];
-  local_layout<Tr, Index>(tr, static_cast<const Index*>(tr.local(a.topk_idx)), tr.local(a.topk_idx32),
-                          tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
-                          a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
+  local_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
+               tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
+               a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
   RankWorkspace* ws = tr.workspace(me);
   HostMailbox* mailbox = tr.local(a.mailbox);
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {

@@ -235,9 +235,11 @@ PYBIND11_MODULE(_native_torch, m) {
         for (const auto& h : omniep_torch::host_steps(reset)) out.emplace_back(h.name, h.total_us, h.count);
         return out;
       }, py::arg("reset") = false,
-      "[(step, total µs, count)] of the ops' host stamps (OMNIEP_HOST_STAMPS=1 when the module loaded; "
-      "empty otherwise); reset clears them.");
+      "[(step, total µs, count)] of the ops' host stamps (OMNIEP_HOST_STAMPS=1 when the module loaded, or "
+      "set_host_stamps(True); empty otherwise); reset clears them.");
   m.def("host_stamps_on", &omniep_torch::host_stamps_on, "Whether the ops record host stamps.");
+  m.def("set_host_stamps", &omniep_torch::set_host_stamps, py::arg("on"),
+        "Record the ops' host stamps from now on (True) or stop (False).");
   m.def("take_raised", [](int64_t id) -> py::object {
         auto& c = omniep_torch::context_of(id);
         if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();

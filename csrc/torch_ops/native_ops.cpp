@@ -50,25 +50,25 @@ using omniep::OpDesc;
 using omniep::Status;
 
 // ---- host stamps ---------------------------------------------------------------------------------------
-// Where an op's host time goes (OMNIEP_HOST_STAMPS=1 when the module loads; benchmarks/host_split_gpu.py
-// --stamps): each stamp adds the time since the op's previous stamp to its step. Off, a stamp is one
-// predictable branch.
+// Where an op's host time goes (OMNIEP_HOST_STAMPS=1 when the module loads, or set_host_stamps;
+// benchmarks/host_split_gpu.py --stamps): each stamp adds the time since the op's previous stamp to its
+// step. Off, a stamp is one relaxed load and a predictable branch.
 
 namespace {
-const bool g_stamps_on = [] {
+std::atomic<bool> g_stamps_on{[] {
   const char* v = std::getenv("OMNIEP_HOST_STAMPS");
   return v != nullptr && *v != '\0' && *v != '0';
-}();
+}()};
 std::mutex g_stamps_mu;
 std::vector<HostStep> g_steps;
 thread_local std::chrono::steady_clock::time_point t_last_stamp;
 
 void stamp_start() {
-  if (g_stamps_on) t_last_stamp = std::chrono::steady_clock::now();
+  if (g_stamps_on.load(std::memory_order_relaxed)) t_last_stamp = std::chrono::steady_clock::now();
 }
 
 void stamp(const char* step) {
-  if (!g_stamps_on) return;
+  if (!g_stamps_on.load(std::memory_order_relaxed)) return;
   const auto now = std::chrono::steady_clock::now();
   const double us = std::chrono::duration<double, std::micro>(now - t_last_stamp).count();
   {
@@ -89,7 +89,9 @@ std::vector<HostStep> host_steps(bool reset) {
   return out;
 }
 
-bool host_stamps_on() { return g_stamps_on; }
+bool host_stamps_on() { return g_stamps_on.load(); }
+
+void set_host_stamps(bool on) { g_stamps_on.store(on); }
 
 // ---- contexts ----------------------------------------------------------------------------------------
 
@@ -441,14 +443,13 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
   const int64_t S = fp8 ? x_scales->size(1) : 0;
   // The small results: per received row (rank-major [rows, K]) or slot (expert-major [L, rows]).
+  // (recv_x_scales is allocated on its own: it need not outlive the handle, and an empty one must not
+  // share a Storage a resize could write through.)
   const auto add_results = [&](Carved& k, int64_t n_rows) {
-    const std::vector<int64_t> lead = em ? std::vector<int64_t>{L, n_rows} : std::vector<int64_t>{n_rows};
-    std::vector<int64_t> per_copy = lead, scales = lead;
+    std::vector<int64_t> per_copy = em ? std::vector<int64_t>{L, n_rows} : std::vector<int64_t>{n_rows};
     if (!em) per_copy.push_back(K);
-    scales.push_back(S);
-    k.add(fp8 ? scales : std::vector<int64_t>{0}, at::kFloat);  // recv_x_scales
-    k.add(per_copy, at::kInt);                                   // recv_topk_idx
-    k.add(per_copy, at::kFloat);                                 // recv_topk_weights
+    k.add(per_copy, at::kInt);    // recv_topk_idx
+    k.add(per_copy, at::kFloat);  // recv_topk_weights
   };
   // Rows known before the layout (a capacity): every small tensor in one allocation; exact: two.
   const bool rows_known = cap >= 0;
@@ -511,10 +512,13 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     add_results(results, rows);
     for (Tensor& t : results.make(c)) carved.push_back(std::move(t));
   }
-  Tensor recv_s = carved[5], recv_idx = carved[6], recv_w = carved[7];
+  Tensor recv_idx = carved[5], recv_w = carved[6];
   std::vector<int64_t> x_shape = em ? std::vector<int64_t>{L, rows} : std::vector<int64_t>{rows};
+  std::vector<int64_t> s_shape = x_shape;
   x_shape.push_back(H);
+  s_shape.push_back(S);
   Tensor recv_x = device_empty(x_shape, x.scalar_type(), c);
+  Tensor recv_s = fp8 ? device_empty(s_shape, at::kFloat, c) : device_empty({0}, at::kFloat, c);
   stamp("dispatch: result tensors");
   if (em) {
     omniep::EMDispatchCall e = {};

@@ -35,8 +35,8 @@ void set_context(int64_t id, Context* c);
 // false when it is not pending (it ran already: any later op runs it first).
 bool receive(int64_t ctx, int64_t seq);
 
-// Host stamps (OMNIEP_HOST_STAMPS=1 when the module loads): µs spent in each named step of the ops so
-// far, and how often it ran; `reset` clears them.
+// Host stamps (OMNIEP_HOST_STAMPS=1 when the module loads, or set_host_stamps): µs spent in each named
+// step of the ops so far, and how often it ran; `reset` clears them.
 struct HostStep {
   std::string name;
   double total_us;
@@ -44,6 +44,7 @@ struct HostStep {
 };
 std::vector<HostStep> host_steps(bool reset);
 bool host_stamps_on();
+void set_host_stamps(bool on);
 
 using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;
 

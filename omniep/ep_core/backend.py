@@ -64,6 +64,11 @@ class EPBackend(abc.ABC):
         handle)`` with the handle completed; dispatching again with that handle is a cached dispatch."""
         raise NotImplementedError
 
+    def prepare_dispatch(self, x, topk_idx, topk_weights, config: DispatchConfig, descriptor=None):
+        """:meth:`prepare` then :meth:`dispatch` (what a frontend's dispatch is); a backend that can do both
+        in one launch overrides it. JAX only (``descriptor``: as :meth:`prepare`'s)."""
+        return self.dispatch(x, topk_weights, self.prepare(topk_idx, config, descriptor))
+
     def combine(self, y, handle: Handle, bias: tuple = ()):
         """``out[T, H]`` in ``y``'s dtype: fp32 sum in contract order, bias added last, rounded once.
 

@@ -283,9 +283,8 @@ def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
         rows = x[0] if isinstance(x, tuple) else x
         desc = js.op_descriptor(dsc.OpKind.DISPATCH, config, hidden=int(rows.shape[1]),
                                 dtype=val.dtype_name(rows), num_topk=int(topk_idx.shape[1]))
-        handle = backend.prepare(topk_idx, config, desc)
-        (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.dispatch(
-            x, topk_weights, handle)
+        (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.prepare_dispatch(
+            x, topk_idx, topk_weights, config, desc)
         out = Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle, handle.status)
         return _materialized(_checked(out, handle.status) if sync else out)
 

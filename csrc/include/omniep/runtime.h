@@ -42,6 +42,7 @@
 #define cudaMalloc hipMalloc
 #define cudaFree hipFree
 #define cudaMemset hipMemset
+#define cudaMemsetAsync hipMemsetAsync
 #define cudaMemcpy hipMemcpy
 #define cudaMemcpyAsync hipMemcpyAsync
 #define cudaMemcpy2DAsync hipMemcpy2DAsync

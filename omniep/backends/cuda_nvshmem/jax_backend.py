@@ -288,20 +288,48 @@ class CudaNvshmemJax(EPBackend):
         if handle.config.layout == Layout.EXPERT_MAJOR:
             return self._em_dispatch(x, topk_weights, handle)
         cfg = handle.config
-        C, E, L = cfg.capacity, cfg.num_experts, cfg.num_local_experts
-        T, K = handle.topk_idx.shape
-        fp8 = isinstance(x, tuple)
-        rows, scales = x if fp8 else (x, jnp.zeros((T, 0), jnp.float32))
+        rows, scales, outputs = self._rows_in(x, handle.topk_idx.shape, cfg)
+        recv_x, recv_s, recv_idx, recv_w, per_expert, status = self._call(
+            "dispatch", outputs, rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.send_pos,
+            handle.send_offset, handle.recv_counts, handle.num_recv, num_experts=cfg.num_experts,
+            expert_alignment=cfg.expert_alignment)
+        return self._dispatched(x, topk_weights, handle, recv_x, recv_s, recv_idx, recv_w, per_expert, status)
+
+    def prepare_dispatch(self, x, topk_idx, topk_weights, config: DispatchConfig, descriptor=None):
+        """Rank-major: :meth:`prepare` and :meth:`dispatch` as ONE launch (``routed_dispatch``: the dispatch
+        kernel runs the layout itself; the handle and results are those of the two calls)."""
+        if config.layout == Layout.EXPERT_MAJOR:
+            return super().prepare_dispatch(x, topk_idx, topk_weights, config, descriptor)
+        R, E = config.num_ranks, config.num_experts
+        T, K = topk_idx.shape
+        i32 = jnp.int32
+        rows, scales, outputs = self._rows_in(x, (T, K), config)
+        (idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped,
+         recv_x, recv_s, recv_idx, recv_w, per_expert, status) = self._call(
+            "routed_dispatch",
+            [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)]
+            + outputs, rows, scales, topk_idx, topk_weights.astype(jnp.float32), num_experts=E,
+            capacity=config.capacity, expert_alignment=config.expert_alignment)
+        handle = NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
+                              None, group=self.group, send_offset=send_offset,
+                              num_invalid=self._num_invalid(topk_idx, E))
+        return self._dispatched(x, topk_weights, handle, recv_x, recv_s, recv_idx, recv_w, per_expert, status)
+
+    def _rows_in(self, x, shape_of_idx, cfg: DispatchConfig):
+        """A rank-major dispatch's rows and f32 scales (``[T, 0]``: none), with the data buffer reserved
+        for them, and the dispatch kernel's result shapes."""
+        C, L = cfg.capacity, cfg.num_local_experts
+        T, K = shape_of_idx
+        rows, scales = x if isinstance(x, tuple) else (x, jnp.zeros((T, 0), jnp.float32))
         scales = scales.astype(jnp.float32)
         H, H2 = rows.shape[1], scales.shape[1]
         row_bytes = H * jnp.dtype(rows.dtype).itemsize
         self._state().reserve(_regions(C, [row_bytes] + ([H2 * 4] if H2 else []) + [K * 4, K * 4]))
-        recv_x, recv_s, recv_idx, recv_w, per_expert, status = self._call(
-            "dispatch",
-            [((C, H), rows.dtype), ((C, H2), jnp.float32), ((C, K), jnp.int32), ((C, K), jnp.float32),
-             ((L,), jnp.int32), _STATUS],
-            rows, scales, handle.topk_idx, topk_weights.astype(jnp.float32), handle.send_pos, handle.send_offset,
-            handle.recv_counts, handle.num_recv, num_experts=E, expert_alignment=cfg.expert_alignment)
+        return rows, scales, [((C, H), rows.dtype), ((C, H2), jnp.float32), ((C, K), jnp.int32),
+                              ((C, K), jnp.float32), ((L,), jnp.int32), _STATUS]
+
+    def _dispatched(self, x, topk_weights, handle, recv_x, recv_s, recv_idx, recv_w, per_expert, status):
+        fp8 = isinstance(x, tuple)
         total = jnp.sum(handle.recv_counts, dtype=jnp.int32)
         dropped = total - handle.num_recv + handle.num_invalid
         handle = handle.replace(topk_weights=topk_weights, recv_topk_idx=recv_idx, recv_topk_weights=recv_w,

@@ -53,6 +53,7 @@ import numpy as np
 
 from . import MODULE, NAME, SERVED, availability_reason, group_for, native_module, op_error, open_library
 from ...ep_core import env
+from ...ep_core.backend import EPBackend
 from ...ep_core.errors import InputError, UnsupportedError
 from ...ep_core.types import Availability, Capabilities, DispatchConfig, Handle, Layout
 from ..collective.jax_layout import per_rank
@@ -193,6 +194,9 @@ class NcclEpLibJax(CudaNvshmemJax):
                 "num_experts": cfg.num_experts}
 
     # ---- ops -----------------------------------------------------------------------------------------
+
+    # The library's own dispatch (its handle made by prepare): the two calls, not the native routed one.
+    prepare_dispatch = EPBackend.prepare_dispatch
 
     def prepare(self, topk_idx, config: DispatchConfig, descriptor=None) -> LibHandle:
         """No native call (NCCL EP routes in the dispatch): ``topk_idx`` narrowed to int32. Expert-major: a
