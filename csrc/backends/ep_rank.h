@@ -27,8 +27,9 @@ namespace omniep {
 
 inline constexpr int kExactCapacity = -1;  // PrepareCall::capacity: rank-major, receive exactly what arrives
 
-// prepare: the layout kernel (+ the expert-major layout). Outputs are device int32 arrays the caller
-// allocated; the expert-major ones are null for rank-major.
+// prepare: the layout kernel (+ the expert-major layout); or the `route` of a dispatch that runs the
+// layout itself (DispatchCall / EMDispatchCall). Outputs are device int32 arrays the caller allocated;
+// the expert-major ones are null for rank-major.
 struct PrepareCall {
   const void* topk_idx;  // [T, K] int32 or int64 (index_bytes)
   int index_bytes;

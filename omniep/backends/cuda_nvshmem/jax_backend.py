@@ -21,8 +21,8 @@ Status (DESIGN §9): the kernels exchange each op's descriptor (and this rank's 
 ids) at the op's first barrier; dispatch and combine return this rank's status words (the handlers'
 ``status`` output), all zero when every rank agreed. A failed op stops on every rank before it moves
 data: its row outputs are unspecified (not zeroed: that would cost a pass over them on every call), but
-a failed prepare leaves a handle that routes nothing (the layout kernels write it so on the failure
-path only), so the combine and backward passes XLA still runs with it move nothing and return the
+a failed prepare or rank-major dispatch (one ``routed_dispatch`` call: the kernel routes itself) leaves a
+handle that routes nothing (the kernels write it so on the failure path only), so the combine and backward passes XLA still runs with it move nothing and return the
 bias sum (or 0). A rank mismatch fails the group for good. Check the status (``omniep.jax.check``).
 
 Handles are :class:`NativeHandle`: the fields of :class:`~omniep.ep_core.types.Handle`, filled as the
