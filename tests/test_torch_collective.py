@@ -416,3 +416,21 @@ def test_buffer_low_latency_api(session):
         combined, into_out, event = res["combine"]
         assert_bits(combined, out[r], "low_latency_combine")
         assert into_out and event == NO_WAIT
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_dispatch_is_one_exchange_once_the_slot_holds_its_rows(world, layout):
+    """On gloo a dispatch's rows ride behind their routing in its first exchange once the agreed slot
+    holds them: the first dispatch of a shape (rows past the 64 KB slot) makes two collectives, the later
+    ones one; every combine one. The results do not depend on the path, bit for bit."""
+    from harness.torch_workers import exchange_count_session
+
+    results = run_ranks(exchange_count_session, world, args=(layout,), timeout=120,
+                        env={"OMNIEP_BACKEND": "collective"})
+    for r, res in enumerate(results):
+        assert res["dispatch_calls"] == [2, 1, 1], f"rank {r}: collectives per dispatch {res['dispatch_calls']}"
+        assert res["combine_calls"] == [1, 1, 1], f"rank {r}: collectives per combine {res['combine_calls']}"
+        for i in (1, 2):
+            assert_bits(res["recv_x"][i], res["recv_x"][0], f"rank {r} dispatch {i} recv_x")
+            assert_bits(res["out"][i], res["out"][0], f"rank {r} combine {i} out")

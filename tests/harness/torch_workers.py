@@ -552,3 +552,43 @@ def fail_one_rank(rank: int, world: int, port: int, fail_rank: int, pid_dir: str
     if rank == fail_rank:
         raise RuntimeError(f"deliberate failure on rank {rank}")
     ep.dispatch(torch.randn(2, 4), torch.tensor([[0], [1]]), torch.rand(2, 1), num_experts=world)
+
+
+def exchange_count_session(rank: int, world: int, port: int, layout: str) -> dict:
+    """The same dispatch + combine three times on the collective backend over gloo, counting its
+    collectives: rows of 256 KB per peer overflow the first slot (64 KB), so the first dispatch sends
+    them in an exchange of their own and the later ones inline, behind their routing. Returns the
+    collectives per op and every call's results (numpy), which must not depend on the path."""
+    import torch
+
+    from omniep import torch as ep
+
+    init_gloo(rank, world, port)
+    try:
+        T, H, E, K = 64, 1024, 4 * world, 2
+        gen = torch.Generator().manual_seed(7 + rank)
+        x = torch.randn(T, H, generator=gen)
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+        w = torch.rand(T, K, generator=gen)
+        ctx = ep.context(backend="collective")
+        real, calls = ctx._a2a, [0]
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        ctx._a2a = counted
+        out = {"dispatch_calls": [], "combine_calls": [], "recv_x": [], "out": []}
+        cap = T * world if layout == "expert_major" else None
+        for _ in range(3):
+            calls[0] = 0
+            d = ep.dispatch(x, idx, w, num_experts=E, layout=layout, capacity=cap)
+            out["dispatch_calls"].append(calls[0])
+            calls[0] = 0
+            y = ep.combine(d.recv_x, d.handle)
+            out["combine_calls"].append(calls[0])
+            out["recv_x"].append(to_numpy(d.recv_x))
+            out["out"].append(to_numpy(y))
+        return out
+    finally:
+        shutdown()
