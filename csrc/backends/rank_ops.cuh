@@ -287,8 +287,8 @@ void OneRankOps<Rank>::dispatch(const DispatchCall& c, OpDesc& d, cudaStream_t s
   const int32_t *topk_idx32 = c.topk_idx32, *send_pos = c.send_pos, *send_offset = c.send_offset,
                 *recv_counts = c.recv_counts;
   if (const PrepareCall* p = c.route) {  // the kernel routes first: prepare's rank-major outputs
-    if (p->index_bytes != 4 && p->index_bytes != 8) throw std::invalid_argument("omniep: topk_idx must be int32 or int64");
-    if (p->expert_major || p->capacity != c.capacity || c.capacity < 0 || !routing) {
+    // (the index type and the routing's presence: checked where the launch is, launch_common.cuh)
+    if (p->expert_major || p->capacity != c.capacity || c.capacity < 0) {
       throw std::invalid_argument("omniep: the route is not this static-capacity dispatch's");
     }
     a.route.on = 1;

@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   if (!route && static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
   if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &s_desc)) {
     if (route && blockIdx.x == 0) {
-      layout_route_nothing(tr, const_cast<int32_t*>(tr.local(a.send_pos)), const_cast<int32_t*>(tr.local(a.recv_counts)),
+      layout_route_nothing(tr, const_cast<int32_t*>(tr.local(a.send_pos)),
+                           const_cast<int32_t*>(tr.local(a.recv_counts)),
                            const_cast<int32_t*>(tr.local(a.send_offset)), tr.local(a.route.num_recv),
                            tr.local(a.route.dropped), T);
     }

@@ -237,7 +237,6 @@ PYBIND11_MODULE(_native_torch, m) {
       }, py::arg("reset") = false,
       "[(step, total µs, count)] of the ops' host stamps (OMNIEP_HOST_STAMPS=1 when the module loaded, or "
       "set_host_stamps(True); empty otherwise); reset clears them.");
-  m.def("host_stamps_on", &omniep_torch::host_stamps_on, "Whether the ops record host stamps.");
   m.def("set_host_stamps", &omniep_torch::set_host_stamps, py::arg("on"),
         "Record the ops' host stamps from now on (True) or stop (False).");
   m.def("take_raised", [](int64_t id) -> py::object {

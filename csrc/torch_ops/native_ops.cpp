@@ -89,8 +89,6 @@ std::vector<HostStep> host_steps(bool reset) {
   return out;
 }
 
-bool host_stamps_on() { return g_stamps_on.load(); }
-
 void set_host_stamps(bool on) { g_stamps_on.store(on); }
 
 // ---- contexts ----------------------------------------------------------------------------------------

@@ -43,7 +43,6 @@ struct HostStep {
   int64_t count;
 };
 std::vector<HostStep> host_steps(bool reset);
-bool host_stamps_on();
 void set_host_stamps(bool on);
 
 using DispatchOut = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, std::vector<Tensor>>;

@@ -5,8 +5,9 @@ One process per device; gloo on CPU, NCCL/RCCL on GPU. Tensors stay on the devic
 Data movement per op (DESIGN §5): dispatch = the local layout and ONE count exchange, which on gloo also
 carries the rows' routing and fp8 scales and, once the agreed slot holds them (from the second dispatch
 of a shape on, up to BULK bytes per peer), the rows themselves: one collective per dispatch; otherwise
-(NCCL, larger rows) ONE more all-to-all of the rows, received straight into ``recv_x``; combine, cached dispatch and the backward passes = ONE all-to-all each (expert-major
-``combine_bwd`` adds one of the weights' gradients). Splits are host integers: a dispatch reads the
+(NCCL, larger rows) ONE more all-to-all of the rows, received straight into ``recv_x``; combine, cached
+dispatch and the backward passes = ONE all-to-all each (expert-major ``combine_bwd`` adds one of the
+weights' gradients). Splits are host integers: a dispatch reads the
 counts once; every later op of its handle reuses them (the handle's CPU ``info`` tensor). A rank's
 own rows never travel: they are copied while the all-to-all moves the peers'.
 
@@ -250,7 +251,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         R, me, peers = self.world, self.rank, self.peers
         head = head or []
         n_words = HEADER_WORDS + len(head)
-        lead = HEADER + _up(4 * len(head))
+        lead = _lead(head)
         sizes = [lead + bodies[d] for d in peers]
         big = max(sizes, default=0)
         flags |= RESEND if self.tolerant and big > self.slot else 0
@@ -385,7 +386,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         W = x.element_size() * (x.shape[1] if x.dim() == 2 else 0)
         if self.tolerant and pair * W <= BULK:
             S = scales.shape[1] if scales is not None else 0
-            need = lead + _up(pair * 4 * K) * 2 + _up(pair * 4 * S) + _up(pair * W)
+            need = lead + _routing_bytes(pair, K, S) + _up(pair * W)
             if need > self.slot:
                 self._grow_slot(need)
 
@@ -457,8 +458,8 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         # gloo the rows themselves behind it (INLINE) when every block fits the slot: one collective for
         # the dispatch instead of two. Larger rows (past BULK, or the first time a shape comes) go in the
         # rows exchange, straight into recv_x; the ranks learn from each other's flags which it is.
-        side = [_up(n * 4 * K) * 2 + _up(n * 4 * S) for n in send_n]
-        lead = HEADER + _up(4 * len(head))
+        side = [_routing_bytes(n, K, S) for n in send_n]
+        lead = _lead(head)
         inline = self.tolerant and R > 1 and all(
             send_n[d] * W <= BULK and lead + side[d] + _up(send_n[d] * W) <= self.slot for d in self.peers)
         if inline:
@@ -494,7 +495,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             return self._nothing_moved(x, scales, idx32, cap, E, em)
         tok = [row[HEADER_WORDS:HEADER_WORDS + R] for row in table]
         if not self.tolerant and R > 1:  # the routing could not ride with the counts: sizes known now
-            recv_sizes = [_up(tok[s][me] * 4 * K) * 2 + _up(tok[s][me] * 4 * S) if s != me else 0 for s in range(R)]
+            recv_sizes = [_routing_bytes(tok[s][me], K, S) if s != me else 0 for s in range(R)]
             buf = self._workspace("_recv", sum(recv_sizes), dev)
             send = self._workspace("_send", sum(side[d] for d in self.peers), dev)
             offsets, at = [None] * R, 0
@@ -523,7 +524,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             def rows_of(s: int, n: int) -> torch.Tensor:
                 """The first ``n`` rows peer s sent here, as ``[n, W]`` bytes in the receive workspace."""
                 m = tok[s][me]
-                o = offsets[s] + _up(m * 4 * K) * 2 + _up(m * 4 * S)
+                o = offsets[s] + _routing_bytes(m, K, S)
                 return buf[o:o + n * W].view(n, W)
 
         if em:
@@ -1054,6 +1055,17 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
 
 def _up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _lead(head: list) -> int:
+    """Bytes of a first-exchange block before its body: the header and the ``head`` words."""
+    return HEADER + _up(4 * len(head))
+
+
+def _routing_bytes(n: int, K: int, S: int) -> int:
+    """Bytes of the routing of ``n`` dispatched rows in a block: ids (K int32), weights (K f32) and fp8
+    scales (S f32), each region padded to ALIGN; inline rows follow it."""
+    return _up(n * 4 * K) * 2 + _up(n * 4 * S)
 
 
 def _grow(n: int) -> int:

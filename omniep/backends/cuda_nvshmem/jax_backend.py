@@ -22,8 +22,8 @@ ids) at the op's first barrier; dispatch and combine return this rank's status w
 ``status`` output), all zero when every rank agreed. A failed op stops on every rank before it moves
 data: its row outputs are unspecified (not zeroed: that would cost a pass over them on every call), but
 a failed prepare or rank-major dispatch (one ``routed_dispatch`` call: the kernel routes itself) leaves a
-handle that routes nothing (the kernels write it so on the failure path only), so the combine and backward passes XLA still runs with it move nothing and return the
-bias sum (or 0). A rank mismatch fails the group for good. Check the status (``omniep.jax.check``).
+handle that routes nothing (the kernels write it so on the failure path only), so the combine and
+backward passes XLA still runs with it move nothing and return the bias sum (or 0). A rank mismatch fails the group for good. Check the status (``omniep.jax.check``).
 
 Handles are :class:`NativeHandle`: the fields of :class:`~omniep.ep_core.types.Handle`, filled as the
 collective backend fills them, plus ``send_offset`` (where this rank's rows start in every receiver's
@@ -88,6 +88,15 @@ try:
                                      meta_fields=list(Handle.META_FIELDS))
 except ValueError:  # already registered (module reloaded)
     pass
+
+
+def _layout_outputs(shape_of_idx: tuple, config: DispatchConfig) -> list:
+    """Shapes and dtypes of the rank-major layout's eight outputs (``prepare``, the first eight of
+    ``routed_dispatch``): topk_idx32, send_pos, num_tokens_per_rank, num_tokens_per_expert, recv_counts,
+    send_offset, num_recv, dropped."""
+    T, K = shape_of_idx
+    R, E, i32 = config.num_ranks, config.num_experts, jnp.int32
+    return [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)]
 
 
 def _regions(capacity: int, row_bytes: list) -> int:
@@ -271,16 +280,16 @@ class CudaNvshmemJax(EPBackend):
             "hidden": int(descriptor[_HIDDEN]), "dtype": int(descriptor[_DTYPE])}
         if config.layout == Layout.EXPERT_MAJOR:
             return self._em_prepare(topk_idx, config, shape_of_x)
-        R, E = config.num_ranks, config.num_experts
-        T, K = topk_idx.shape
-        i32 = jnp.int32
-        idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped = self._call(
-            "prepare",
-            [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)],
-            topk_idx, num_experts=E, capacity=config.capacity, **shape_of_x)
-        num_invalid = self._num_invalid(topk_idx, E)
+        layout = self._call("prepare", _layout_outputs(topk_idx.shape, config), topk_idx,
+                            num_experts=config.num_experts, capacity=config.capacity, **shape_of_x)
+        return self._rm_handle(config, topk_idx, layout)
+
+    def _rm_handle(self, config: DispatchConfig, topk_idx, layout) -> NativeHandle:
+        """The rank-major handle from the layout's eight outputs (:func:`_layout_outputs`)."""
+        idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped = layout
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
-                            None, group=self.group, send_offset=send_offset, num_invalid=num_invalid)
+                            None, group=self.group, send_offset=send_offset,
+                            num_invalid=self._num_invalid(topk_idx, config.num_experts))
 
     def dispatch(self, x, topk_weights, handle: NativeHandle):
         """Push ``x[T, H]`` (or ``(x, x_scales)`` for fp8, bytes unchanged) and the routing into the
@@ -300,20 +309,13 @@ class CudaNvshmemJax(EPBackend):
         kernel runs the layout itself; the handle and results are those of the two calls)."""
         if config.layout == Layout.EXPERT_MAJOR:
             return super().prepare_dispatch(x, topk_idx, topk_weights, config, descriptor)
-        R, E = config.num_ranks, config.num_experts
-        T, K = topk_idx.shape
-        i32 = jnp.int32
-        rows, scales, outputs = self._rows_in(x, (T, K), config)
-        (idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, num_recv, _dropped,
-         recv_x, recv_s, recv_idx, recv_w, per_expert, status) = self._call(
-            "routed_dispatch",
-            [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32)]
-            + outputs, rows, scales, topk_idx, topk_weights.astype(jnp.float32), num_experts=E,
-            capacity=config.capacity, expert_alignment=config.expert_alignment)
-        handle = NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
-                              None, group=self.group, send_offset=send_offset,
-                              num_invalid=self._num_invalid(topk_idx, E))
-        return self._dispatched(x, topk_weights, handle, recv_x, recv_s, recv_idx, recv_w, per_expert, status)
+        rows, scales, outputs = self._rows_in(x, topk_idx.shape, config)
+        layout = _layout_outputs(topk_idx.shape, config)
+        out = self._call("routed_dispatch", layout + outputs, rows, scales, topk_idx,
+                         topk_weights.astype(jnp.float32), num_experts=config.num_experts,
+                         capacity=config.capacity, expert_alignment=config.expert_alignment)
+        handle = self._rm_handle(config, topk_idx, out[:len(layout)])
+        return self._dispatched(x, topk_weights, handle, *out[len(layout):])
 
     def _rows_in(self, x, shape_of_idx, cfg: DispatchConfig):
         """A rank-major dispatch's rows and f32 scales (``[T, 0]``: none), with the data buffer reserved
@@ -392,14 +394,14 @@ class CudaNvshmemJax(EPBackend):
 
     # ---- expert-major ("low-latency"): recv_x [L, C, H], the em_* handlers ----
     def _em_prepare(self, topk_idx, config: DispatchConfig, shape_of_x: dict) -> NativeHandle:
-        R, E, L = config.num_ranks, config.num_experts, config.num_local_experts
+        E, L = config.num_experts, config.num_local_experts
         T, K = topk_idx.shape
         i32 = jnp.int32
         (idx32, send_pos, per_rank_, _per_expert, recv_counts, send_offset, _rows, _rows_dropped, copy_slot,
          expert_count, per_expert, num_recv, dropped, _max) = self._call(
             "em_prepare",
-            [((T, K), i32), ((T, R), i32), ((R,), i32), ((E,), i32), ((R,), i32), ((R,), i32), ((), i32), ((), i32),
-             ((T, K), i32), ((L,), i32), ((L,), i32), ((), i32), ((), i32), ((), i32)],
+            _layout_outputs((T, K), config)
+            + [((T, K), i32), ((L,), i32), ((L,), i32), ((), i32), ((), i32), ((), i32)],
             topk_idx, num_experts=E, capacity=config.capacity, expert_alignment=config.expert_alignment, **shape_of_x)
         num_invalid = self._num_invalid(topk_idx, E)
         return NativeHandle(config, self.name, idx32, None, send_pos, per_rank_, recv_counts, None, None, num_recv,
