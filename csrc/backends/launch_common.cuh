@@ -142,11 +142,17 @@ bool all_aligned16(const PerRank<T>& table, int first, int count) {
   return true;
 }
 
-// combine / em_combine: 16-byte packs when every rank's y rows and the launched ranks' out rows start
+// combine: 16-byte packs when every rank's y rows and the launched ranks' out rows start
 // 16-byte aligned.
 template <typename CombineLike>
 bool vec16(const CombineLike& a, int first, int count, int num_ranks) {
   return rows16(a.hidden, a.dtype) && all_aligned16(a.y, 0, num_ranks) && all_aligned16(a.out, first, count);
+}
+
+// em_combine also reads the launched ranks' own copies from the caller's y (own_y) when it is given.
+inline bool vec16(const EMCombineArgs& a, int first, int count, int num_ranks) {
+  return rows16(a.hidden, a.dtype) && all_aligned16(a.y, 0, num_ranks) && all_aligned16(a.out, first, count) &&
+         all_aligned16(a.own_y, first, count);
 }
 
 inline bool vec16(const EMCombineBwdArgs& a, int first, int count, int num_ranks) {

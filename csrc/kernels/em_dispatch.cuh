@@ -8,7 +8,8 @@
 // y[l, c]> accumulated in fp32 (a reduction over H, in no order DESIGN fixes: tests match it to rounding, tests/harness/bounds.py).
 // No source writes the padding slots [recv_expert_count[l], C). dispatch fills its results after the
 // end barrier with the counted slots only (their routing -1 / 0 on padding, the rows' padding left as
-// it is unless zero_padding: DESIGN §2), so its cost follows the routed copies, not L * C * H.
+// it is unless zero_padding: DESIGN §2), so its cost follows the routed copies, not L * C * H; a
+// rank's copies of its own tokens skip the symmetric buffer and go straight into its results.
 // combine_bwd zero-fills g_y's padding (a gradient: exactly 0 there).
 //
 // One warp per copy (t, k): a low-latency batch (128 tokens, top-8) is 1024 rows per rank, where one
@@ -34,6 +35,9 @@
 namespace omniep {
 
 inline constexpr int kEMDispatchThreads = 512;
+// The routing entry a rank's push of its OWN copy leaves in its symmetric recv_topk_idx when the kernel
+// fills separate results (out_x): the copy already is in the result, the results copy skips the slot.
+inline constexpr int32_t kEMSlotInResult = -2;
 // The remote path stages per warp as combine does: the scratch the host sized for combine's warps
 // (kCombineThreads per block) serves these kernels' warps.
 static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combine's per-warp scratch");
@@ -116,7 +120,8 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   return true;
 }
 
-// After the end barrier: the counted slots of the symmetric receive buffers into the caller's results.
+// After the end barrier: the counted slots of the symmetric receive buffers into the caller's results
+// (but those the rank's own pushes filled already: kEMSlotInResult).
 // One pass over the counted rows moves each row's payload, its scales row and its routing entry
 // together (one scan of the counts, the loads of both rows in flight at once); padding after it.
 template <typename Tr>
@@ -132,8 +137,10 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   const int32_t* recv_idx = tr.local(a.recv_topk_idx);
   const float* recv_w = tr.local(a.recv_topk_weights);
   em_for_each_row(count, L, C, 0, [&](int64_t j) {
+    const int32_t l = recv_idx[j];  // (one load, every lane: the branch stays warp-uniform)
+    if (l == kEMSlotInResult) return;  // a copy of my own, already in the result (the push)
     if (gpu::lane_id() == 0) {
-      out_idx[j] = recv_idx[j];
+      out_idx[j] = l;
       out_w[j] = recv_w[j];
     }
     if (a.row2_bytes > 0) warp_copy_row(out_x2 + j * a.row2_bytes, recv_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
@@ -212,6 +219,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   const float* weights = tr.local(a.topk_weights);
   const int32_t* copy_slot = tr.local(a.copy_slot);
   const int lane = gpu::lane_id();
+  uint8_t* out_x = tr.local(a.out_x);
 
   // ---- push my copies ----
   for (int64_t i = first_warp; i < end; i += all_warps) {
@@ -223,7 +231,19 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     const int64_t t = i / K;
     bool far = false;
     if constexpr (Tr::kHasGets) far = tr.is_remote(r);
-    if (!far) {
+    if (r == me && out_x != nullptr) {
+      // My own copy goes straight into my result, and its slot is marked so that the results copy
+      // after the end barrier skips it: one pass over the row instead of two (at one rank every row).
+      warp_copy_row(out_x + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) {
+        warp_copy_row(tr.local(a.out_x2) + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
+      }
+      if (lane == 0) {
+        tr.local(a.out_topk_idx)[row] = l;
+        tr.local(a.out_topk_weights)[row] = weights[i];
+        tr.local(a.recv_topk_idx)[row] = kEMSlotInResult;
+      }
+    } else if (!far) {
       warp_copy_row(tr.peer(a.recv_x, r) + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
       if (a.row2_bytes > 0) {
         warp_copy_row(tr.peer(a.recv_x2, r) + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
@@ -250,7 +270,6 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   // The counted slots [0, recv_expert_count[l]) of every local expert are the result; the rest is
   // padding, which no source writes and nothing here touches unless zero_padding asks for zeros.
   const int32_t* count = tr.local(a.recv_expert_count);
-  uint8_t* out_x = tr.local(a.out_x);
   if (out_x == nullptr) {  // the symmetric buffers are the results: define their padding now (mine only)
     if (a.zero_padding) {
       em_copy_slots(tr.local(a.recv_x), nullptr, count, L, C, a.row_bytes, a.unit, 1);

@@ -41,19 +41,15 @@ OMNIEP_DEVICE int block_rows_prefix(int* s_upto, int L, RowsOf rows_of) {
   return carry;
 }
 
-// fn(j) for every row j = l * C + c of one pass — pass 0: the counted rows (c < count[l]), pass 1: the
-// padding rows — dealt round-robin over every warp of the rank in (l, c) order, blocks fastest
-// (gpu::grid_warp_spread: a low-latency batch has fewer rows than warps, and every SM's share of the
-// bandwidth is wanted), so the cost follows the rows moved, balanced however skewed the experts. fn is
-// called by the whole warp (warp-uniform).
-// Every thread of every block must call it (a block-wide scan of the counts, block_rows_prefix).
-template <typename Fn>
-OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass, Fn fn) {
+// fn(j) for every row j = l * C + slot_of(l, q), q < rows_of(l), of every local expert l, dealt
+// round-robin over every warp of the rank in (l, q) order, blocks fastest (gpu::grid_warp_spread: a
+// low-latency batch has fewer rows than warps, and every SM's share of the bandwidth is wanted), so the
+// cost follows the rows moved, balanced however skewed the experts. fn is called by the whole warp
+// (warp-uniform). Every thread of every block must call it (a block-wide scan, block_rows_prefix).
+template <typename RowsOf, typename SlotOf, typename Fn>
+OMNIEP_DEVICE void em_for_each_slot(int L, int C, RowsOf rows_of, SlotOf slot_of, Fn fn) {
   __shared__ int s_upto[kMaxLocalExperts];
-  const int total = block_rows_prefix(s_upto, L, [count, C, pass](int l) {
-    const int n = count == nullptr ? C : count[l];
-    return pass == 0 ? n : C - n;
-  });
+  const int total = block_rows_prefix(s_upto, L, rows_of);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
   for (int64_t next = gpu::grid_warp_spread(); next < total; next += warps) {
     const int off = static_cast<int>(next);
@@ -63,10 +59,21 @@ OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass,
       if (s_upto[mid] > off) hi = mid; else lo = mid + 1;
     }
     const int before = lo > 0 ? s_upto[lo - 1] : 0;
-    const int first = pass == 0 ? 0 : (count == nullptr ? C : count[lo]);
-    fn(static_cast<int64_t>(lo) * C + first + (off - before));
+    fn(static_cast<int64_t>(lo) * C + slot_of(lo, off - before));
   }
   __syncthreads();  // s_upto is reused by the next pass
+}
+
+// One pass of em_for_each_slot — pass 0: the counted rows (c < count[l]), pass 1: the padding rows.
+template <typename Fn>
+OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass, Fn fn) {
+  em_for_each_slot(
+      L, C,
+      [count, C, pass](int l) {
+        const int n = count == nullptr ? C : count[l];
+        return pass == 0 ? n : C - n;
+      },
+      [count, C, pass](int l, int q) { return pass == 0 ? q : (count == nullptr ? C : count[l]) + q; }, fn);
 }
 
 // Counted slots: dst[j] = src[j] (null src: left as they are); padding: zeroed when `zero`, else
