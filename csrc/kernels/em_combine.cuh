@@ -109,6 +109,14 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
     return;
   }
   OMNIEP_STAMP("started");
+  // Where each rank's y is read from (the transport's address of its symmetric buffer; my own copies
+  // from the caller's y when own_direct).
+  __shared__ const void* s_y_of[kMaxRanks];
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    s_y_of[r] = r == me && own_direct ? own_y : static_cast<const void*>(tr.peer(a.y, r));
+  }
+  __syncthreads();
 
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);  // null: weight 1 (dispatch_bwd)
@@ -164,10 +172,8 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
           bool far = false;
           if constexpr (Tr::kHasGets) far = tr.is_remote(r);
           const Pack* y = nullptr;
-          if (r == me && own_direct) {
-            y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(own_y) + row);
-          } else if (!far) {
-            y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row);
+          if (!far) {
+            y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(s_y_of[r]) + row);
           } else if constexpr (Tr::kHasGets) {  // (one stage: its packs go to registers before the next get)
             const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
             y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);

@@ -36,7 +36,8 @@ namespace omniep {
 
 inline constexpr int kEMDispatchThreads = 512;
 // The routing entry a rank's push of its OWN copy leaves in its symmetric recv_topk_idx when the kernel
-// fills separate results (out_x): the copy already is in the result, the results copy skips the slot.
+// fills separate results (out_x): the copy's rows already are in the result, the results copy moves only
+// the slot's routing (l = slot / C, the weight).
 inline constexpr int32_t kEMSlotInResult = -2;
 // The remote path stages per warp as combine does: the scratch the host sized for combine's warps
 // (kCombineThreads per block) serves these kernels' warps.
@@ -138,11 +139,11 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   const float* recv_w = tr.local(a.recv_topk_weights);
   em_for_each_row(count, L, C, 0, [&](int64_t j) {
     const int32_t l = recv_idx[j];  // (one load, every lane: the branch stays warp-uniform)
-    if (l == kEMSlotInResult) return;  // a copy of my own, already in the result (the push)
     if (gpu::lane_id() == 0) {
-      out_idx[j] = l;
+      out_idx[j] = l == kEMSlotInResult ? static_cast<int32_t>(j) / C : l;  // (rows fit int32: em_slots.cuh)
       out_w[j] = recv_w[j];
     }
+    if (l == kEMSlotInResult) return;  // a copy of my own: its rows are in the result already (the push)
     if (a.row2_bytes > 0) warp_copy_row(out_x2 + j * a.row2_bytes, recv_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
     warp_copy_row(out_x + j * a.row_bytes, recv_x + j * a.row_bytes, a.row_bytes, a.unit);
   });
@@ -219,7 +220,18 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   const float* weights = tr.local(a.topk_weights);
   const int32_t* copy_slot = tr.local(a.copy_slot);
   const int lane = gpu::lane_id();
-  uint8_t* out_x = tr.local(a.out_x);
+  // Where a copy for rank r goes: r's symmetric buffers — or, for my own copies when the kernel fills
+  // separate results, straight into those (their symmetric routing entry marked: the results copy after
+  // the end barrier then moves only the slot's routing; one pass over the row instead of two).
+  __shared__ uint8_t* s_to[kMaxRanks];
+  __shared__ uint8_t* s_to2[kMaxRanks];
+  const bool has_out = tr.local(a.out_x) != nullptr;
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    s_to[r] = r == me && has_out ? tr.local(a.out_x) : tr.peer(a.recv_x, r);
+    s_to2[r] = r == me && has_out ? tr.local(a.out_x2) : tr.peer(a.recv_x2, r);
+  }
+  __syncthreads();
 
   // ---- push my copies ----
   for (int64_t i = first_warp; i < end; i += all_warps) {
@@ -231,25 +243,11 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     const int64_t t = i / K;
     bool far = false;
     if constexpr (Tr::kHasGets) far = tr.is_remote(r);
-    if (r == me && out_x != nullptr) {
-      // My own copy goes straight into my result, and its slot is marked so that the results copy
-      // after the end barrier skips it: one pass over the row instead of two (at one rank every row).
-      warp_copy_row(out_x + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
-      if (a.row2_bytes > 0) {
-        warp_copy_row(tr.local(a.out_x2) + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
-      }
+    if (!far) {
+      warp_copy_row(s_to[r] + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
+      if (a.row2_bytes > 0) warp_copy_row(s_to2[r] + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
       if (lane == 0) {
-        tr.local(a.out_topk_idx)[row] = l;
-        tr.local(a.out_topk_weights)[row] = weights[i];
-        tr.local(a.recv_topk_idx)[row] = kEMSlotInResult;
-      }
-    } else if (!far) {
-      warp_copy_row(tr.peer(a.recv_x, r) + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
-      if (a.row2_bytes > 0) {
-        warp_copy_row(tr.peer(a.recv_x2, r) + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
-      }
-      if (lane == 0) {
-        tr.peer(a.recv_topk_idx, r)[row] = l;
+        tr.peer(a.recv_topk_idx, r)[row] = r == me && has_out ? kEMSlotInResult : l;
         tr.peer(a.recv_topk_weights, r)[row] = weights[i];
       }
     } else if constexpr (Tr::kHasGets) {  // MY addresses of the symmetric buffers; the end barrier quiets
@@ -270,6 +268,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   // The counted slots [0, recv_expert_count[l]) of every local expert are the result; the rest is
   // padding, which no source writes and nothing here touches unless zero_padding asks for zeros.
   const int32_t* count = tr.local(a.recv_expert_count);
+  uint8_t* out_x = tr.local(a.out_x);
   if (out_x == nullptr) {  // the symmetric buffers are the results: define their padding now (mine only)
     if (a.zero_padding) {
       em_copy_slots(tr.local(a.recv_x), nullptr, count, L, C, a.row_bytes, a.unit, 1);
