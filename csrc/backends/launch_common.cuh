@@ -157,7 +157,8 @@ inline bool vec16(const EMCombineArgs& a, int first, int count, int num_ranks) {
 
 inline bool vec16(const EMCombineBwdArgs& a, int first, int count, int num_ranks) {
   return rows16(a.hidden, a.dtype) && all_aligned16(a.g_y, 0, num_ranks) && all_aligned16(a.y, 0, num_ranks) &&
-         all_aligned16(a.g_out, first, count);
+         all_aligned16(a.g_out, first, count) && all_aligned16(a.own_y, first, count) &&
+         all_aligned16(a.out_g_y, first, count);
 }
 
 // dispatch / em_dispatch: the widest copy unit suiting the launched ranks' source rows and every

@@ -509,17 +509,17 @@ void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cuda
   a.capacity = c.capacity;
   a.dtype = c.dtype;
   a.desc[g.rank()] = d;
-  const uintptr_t base = g.data_ptr();
-  const size_t slots = static_cast<size_t>(L * C);
+  // The kernel fills the caller's g_y itself and copies into the symmetric y only the slots the peers
+  // read (EMCombineBwdArgs): no copy of a whole [L, C, H] buffer.
+  a.out_g_y = mine<void>(g, c.g_y);
   if (grad) {
-    if (slots > 0) memcpy(base + offsets[1], reinterpret_cast<uintptr_t>(c.y), slots * static_cast<size_t>(row), s);
+    a.own_y = mine<const void>(g, c.y);
     a.y = g.template sym<const void>(offsets[1]);
     a.g_topk_weights = mine<float>(g, c.g_topk_weights);
     a.with_topk_grad = 1;
   }
   launch_em_combine_bwd(a, s);
   next_part(d);
-  if (slots > 0) memcpy(reinterpret_cast<uintptr_t>(c.g_y), base + offsets[0], slots * static_cast<size_t>(row), s);
 }
 
 template <typename Rank>

@@ -130,6 +130,13 @@ struct EMCombineBwdArgs : CombineScalars {  // num_bias / bias_dtype unused
   PerRank<const int32_t> recv_expert_count;   // [L]
   PerRank<void> g_y;                          // sym out [L, C, H] in `dtype`, padding zeroed
   PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
+  // Optional: the caller's y [L, C, H] (with_topk_grad) and g_y result [L, C, H]. With out_g_y the kernel
+  // fills the result itself: its own copies' rows pushed there directly, the padding zeroed there, the
+  // peers' rows copied out of the symmetric g_y after the end barrier; y is copied into the symmetric
+  // buffer (sym `y` above) for the peers' slots only, the rank's own copies read from own_y. Nothing
+  // copies a whole [L, C, H] buffer.
+  PerRank<const void> own_y;
+  PerRank<void> out_g_y;
 };
 
 }  // namespace omniep

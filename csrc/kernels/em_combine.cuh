@@ -56,38 +56,19 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   // Split in two launches (a.phase), the first copies and signals, the second waits and pulls.
   const void* own_y = tr.local(a.own_y);
   // A whole op that copies y reads its own copies from the caller's y, where they are, and copies only
-  // the peers' slots: [s_own_lo[l], s_own_hi[l]) holds this rank's copies of local expert l (one range:
-  // a source's copies of an expert take consecutive slots), found from its routing by every block. A
-  // split op copies every slot: its receive half must not read the caller's y, which DeepEP's hook
-  // contract lets the caller reuse once the send half has run.
+  // the peers' slots (em_find_own_slots). A split op copies every slot: its receive half must not read
+  // the caller's y, which DeepEP's hook contract lets the caller reuse once the send half has run.
   const bool own_direct = a.phase == kEMWhole && own_y != nullptr && own_y != tr.local(a.y);
-  __shared__ int s_own_lo[kMaxLocalExperts], s_own_hi[kMaxLocalExperts];
-  if (own_direct) {
-    for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      s_own_lo[l] = 0x7fffffff;
-      s_own_hi[l] = 0;
-    }
-    __syncthreads();
-    const int32_t* idx = tr.local(a.topk_idx32);
-    const int32_t* slot_of = tr.local(a.copy_slot);
-    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(T) * K; i += blockDim.x) {
-      const int slot = slot_of[i], l = idx[i] - me * L;
-      if (slot < 0 || l < 0 || l >= L) continue;
-      atomicMin(&s_own_lo[l], slot);
-      atomicMax(&s_own_hi[l], slot + 1);
-    }
-    __syncthreads();
-  }
+  __shared__ EMOwnSlots s_own;
+  if (own_direct) em_find_own_slots(s_own, tr.local(a.topk_idx32), tr.local(a.copy_slot), static_cast<int64_t>(T) * K, me, L);
   if (a.phase != kEMReceive && own_y != nullptr && own_y != tr.local(a.y)) {
     const int32_t* count = tr.local(a.recv_expert_count);
     const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
     uint8_t* dst = static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y)));
     const uint8_t* src = static_cast<const uint8_t*>(own_y);
-    const auto own = [&](int l) { return own_direct && s_own_hi[l] > s_own_lo[l] ? s_own_hi[l] - s_own_lo[l] : 0; };
-    em_for_each_slot(
-        L, C, [&](int l) { return (count == nullptr ? C : count[l]) - own(l); },
-        [&](int l, int q) { return !own_direct || q < s_own_lo[l] ? q : q + own(l); },
-        [&](int64_t j) { warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, a.copy_unit); });
+    em_for_each_peer_row(count, own_direct ? &s_own : nullptr, L, C, [&](int64_t j) {
+      warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, a.copy_unit);
+    });
     if (const float* g_in = tr.local(a.own_g_recv_topk_weights)) {  // one warp per expert, lanes over slots
       float* g = const_cast<float*>(tr.local(a.g_recv_topk_weights));
       const int warps = gridDim.x * gpu::warps_per_block();

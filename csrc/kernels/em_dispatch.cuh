@@ -323,13 +323,39 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
+  const int64_t n = static_cast<int64_t>(T) * K;
+  const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
+  const int32_t* count = tr.local(a.recv_expert_count);
+  const bool grad_w = a.with_topk_grad != 0;
+  // With the caller's result (out_g_y) and y (own_y): own copies straight there, the rest through the
+  // symmetric buffers (EMCombineBwdArgs).
+  const bool direct = tr.local(a.out_g_y) != nullptr;
+  __shared__ EMOwnSlots s_own;
+  if (direct) em_find_own_slots(s_own, tr.local(a.topk_idx32), tr.local(a.copy_slot), n, me, L);
+  if (direct && grad_w && tr.local(a.own_y) != nullptr) {  // the peers read my y at their copies' slots
+    uint8_t* dst = static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y)));
+    const uint8_t* src = static_cast<const uint8_t*>(tr.local(a.own_y));
+    em_for_each_peer_row(count, &s_own, L, C, [&](int64_t j) {
+      warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, sizeof(Pack));
+    });
+  }
   if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
+
+  // Where a copy for rank r goes and where its y is read (my own: the caller's tensors when direct).
+  __shared__ void* s_g_y[kMaxRanks];
+  __shared__ const void* s_y[kMaxRanks];
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    const bool own = r == me && direct;
+    s_g_y[r] = own ? tr.local(a.out_g_y) : tr.peer(a.g_y, r);
+    s_y[r] = own && tr.local(a.own_y) != nullptr ? tr.local(a.own_y) : static_cast<const void*>(tr.peer(a.y, r));
+  }
+  __syncthreads();
 
   const Scalar* g_out = static_cast<const Scalar*>(tr.local(a.g_out));
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);
   const int32_t* copy_slot = tr.local(a.copy_slot);
-  const bool grad_w = a.with_topk_grad != 0;
   const int lane = gpu::lane_id(), warps = gpu::warps_per_block();
   const int64_t first_warp = gpu::grid_warp_spread();  // (also picks the warp's stage: one-to-one)
   const int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
@@ -338,7 +364,6 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
   if constexpr (Tr::kHasGets) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
   constexpr int kChunk = gpu::kWarpSize * kPacks;  // packs per remote chunk: at most kCombineChunkBytes
 
-  const int64_t n = static_cast<int64_t>(T) * K;
   for (int64_t i = first_warp; i < n; i += all_warps) {
     const int slot = copy_slot[i];
     if (slot < 0) {
@@ -354,9 +379,8 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
     if constexpr (Tr::kHasGets) far = tr.is_remote(r);
     float dot = 0.0f;
     if (!far) {
-      Pack* dst = reinterpret_cast<Pack*>(static_cast<Scalar*>(tr.peer(a.g_y, r)) + row);
-      const Pack* y =
-          grad_w ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.peer(a.y, r)) + row) : nullptr;
+      Pack* dst = reinterpret_cast<Pack*>(static_cast<Scalar*>(s_g_y[r]) + row);
+      const Pack* y = grad_w ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(s_y[r]) + row) : nullptr;
       for (int p = lane; p < num_packs; p += gpu::kWarpSize) {
         dot = scale_pack<Scalar, Vec>(g[p], w, dst + p, y != nullptr ? y + p : nullptr, dot);
       }
@@ -382,9 +406,15 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
       if (lane == 0) tr.local(a.g_topk_weights)[i] = dot;
     }
   }
-  em_copy_slots(static_cast<uint8_t*>(tr.local(a.g_y)), nullptr, tr.local(a.recv_expert_count), L, C,
-              static_cast<int64_t>(H) * sizeof(Scalar), sizeof(Scalar) * Vec, 1);
-  rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/false);
+  // The padding of the result: exactly 0 (a gradient). Direct: in the caller's g_y, whose peers' rows
+  // arrive in my symmetric g_y and are copied out once every peer has pushed (the end barrier, waited).
+  uint8_t* result = static_cast<uint8_t*>(direct ? tr.local(a.out_g_y) : tr.local(a.g_y));
+  em_copy_slots(result, nullptr, count, L, C, row_bytes, sizeof(Pack), 1);
+  if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/direct) || !direct) return;
+  const uint8_t* from = static_cast<const uint8_t*>(tr.local(a.g_y));
+  em_for_each_peer_row(count, &s_own, L, C, [&](int64_t j) {
+    warp_copy_row(result + j * row_bytes, from + j * row_bytes, row_bytes, sizeof(Pack));
+  });
 }
 }  // namespace em
 

@@ -76,6 +76,42 @@ OMNIEP_DEVICE void em_for_each_row(const int32_t* count, int L, int C, int pass,
       [count, C, pass](int l, int q) { return pass == 0 ? q : (count == nullptr ? C : count[l]) + q; }, fn);
 }
 
+// The slots of this rank's own copies, per local expert: every thread of the block gets [lo[l], hi[l])
+// (empty: lo > hi), the slots of local expert l that hold copies of the rank's own tokens — one range,
+// since a source's copies of an expert take consecutive slots (em_args.h). From the rank's routing
+// (idx32 [n], copy_slot [n], n = T * K), by every block on its own (a scan of the n pairs: cheaper than a
+// grid-wide exchange). Every thread of the block must call it.
+struct EMOwnSlots {
+  int lo[kMaxLocalExperts];
+  int hi[kMaxLocalExperts];
+  OMNIEP_DEVICE int size(int l) const { return hi[l] > lo[l] ? hi[l] - lo[l] : 0; }
+};
+
+OMNIEP_DEVICE void em_find_own_slots(EMOwnSlots& own, const int32_t* idx32, const int32_t* copy_slot, int64_t n,
+                                     int me, int L) {
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    own.lo[l] = 0x7fffffff;
+    own.hi[l] = 0;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int slot = copy_slot[i], l = idx32[i] - me * L;
+    if (slot < 0 || l < 0 || l >= L) continue;
+    atomicMin(&own.lo[l], slot);
+    atomicMax(&own.hi[l], slot + 1);
+  }
+  __syncthreads();
+}
+
+// fn(j) for every counted row j (c < count[l]) that does NOT hold one of the rank's own copies (own:
+// em_find_own_slots; null: every counted row), as em_for_each_row deals them.
+template <typename Fn>
+OMNIEP_DEVICE void em_for_each_peer_row(const int32_t* count, const EMOwnSlots* own, int L, int C, Fn fn) {
+  em_for_each_slot(
+      L, C, [count, own, C](int l) { return (count == nullptr ? C : count[l]) - (own == nullptr ? 0 : own->size(l)); },
+      [own](int l, int q) { return own == nullptr || q < own->lo[l] ? q : q + own->size(l); }, fn);
+}
+
 // Counted slots: dst[j] = src[j] (null src: left as they are); padding: zeroed when `zero`, else
 // untouched. One warp per row (em_for_each_row). Every thread of every block must call it.
 OMNIEP_DEVICE void em_copy_slots(uint8_t* dst, const uint8_t* src, const int32_t* count, int L, int C,
