@@ -77,7 +77,8 @@ inline size_t checked_smem(const EMDispatchArgs& a) {
   if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");
   if (!a.route.on) return 0;
   if (a.route.expert_alignment < 1) throw std::invalid_argument("omniep: expert_alignment must be >= 1");
-  return per_expert_smem(a.num_experts, "expert-major dispatch", /*arrays=*/2);  // the routing front's two
+  return per_expert_smem(a.num_experts, "expert-major dispatch", /*arrays=*/2,  // the routing front's two
+                         kEMDispatchStaticSmem);
 }
 
 inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a.hidden, a.num_bias); }
@@ -142,15 +143,10 @@ bool all_aligned16(const PerRank<T>& table, int first, int count) {
   return true;
 }
 
-// combine: 16-byte packs when every rank's y rows and the launched ranks' out rows start
-// 16-byte aligned.
+// combine / em_combine: 16-byte packs when every rank's y rows, and the launched ranks' out rows and own
+// rows (read from the caller's y, own_y, when given), start 16-byte aligned.
 template <typename CombineLike>
 bool vec16(const CombineLike& a, int first, int count, int num_ranks) {
-  return rows16(a.hidden, a.dtype) && all_aligned16(a.y, 0, num_ranks) && all_aligned16(a.out, first, count);
-}
-
-// em_combine also reads the launched ranks' own copies from the caller's y (own_y) when it is given.
-inline bool vec16(const EMCombineArgs& a, int first, int count, int num_ranks) {
   return rows16(a.hidden, a.dtype) && all_aligned16(a.y, 0, num_ranks) && all_aligned16(a.out, first, count) &&
          all_aligned16(a.own_y, first, count);
 }

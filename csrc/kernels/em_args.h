@@ -76,7 +76,9 @@ struct EMDispatchArgs {
   PerRank<const int32_t> recv_expert_count;  // [L] from em_layout: slots [count, C) are padding
   PerRank<uint8_t> recv_x;                   // sym [L, C, row_bytes]
   PerRank<uint8_t> recv_x2;                  // sym [L, C, row2_bytes]
-  PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots
+  PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots (kEMSlotInResult on the rank's
+                                             // own copies when out_x is given: their rows and routing
+                                             // are in the results, not here)
   PerRank<float> recv_topk_weights;          // sym [L, C]: the copy's weight
   // Optional: the caller's results, which the kernel fills from its receive buffers after its end
   // barrier — only the counted slots' rows (no copy launched after it, nothing that grows with C * H):
@@ -105,7 +107,9 @@ struct EMCombineArgs : CombineScalars {
   int phase;                                  // EMPhase: split at the start barrier (send: y in, signals)
   // Optional: the caller's y [L, C, H] (and g_recv_topk_weights [L, C]), copied into the symmetric
   // buffers by the kernel before its start barrier — the counted slots only when recv_expert_count is
-  // given, else every slot; skipped when it already is the symmetric buffer (zero-copy).
+  // given, else every slot; skipped when it already is the symmetric buffer (zero-copy). A whole op
+  // (kEMWhole) copies only the slots its peers pull and reads the rank's own copies from own_y, so the
+  // symmetric y holds no own copies afterwards.
   PerRank<const void> own_y;
   PerRank<const float> own_g_recv_topk_weights;
   PerRank<const int32_t> recv_expert_count;   // [L] (optional)
@@ -130,11 +134,11 @@ struct EMCombineBwdArgs : CombineScalars {  // num_bias / bias_dtype unused
   PerRank<const int32_t> recv_expert_count;   // [L]
   PerRank<void> g_y;                          // sym out [L, C, H] in `dtype`, padding zeroed
   PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
-  // Optional: the caller's y [L, C, H] (with_topk_grad) and g_y result [L, C, H]. With out_g_y the kernel
-  // fills the result itself: its own copies' rows pushed there directly, the padding zeroed there, the
-  // peers' rows copied out of the symmetric g_y after the end barrier; y is copied into the symmetric
-  // buffer (sym `y` above) for the peers' slots only, the rank's own copies read from own_y. Nothing
-  // copies a whole [L, C, H] buffer.
+  // Optional: the caller's y [L, C, H] (with_topk_grad), copied into the symmetric `y` above for the
+  // counted slots (the peers' only, with out_g_y), and g_y result [L, C, H]. With out_g_y the kernel fills
+  // the result itself: its own copies' rows pushed there directly (their y read from own_y), the padding
+  // zeroed there, the peers' rows copied out of the symmetric g_y after the end barrier. Nothing copies
+  // a whole [L, C, H] buffer.
   PerRank<const void> own_y;
   PerRank<void> out_g_y;
 };

@@ -35,6 +35,9 @@
 namespace omniep {
 
 inline constexpr int kEMDispatchThreads = 512;
+// A bound on the dispatch kernel's static shared memory (ptxas, sm_90: 4,960 B), which the routing
+// front's dynamic shared memory [2 * E ints] must leave room for (launch_common.cuh checked_smem).
+inline constexpr size_t kEMDispatchStaticSmem = 6144;
 // The routing entry a rank's push of its OWN copy leaves in its symmetric recv_topk_idx when the kernel
 // fills separate results (out_x): the copy's rows already are in the result, the results copy moves only
 // the slot's routing (l = slot / C, the weight).
@@ -332,13 +335,15 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
   const bool direct = tr.local(a.out_g_y) != nullptr;
   __shared__ EMOwnSlots s_own;
   if (direct) em_find_own_slots(s_own, tr.local(a.topk_idx32), tr.local(a.copy_slot), n, me, L);
-  if (direct && grad_w && tr.local(a.own_y) != nullptr) {  // the peers read my y at their copies' slots
+  if (grad_w && tr.local(a.own_y) != nullptr) {  // the peers read my y at their copies' slots
     uint8_t* dst = static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y)));
     const uint8_t* src = static_cast<const uint8_t*>(tr.local(a.own_y));
-    em_for_each_peer_row(count, &s_own, L, C, [&](int64_t j) {
+    em_for_each_peer_row(count, direct ? &s_own : nullptr, L, C, [&](int64_t j) {
       warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, sizeof(Pack));
     });
   }
+  // (An op that stops here leaves g_y as it was — undefined, as the stale buffer it used to get copied:
+  // the error word says why. Zeroing it here made the kernel spill.)
   if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me])) return;
 
   // Where a copy for rank r goes and where its y is read (my own: the caller's tensors when direct).
@@ -349,6 +354,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
     const bool own = r == me && direct;
     s_g_y[r] = own ? tr.local(a.out_g_y) : tr.peer(a.g_y, r);
     s_y[r] = own && tr.local(a.own_y) != nullptr ? tr.local(a.own_y) : static_cast<const void*>(tr.peer(a.y, r));
+    // (without direct, own_y only fills the symmetric y above, and every copy is read there)
   }
   __syncthreads();
 

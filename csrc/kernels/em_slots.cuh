@@ -46,9 +46,16 @@ OMNIEP_DEVICE int block_rows_prefix(int* s_upto, int L, RowsOf rows_of) {
 // low-latency batch has fewer rows than warps, and every SM's share of the bandwidth is wanted), so the
 // cost follows the rows moved, balanced however skewed the experts. fn is called by the whole warp
 // (warp-uniform). Every thread of every block must call it (a block-wide scan, block_rows_prefix).
+// One block-wide [kMaxLocalExperts] scratch for every em_for_each_slot pass of a kernel (a __shared__
+// array inside the template would be one more 4 KB per instantiation, i.e. per lambda type).
+OMNIEP_DEVICE int* em_rows_scratch() {
+  __shared__ int s_upto[kMaxLocalExperts];
+  return s_upto;
+}
+
 template <typename RowsOf, typename SlotOf, typename Fn>
 OMNIEP_DEVICE void em_for_each_slot(int L, int C, RowsOf rows_of, SlotOf slot_of, Fn fn) {
-  __shared__ int s_upto[kMaxLocalExperts];
+  int* s_upto = em_rows_scratch();
   const int total = block_rows_prefix(s_upto, L, rows_of);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
   for (int64_t next = gpu::grid_warp_spread(); next < total; next += warps) {
