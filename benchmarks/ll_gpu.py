@@ -10,6 +10,9 @@ DeepEP's decode shape — 128 tokens per rank, H=7168, top-8 of 288 experts, bf1
 * ``host``: the host µs to issue the op while the GPU is busy (median);
 * ``launches``: GPU kernels and copies per op, from the same profile.
 
+``combine + backward`` is an expert-major combine and its autograd backward (``combine_bwd`` with the
+weights' gradient): the row minus ``combine``'s is what the backward costs.
+
 Variants with the routed copies fixed (so the time should not move): ``base``, ``2x experts`` (576
 experts), ``2x slots`` (capacity ``2 * R * 128``). ``--world 1``: one rank; ``--world 2``: two
 processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``--per-gpu`` one GPU each
@@ -76,8 +79,14 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             def ll_combine(buf=buf, y=y, idx=idx, w=w, h=ll_handle):
                 return buf.low_latency_combine(y, idx, w, h)
 
-            for op, fn in (("dispatch", dispatch), ("combine", combine), ("Buffer.low_latency_dispatch fp8",
-                                                                             ll_dispatch),
+            y_grad = y.clone().requires_grad_(True)
+            g_out = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+
+            def combine_backward(y=y_grad, handle=d.handle, g=g_out):  # combine, then its combine_bwd
+                return torch.autograd.grad(ep.combine(y, handle), y, g)
+
+            for op, fn in (("dispatch", dispatch), ("combine", combine), ("combine + backward", combine_backward),
+                           ("Buffer.low_latency_dispatch fp8", ll_dispatch),
                            ("Buffer.low_latency_combine", ll_combine)):
                 steps.append((name, op, fn))
         if args["plain"]:  # for an outside profiler (ncu): the ops only, no CUPTI of our own, no timing
