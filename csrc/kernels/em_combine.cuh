@@ -60,7 +60,9 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   // the caller's y, which DeepEP's hook contract lets the caller reuse once the send half has run.
   const bool own_direct = a.phase == kEMWhole && own_y != nullptr && own_y != tr.local(a.y);
   __shared__ EMOwnSlots s_own;
-  if (own_direct) em_find_own_slots(s_own, tr.local(a.topk_idx32), tr.local(a.copy_slot), static_cast<int64_t>(T) * K, me, L);
+  if (own_direct) {
+    em_find_own_slots(s_own, tr.local(a.topk_idx32), tr.local(a.copy_slot), static_cast<int64_t>(T) * K, me, L);
+  }
   if (a.phase != kEMReceive && own_y != nullptr && own_y != tr.local(a.y)) {
     const int32_t* count = tr.local(a.recv_expert_count);
     const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
