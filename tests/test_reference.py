@@ -61,6 +61,26 @@ def test_expert_major_order_and_counts(case):
         assert (d.num_recv, d.dropped) == (total, dropped)
 
 
+@given(case_strategy(layouts=(Layout.EXPERT_MAJOR,)))
+def test_expert_major_copies_of_one_source_take_consecutive_slots(case):
+    """What the native expert-major kernels rely on to skip a rank's own copies (kernels/em_slots.cuh,
+    em_find_own_slots: one slot range per local expert): the kept copies that source s sends to expert e
+    fill [first, first + n) with first = the copies of e from the lower sources (duplicate ids in one
+    token's row included), and copies past the capacity are dropped."""
+    plan = ref.make_plan(case.topk_idx, case.config())
+    R, E = case.num_ranks, case.num_experts
+    L = E // R
+    for e in range(E):
+        C = plan.capacity[e // L]
+        first = 0
+        for s in range(R):
+            chosen = case.topk_idx[s] == e
+            slots = plan.copy_slot[s][chosen]  # (t, k) ascending
+            expected = np.arange(first, first + chosen.sum())
+            np.testing.assert_array_equal(slots, np.where(expected < C, expected, -1))
+            first += int(chosen.sum())
+
+
 @given(case_strategy(dtypes=("float32",)))
 def test_combine_of_dispatch_counts_each_delivery(case):
     """With y = recv_x, rank-major combine gives x times the number of ranks that kept the token;
