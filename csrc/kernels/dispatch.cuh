@@ -86,11 +86,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     return;
   }
   if (route) {  // every block: where my rows start at each receiver, from the count matrix
-    const int32_t* counts = tr.workspace(me)->counts;
     if (static_cast<int>(threadIdx.x) < R) {
-      int offset = 0;
-      for (int s = 0; s < me; ++s) offset += counts[s * kMaxRanks + threadIdx.x];
-      s_offset[threadIdx.x] = offset;
+      s_offset[threadIdx.x] = exchanged_offset_at(tr.workspace(me), me, static_cast<int>(threadIdx.x));
     }
     if (blockIdx.x == 0) {
       int64_t total = 0, largest = 0;
@@ -159,8 +156,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     // (route: block 0 writes recv_counts after the start barrier, so the other blocks read the matrix)
     int64_t received = 0;
     if (route) {
-      const int32_t* counts = tr.workspace(me)->counts;
-      for (int s = 0; s < R; ++s) received += counts[s * kMaxRanks + me];
+      received = exchanged_rows_to(tr.workspace(me), me, R);
     } else {
       const int32_t* recv_counts = tr.local(a.recv_counts);
       for (int s = 0; s < R; ++s) received += recv_counts[s];

@@ -68,9 +68,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
     const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
     uint8_t* dst = static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y)));
     const uint8_t* src = static_cast<const uint8_t*>(own_y);
-    em_for_each_peer_row(count, own_direct ? &s_own : nullptr, L, C, [&](int64_t j) {
-      warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, a.copy_unit);
-    });
+    em_copy_slots(dst, src, count, L, C, row_bytes, a.copy_unit, /*zero=*/0, own_direct ? &s_own : nullptr);
     if (const float* g_in = tr.local(a.own_g_recv_topk_weights)) {  // one warp per expert, lanes over slots
       float* g = const_cast<float*>(tr.local(a.g_recv_topk_weights));
       const int warps = gridDim.x * gpu::warps_per_block();

@@ -338,9 +338,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
   if (grad_w && tr.local(a.own_y) != nullptr) {  // the peers read my y at their copies' slots
     uint8_t* dst = static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y)));
     const uint8_t* src = static_cast<const uint8_t*>(tr.local(a.own_y));
-    em_for_each_peer_row(count, direct ? &s_own : nullptr, L, C, [&](int64_t j) {
-      warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, sizeof(Pack));
-    });
+    em_copy_slots(dst, src, count, L, C, row_bytes, sizeof(Pack), /*zero=*/0, direct ? &s_own : nullptr);
   }
   // (An op that stops here leaves g_y as it was — undefined, as the stale buffer it used to get copied:
   // the error word says why. Zeroing it here made the kernel spill.)
@@ -417,10 +415,8 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
   uint8_t* result = static_cast<uint8_t*>(direct ? tr.local(a.out_g_y) : tr.local(a.g_y));
   em_copy_slots(result, nullptr, count, L, C, row_bytes, sizeof(Pack), 1);
   if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/direct) || !direct) return;
-  const uint8_t* from = static_cast<const uint8_t*>(tr.local(a.g_y));
-  em_for_each_peer_row(count, &s_own, L, C, [&](int64_t j) {
-    warp_copy_row(result + j * row_bytes, from + j * row_bytes, row_bytes, sizeof(Pack));
-  });
+  em_copy_slots(result, static_cast<const uint8_t*>(tr.local(a.g_y)), count, L, C, row_bytes, sizeof(Pack),
+                /*zero=*/0, &s_own);
 }
 }  // namespace em
 

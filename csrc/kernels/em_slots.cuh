@@ -119,12 +119,13 @@ OMNIEP_DEVICE void em_for_each_peer_row(const int32_t* count, const EMOwnSlots* 
       [own](int l, int q) { return own == nullptr || q < own->lo[l] ? q : q + own->size(l); }, fn);
 }
 
-// Counted slots: dst[j] = src[j] (null src: left as they are); padding: zeroed when `zero`, else
-// untouched. One warp per row (em_for_each_row). Every thread of every block must call it.
+// Counted slots: dst[j] = src[j] (null src: left as they are) — but the rank's own copies' slots when
+// `skip_own` is given (em_for_each_peer_row); padding: zeroed when `zero`, else untouched. One warp per
+// row. Every thread of every block must call it.
 OMNIEP_DEVICE void em_copy_slots(uint8_t* dst, const uint8_t* src, const int32_t* count, int L, int C,
-                                 int64_t row_bytes, int unit, int zero) {
+                                 int64_t row_bytes, int unit, int zero, const EMOwnSlots* skip_own = nullptr) {
   if (src != nullptr) {
-    em_for_each_row(count, L, C, 0, [&](int64_t j) {
+    em_for_each_peer_row(count, skip_own, L, C, [&](int64_t j) {
       warp_copy_row(dst + j * row_bytes, src + j * row_bytes, row_bytes, unit);
     });
   }

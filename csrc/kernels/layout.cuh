@@ -153,6 +153,20 @@ OMNIEP_DEVICE void layout_route_nothing(const Tr& tr, int32_t* send_pos, int32_t
   }
 }
 
+// From the count matrix in my workspace after the exchange (row s: what rank s sends every rank): the rows
+// rank r receives, and where my rows start among them (what the lower sources send r).
+OMNIEP_DEVICE int64_t exchanged_rows_to(const RankWorkspace* ws, int r, int R) {
+  int64_t rows = 0;
+  for (int s = 0; s < R; ++s) rows += ws->counts[s * kMaxRanks + r];
+  return rows;
+}
+
+OMNIEP_DEVICE int exchanged_offset_at(const RankWorkspace* ws, int me, int r) {
+  int offset = 0;
+  for (int s = 0; s < me; ++s) offset += ws->counts[s * kMaxRanks + r];
+  return offset;
+}
+
 // Block-wide, after the count exchange: the receive side of the layout from the count matrix (every
 // rank's row), read before the barrier that lets a peer's next op rewrite it. Returns (thread 0) this
 // rank's received rows in *total and the largest receive in *largest.
@@ -165,9 +179,7 @@ OMNIEP_DEVICE void layout_exchanged(const Tr& tr, int32_t* recv_counts, int32_t*
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
     recv_counts[r] = ws->counts[r * kMaxRanks + me];
-    int offset = 0;
-    for (int s = 0; s < me; ++s) offset += ws->counts[s * kMaxRanks + r];
-    send_offset[r] = offset;
+    send_offset[r] = exchanged_offset_at(ws, me, r);
   }
   if (count_matrix != nullptr) {
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) count_matrix[i] = ws->counts[(i / R) * kMaxRanks + i % R];
@@ -175,8 +187,7 @@ OMNIEP_DEVICE void layout_exchanged(const Tr& tr, int32_t* recv_counts, int32_t*
   if (threadIdx.x == 0) {
     int64_t mine = 0, most = 0;
     for (int r = 0; r < R; ++r) {
-      int64_t rows = 0;
-      for (int s = 0; s < R; ++s) rows += ws->counts[s * kMaxRanks + r];
+      const int64_t rows = exchanged_rows_to(ws, r, R);
       if (r == me) mine = rows;
       if (rows > capacity) record_overflow(ws, me, r, static_cast<int>(rows), capacity);  // the first wins
       most = rows > most ? rows : most;
