@@ -114,6 +114,12 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                 if mode == "expert_major" and shape != "ll":
                     continue  # R * T slots per local expert: the low-latency shape's layout (issue 14 sizes it)
                 steps.append((shape, mode, by_mode[mode]))
+        if args["plain"]:  # for an outside profiler (ncu): the ops only, no CUPTI of our own, no timing
+            for shape, mode, step in steps:
+                for _ in range(args["plain"]):
+                    step()
+                torch.cuda.synchronize()
+            steps = []
         # Host and wall first, the CUDA profiler last: once CUPTI is loaded every launch costs more host
         # time (host_timing.py).
         for shape, mode, step in steps:
@@ -154,15 +160,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     p.add_argument("--profile", action="store_true", help="where the host time goes (rank 0)")
     p.add_argument("--kernels", action="store_true", help="device µs per pair of each kernel (rank 0)")
+    p.add_argument("--plain", type=int, default=0, metavar="N",
+                   help="only run each pair N times (no timing, no CUPTI): for an outside profiler (ncu)")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile,
-                kernels=a.kernels)
+                kernels=a.kernels, plain=a.plain)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
     results = run_ranks(rank_main, a.world, args=(args,), timeout=550,
                         env={"OMNIEP_BACKEND": "cuda_nvshmem", "OMNIEP_CHECKS": "default"})
     rows = [row for rank_rows in results for row in rank_rows]
+    if a.plain:
+        return 0
     lines = []
     for shape in args["shapes"]:
         for mode in args["modes"]:
