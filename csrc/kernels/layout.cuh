@@ -28,6 +28,7 @@
 namespace omniep {
 
 inline constexpr int kLayoutThreads = 1024;
+inline constexpr int kLayoutIdsAhead = 8;  // a thread's expert ids loaded together (DeepEP's top-8: one load round)
 
 // One thread: the host's copy of this prepare's outcome, `ticket` last (system scope: the host polls it).
 OMNIEP_DEVICE void publish(HostMailbox* mailbox, int32_t ticket, int32_t rows, int32_t max_rows, bool stopped,
@@ -66,18 +67,32 @@ OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, 
     const int t = base + threadIdx.x;
     uint32_t dest_mask = 0;
     if (t < T) {
-      for (int k = 0; k < K; ++k) {
-        const int64_t i = static_cast<int64_t>(t) * K + k;
-        const int64_t e64 = index_bytes == 8 ? static_cast<const int64_t*>(idx)[i]
-                                             : static_cast<int64_t>(static_cast<const int32_t*>(idx)[i]);
-        const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;
-        if (e64 < -1 || e64 >= E) {
-          if (atomicCAS(&s_bad, 0, 1) == 0) s_bad_id = static_cast<long long>(e64);
+      for (int k0 = 0; k0 < K; k0 += kLayoutIdsAhead) {
+        // Every load of the group first: the shared atomics below would otherwise keep each load
+        // waiting for the one before (one memory latency per id; the HT layout of 4096 x 8 ids took
+        // ~50 µs on one block that way).
+        int64_t ids[kLayoutIdsAhead];
+#pragma unroll
+        for (int u = 0; u < kLayoutIdsAhead; ++u) {
+          const int64_t i = static_cast<int64_t>(t) * K + k0 + u;
+          if (k0 + u < K) {
+            ids[u] = index_bytes == 8 ? static_cast<const int64_t*>(idx)[i]
+                                      : static_cast<int64_t>(static_cast<const int32_t*>(idx)[i]);
+          }
         }
-        idx32[static_cast<int64_t>(t) * K + k] = e;
-        if (e >= 0) {
-          atomicAdd(&s_per_expert[e], 1);
-          dest_mask |= 1u << (e / L);
+#pragma unroll
+        for (int u = 0; u < kLayoutIdsAhead; ++u) {
+          if (k0 + u >= K) continue;  // (not break: clang then leaves the loop rolled)
+          const int64_t e64 = ids[u];
+          const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;
+          if (e64 < -1 || e64 >= E) {
+            if (atomicCAS(&s_bad, 0, 1) == 0) s_bad_id = static_cast<long long>(e64);
+          }
+          idx32[static_cast<int64_t>(t) * K + k0 + u] = e;
+          if (e >= 0) {
+            atomicAdd(&s_per_expert[e], 1);
+            dest_mask |= 1u << (e / L);
+          }
         }
       }
     }
