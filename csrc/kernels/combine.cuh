@@ -52,8 +52,9 @@ OMNIEP_DEVICE const void* y_of(const Tr& tr, const CombineArgs& a, int r) {
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
 template <typename Tr, typename Scalar, int Vec>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a, Tr tr) {
-  __shared__ int64_t s_slot[kCombineThreads / gpu::kWarpSize][kMaxRanks];  // per warp: row at rank r or -1
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
+  __shared__ int64_t s_slot[kCombineThreads / gpu::kWarpSize][kMaxRanks];  // per warp: row at rank r or -1
+  __shared__ const Pack* s_src[kCombineThreads / gpu::kWarpSize][kMaxRanks];  // per warp: that row, or null
   using Cvt = Elem<Scalar>;
 
   __shared__ int s_first[kMaxRanks];  // remote path: my first slot at rank r (send_offset)
@@ -107,81 +108,87 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
   const int num_packs = H / Vec;
 
+  // One step: the lane's kPacks packs from base on, summed over the ranks (src[r]: the token's row at
+  // rank r as this rank reads it, or null). `full`: every pack of the step is inside the row.
+  const auto step = [&](const Pack* const* src, int64_t t, int base) {
+    const bool full = base + gpu::kWarpSize * kPacks <= num_packs;
+    float acc[kPacks][Vec];
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+#pragma unroll
+      for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
+    }
+    // Two ranks per round: the loads of rank r and r + 1 are in flight together (2 * kPacks per lane),
+    // then added in ascending rank order (the contract's summation order, unchanged).
+    for (int r = 0; r < R; r += 2) {
+      const Pack* y0 = src[r];
+      const Pack* y1 = r + 1 < R ? src[r + 1] : nullptr;
+      if (y0 == nullptr && y1 == nullptr) continue;
+      Pack v0[kPacks], v1[kPacks];
+      if (y0 != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          const int p = base + lane + j * gpu::kWarpSize;
+          if (full || p < num_packs) v0[j] = y0[p];
+        }
+      }
+      if (y1 != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          const int p = base + lane + j * gpu::kWarpSize;
+          if (full || p < num_packs) v1[j] = y1[p];
+        }
+      }
+      if (y0 != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          if (full || base + lane + j * gpu::kWarpSize < num_packs) {
+#pragma unroll
+            for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v0[j].v[i]));
+          }
+        }
+      }
+      if (y1 != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kPacks; ++j) {
+          if (full || base + lane + j * gpu::kWarpSize < num_packs) {
+#pragma unroll
+            for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v1[j].v[i]));
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = base + lane + j * gpu::kWarpSize;
+      if (!full && p >= num_packs) continue;
+      for (int b = 0; b < a.num_bias; ++b) {  // bias terms last, in the order given
+        const void* bias = tr.local(a.bias[b]);
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) {
+          acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, a.bias_dtype[b], t * H + static_cast<int64_t>(p) * Vec + i));
+        }
+      }
+      Pack o;
+#pragma unroll
+      for (int i = 0; i < Vec; ++i) o.v[i] = Cvt::from_float(acc[j][i]);
+      reinterpret_cast<Pack*>(out + t * H)[p] = o;
+    }
+  };
+
+  constexpr int kStep = gpu::kWarpSize * kPacks;  // packs per step of a warp
   for (int t = blockIdx.x * warps + warp; t < T; t += gridDim.x * warps) {
+    // Lane r < R: token t's row at rank r (its slot, and where this rank reads it), or none.
     if (lane < R) {
       const int pos = send_pos[static_cast<int64_t>(t) * R + lane];
       const int64_t slot = static_cast<int64_t>(send_offset[lane]) + pos;
-      s_slot[warp][lane] = (pos >= 0 && slot < C) ? slot : -1;
+      const bool kept = pos >= 0 && slot < C;
+      s_slot[warp][lane] = kept ? slot : -1;
+      s_src[warp][lane] = kept ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, lane)) + slot * H)
+                               : nullptr;
     }
     gpu::syncwarp();
-    // Each lane owns kPacks packs per step so that kPacks independent loads per rank are in flight.
-    for (int base = 0; base < num_packs; base += gpu::kWarpSize * kPacks) {
-      float acc[kPacks][Vec];
-#pragma unroll
-      for (int j = 0; j < kPacks; ++j) {
-#pragma unroll
-        for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
-      }
-      // Two ranks per round: the loads of rank r and r + 1 are in flight together (2 * kPacks per
-      // lane), then added in ascending rank order (the contract's summation order, unchanged).
-      for (int r = 0; r < R; r += 2) {
-        const int64_t slot0 = s_slot[warp][r];
-        const int64_t slot1 = r + 1 < R ? s_slot[warp][r + 1] : -1;
-        if (slot0 < 0 && slot1 < 0) continue;
-        Pack v0[kPacks], v1[kPacks];
-        if (slot0 >= 0) {
-          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r)) + slot0 * H);
-#pragma unroll
-          for (int j = 0; j < kPacks; ++j) {
-            const int p = base + lane + j * gpu::kWarpSize;
-            if (p < num_packs) v0[j] = y[p];
-          }
-        }
-        if (slot1 >= 0) {
-          const Pack* y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, r + 1)) + slot1 * H);
-#pragma unroll
-          for (int j = 0; j < kPacks; ++j) {
-            const int p = base + lane + j * gpu::kWarpSize;
-            if (p < num_packs) v1[j] = y[p];
-          }
-        }
-        if (slot0 >= 0) {
-#pragma unroll
-          for (int j = 0; j < kPacks; ++j) {
-            if (base + lane + j * gpu::kWarpSize < num_packs) {
-#pragma unroll
-              for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v0[j].v[i]));
-            }
-          }
-        }
-        if (slot1 >= 0) {
-#pragma unroll
-          for (int j = 0; j < kPacks; ++j) {
-            if (base + lane + j * gpu::kWarpSize < num_packs) {
-#pragma unroll
-              for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v1[j].v[i]));
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kPacks; ++j) {
-        const int p = base + lane + j * gpu::kWarpSize;
-        if (p >= num_packs) continue;
-        for (int b = 0; b < a.num_bias; ++b) {  // bias terms last, in the order given
-          const void* bias = tr.local(a.bias[b]);
-#pragma unroll
-          for (int i = 0; i < Vec; ++i) {
-            acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, a.bias_dtype[b],
-                                                             static_cast<int64_t>(t) * H + static_cast<int64_t>(p) * Vec + i));
-          }
-        }
-        Pack o;
-#pragma unroll
-        for (int i = 0; i < Vec; ++i) o.v[i] = Cvt::from_float(acc[j][i]);
-        reinterpret_cast<Pack*>(out + static_cast<int64_t>(t) * H)[p] = o;
-      }
-    }
+    for (int base = 0; base < num_packs; base += kStep) step(s_src[warp], t, base);
     if (a.with_topk_grad) {
       const int32_t* idx32 = tr.local(a.topk_idx32);
       float* g_w = tr.local(a.g_topk_weights);
