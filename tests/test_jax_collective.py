@@ -291,3 +291,48 @@ def test_zero_padding_zeroes_the_slots_past_the_counts():
     want = ref.dispatch(case.x, case.topk_weights, plan)
     for r in range(R):
         golden.assert_bitwise_equal(c[r], want[r].recv_x, f"rank-major rank {r}")
+
+
+@pytest.mark.parametrize("layout, zero_padding", [("rank_major", True), ("expert_major", False),
+                                                  ("expert_major", True)])
+def test_dispatch_zero_padding_reaches_combine_bwd(monkeypatch, layout, zero_padding):
+    """The dispatch's ``zero_padding`` is a static field of its handle (``Handle.zero_padding``; rank-major:
+    False) that the combine's custom_vjp backward hands to the backend's ``combine_bwd`` under ``jit``;
+    the cotangent of ``y`` is the same with and without it on its counted slots, and zero on its padding
+    with it (the collective backend's zeros: zero either way)."""
+    R, E, T, H, cap = 2, 4, 3, 8, 5
+    em = layout == "expert_major"
+    seen, combine_bwd = [], CollectiveJax.combine_bwd
+
+    def recording(self, g_out, handle, y=None):
+        seen.append(handle.zero_padding)
+        return combine_bwd(self, g_out, handle, y)
+
+    monkeypatch.setattr(CollectiveJax, "combine_bwd", recording)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:R]), ("ep",))
+    P = jax.sharding.PartitionSpec
+    case = make_case(3, num_ranks=R, num_experts=E, num_topk=2, hidden=H, num_tokens=T, layout=layout)
+    rows = (E // R, cap) if em else (cap,)
+    rng = np.random.default_rng(5)
+    y = rng.standard_normal((R * rows[0],) + rows[1:] + (H,)).astype(np.float32)
+    g_out = rng.standard_normal((R * T, H)).astype(np.float32)
+
+    def body(x, idx, w, y, g_out):
+        d = ep.dispatch(x, idx, w, num_experts=E, axis_name="ep", capacity=cap, layout=layout,
+                        zero_padding=zero_padding)
+        assert d.handle.zero_padding is (zero_padding and em)  # static while tracing
+        _, vjp = jax.vjp(lambda y: ep.combine(y, d.handle), y)
+        (g_y,) = vjp(g_out)
+        return g_y[None], d.recv_topk_idx[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=(P("ep"), P("ep"))))
+    args = [jnp.concatenate([jnp.asarray(v) for v in arrays]) for arrays in (case.x, case.topk_idx, case.topk_weights)]
+    g_y, idx = (np.asarray(t) for t in f(*args, y, g_out))
+    assert seen == [zero_padding and em]  # traced once: the backward pass of the one combine
+    plan = ref.make_plan(case.topk_idx, case.config(cap))
+    ys = np.split(y, R)
+    want, _ = ref.combine_bwd(np.split(g_out, R), plan, ys=ys, topk_weights=case.topk_weights)
+    for r in range(R):
+        golden.assert_bitwise_equal(golden.counted_rows(g_y[r], idx[r]), want[r], f"g_y rank {r}")
+        if em:
+            assert not g_y[r][idx[r] < 0].any()

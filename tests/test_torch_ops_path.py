@@ -103,3 +103,49 @@ def test_a_profiler_sees_the_eager_ops_by_name(world_of_one):
     names = {e.name for e in prof.events()}
     for op in ("dispatch", "combine", "dispatch_bwd"):
         assert f"omniep::{op}" in names, (op, sorted(n for n in names if "omniep" in n))
+
+
+@pytest.mark.parametrize("layout, zero_padding", [("rank_major", True), ("expert_major", False),
+                                                  ("expert_major", True)])
+def test_dispatch_zero_padding_reaches_combine_bwd(world_of_one, monkeypatch, layout, zero_padding):
+    """The dispatch's ``zero_padding`` rides on its handle to the combine's backward: ``combine_bwd`` gets
+    it as its last argument eagerly, through the dispatcher (a dispatch mode) and in the backward graph of
+    ``torch.compile(fullgraph=True)`` (the fake kernels take it); rank-major ignores it (False). The three
+    give the same g_y, its padding zero here (the collective backend's zeros)."""
+    from omniep.backends.collective.torch_backend import CollectiveTorch
+
+    seen, op_combine_bwd = [], CollectiveTorch.op_combine_bwd
+
+    def recording(self, *args):  # the zero_padding the backend gets (its last argument)
+        seen.append(args[-1])
+        return op_combine_bwd(self, *args)
+
+    monkeypatch.setattr(CollectiveTorch, "op_combine_bwd", recording)
+    x, idx, w = _inputs()
+    em = layout == "expert_major"
+    rows = 12 if em else 8
+    y0 = torch.randn((E, rows, 8) if em else (rows, 8), generator=torch.Generator().manual_seed(3))
+    g_out = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+
+    def step(x, idx, w, y):
+        d = ep.dispatch(x, idx, w, num_experts=E, layout=layout, capacity=rows, backend="collective",
+                        zero_padding=zero_padding)
+        return ep.combine(y, d.handle), d.recv_topk_idx
+
+    def run(fn):
+        y = y0.clone().requires_grad_()
+        out, recv_idx = fn(x, idx, w, y)
+        (g_y,) = torch.autograd.grad(out, y, g_out)
+        return g_y, recv_idx
+
+    eager, held = run(step)
+    with _SeenOps() as mode:
+        traced, _ = run(step)
+    assert "omniep.combine_bwd.default" in mode.names, mode.names
+    compiled, _ = run(torch.compile(step, fullgraph=True))
+    assert seen == [zero_padding and em] * 3
+    for got, what in ((traced, "dispatcher"), (compiled, "compiled")):
+        assert torch.equal(got.view(torch.int32), eager.view(torch.int32)), what
+    if em:
+        pad = eager[held < 0]
+        assert pad.numel() and not pad.any()

@@ -137,6 +137,7 @@ struct EMCombineCall : CombineBase {
 };
 
 // Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.
+// A cached dispatch of g_out: g_y's padding slots (past recv_expert_count) unspecified unless zero_padding.
 struct EMCombineBwdCall {
   const void* g_out;  // [T, hidden]
   int hidden, dtype;
@@ -147,6 +148,7 @@ struct EMCombineBwdCall {
   const void* y;          // [L, C, hidden] (with_topk_grad)
   void* g_y;              // [L, C, hidden]
   float* g_topk_weights;  // [T, K] (with_topk_grad)
+  bool zero_padding;      // zero g_y's padding rows (the handle's dispatch had zero_padding: DESIGN §2)
 };
 
 class EpRank {

@@ -512,6 +512,7 @@ void OneRankOps<Rank>::em_combine_bwd(const EMCombineBwdCall& c, OpDesc& d, cuda
   // The kernel fills the caller's g_y itself and copies into the symmetric y only the slots the peers
   // read (EMCombineBwdArgs): no copy of a whole [L, C, H] buffer.
   a.out_g_y = mine<void>(g, c.g_y);
+  a.zero_padding = c.zero_padding ? 1 : 0;
   if (grad) {
     a.own_y = mine<const void>(g, c.y);
     a.y = g.template sym<const void>(offsets[1]);

@@ -153,12 +153,13 @@ typedef struct {
   uintptr_t topk_weights[OMNIEP_MAX_RANKS];      /* [T, K] float32 */
   uintptr_t copy_slot[OMNIEP_MAX_RANKS];         /* [T, K] */
   uintptr_t recv_expert_count[OMNIEP_MAX_RANKS]; /* [L] */
-  uintptr_t g_y[OMNIEP_MAX_RANKS];               /* sym out [L, C, H], padding zeroed */
+  uintptr_t g_y[OMNIEP_MAX_RANKS];               /* sym out [L, C, H], padding zeroed with zero_padding */
   uintptr_t g_topk_weights[OMNIEP_MAX_RANKS];    /* out [T, K] float32 (with_topk_grad) */
   int32_t num_tokens[OMNIEP_MAX_RANKS];
   int32_t hidden, num_topk, num_experts, capacity;
   int32_t dtype;
   int32_t with_topk_grad; /* 1: also g_topk_weights[t, k] = <g_out[t], y[l, c]> (fp32) */
+  int32_t zero_padding;   /* 1: g_y's padding slots (past recv_expert_count) zeroed; 0: left unwritten */
 } omniep_em_combine_bwd_args;
 
 typedef struct omniep_group omniep_group;
@@ -191,7 +192,8 @@ omniep_status omniep_combine_bwd(omniep_group* g, const omniep_dispatch_args* a,
 
 /* Expert-major ops. omniep_em_layout runs after omniep_layout on the same stream (it reads that call's
  * topk_idx32 and num_tokens_per_expert). dispatch_bwd: g_x = unweighted combine of g_recv_x, and
- * g_topk_weights read back from the carrying slot. combine_bwd: g_y[l, c] = round(w * g_out[t]). */
+ * g_topk_weights read back from the carrying slot. combine_bwd: g_y[l, c] = round(w * g_out[t]), the
+ * padding slots zeroed only with zero_padding (a cached dispatch: DESIGN §2). */
 omniep_status omniep_em_layout(omniep_group* g, const omniep_em_layout_args* a, int32_t first_rank,
                                int32_t num_launched, uintptr_t stream);
 omniep_status omniep_em_dispatch(omniep_group* g, const omniep_em_dispatch_args* a, int32_t first_rank,

@@ -183,6 +183,7 @@ omniep::EMCombineBwdArgs convert(const omniep_em_combine_bwd_args& c) {
   a.hidden = c.hidden;
   a.dtype = c.dtype;
   a.with_topk_grad = c.with_topk_grad;
+  a.zero_padding = c.zero_padding != 0;
   return a;
 }
 

@@ -37,7 +37,8 @@
 // em_dispatch_bwd: g_recv_x[L, C, H], g_recv_topk_weights[L, C] f32, topk_idx32, copy_slot
 //                -> g_x[T, H], g_topk_weights[T, K] f32.
 // em_combine_bwd: g_out[T, H], y[L, C, H], topk_idx32, topk_weights, copy_slot, recv_expert_count
-//                -> g_y[L, C, H], g_topk_weights[T, K] f32 (<g_out[t], y[copy]>).
+//                -> g_y[L, C, H], g_topk_weights[T, K] f32 (<g_out[t], y[copy]>). Attrs: state,
+//                num_experts, zero_padding (nonzero: g_y's padding slots zeroed; 0: unwritten).
 #pragma once
 
 #include "xla/ffi/api/c_api.h"

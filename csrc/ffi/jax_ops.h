@@ -423,12 +423,13 @@ ffi::Error EmDispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_
   });
 }
 
-// combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) and g_w[t, k] = <g_out[t], y[copy]>.
+// combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) and g_w[t, k] = <g_out[t], y[copy]>; g_y's padding
+// slots zeroed when the attribute zero_padding is nonzero (the handle's dispatch had it), else unwritten.
 template <typename G>
 ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_out, ffi::AnyBuffer y,
                         ffi::AnyBuffer idx32, ffi::AnyBuffer weights, ffi::AnyBuffer copy_slot,
                         ffi::AnyBuffer recv_expert_count, ffi::Result<ffi::AnyBuffer> g_y,
-                        ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t num_experts) {
+                        ffi::Result<ffi::AnyBuffer> g_w, int64_t state, int64_t num_experts, int64_t zero_padding) {
   return guarded<G>(state, ordinal, "omniep expert-major combine bwd (JAX)", [&](G& g) {
     need_f32(weights, "topk_weights");
     if (y.element_type() != g_out.element_type()) throw std::invalid_argument("y and g_out must have one dtype");
@@ -450,6 +451,7 @@ ffi::Error EmCombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer g_o
     c.y = data(y);
     c.g_y = data(g_y);
     c.g_topk_weights = as<float>(g_w);
+    c.zero_padding = zero_padding != 0;
     g.em_combine_bwd(c, g.begin(kOpCombineBwd, c.num_experts, c.hidden, c.dtype, 1, c.capacity, -1, c.num_topk),
                      stream);
   });
@@ -509,4 +511,4 @@ auto bind(Names... attrs) {
   OMNIEP_JAX_HANDLER(prefix, em_dispatch, EmDispatch, G, bind<6, 5>("state", "num_experts"));                  \
   OMNIEP_JAX_HANDLER(prefix, em_combine, EmCombine, G, bind<4, 2, true>("state", "num_experts"));              \
   OMNIEP_JAX_HANDLER(prefix, em_dispatch_bwd, EmDispatchBwd, G, bind<4, 2>("state", "num_experts"));           \
-  OMNIEP_JAX_HANDLER(prefix, em_combine_bwd, EmCombineBwd, G, bind<6, 2>("state", "num_experts"))
+  OMNIEP_JAX_HANDLER(prefix, em_combine_bwd, EmCombineBwd, G, bind<6, 2>("state", "num_experts", "zero_padding"))

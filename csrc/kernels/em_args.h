@@ -124,7 +124,9 @@ struct EMCombineArgs : CombineScalars {
 };
 
 // combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) pushed to the copy's slot, and (with_topk_grad)
-// g_topk_weights[t, k] = <g_out[t], y[l, c]> in fp32.
+// g_topk_weights[t, k] = <g_out[t], y[l, c]> in fp32. A cached dispatch of g_out (DESIGN §2): g_y's padding
+// slots [recv_expert_count[l], C) are zeroed only with zero_padding (the dispatch that made the handle was
+// asked for zero_padding=True), else left unwritten, so the op's cost follows the routed copies, not L * C * H.
 struct EMCombineBwdArgs : CombineScalars {  // num_bias / bias_dtype unused
   PerRank<const void> g_out;                  // [T, H] in `dtype`
   PerRank<const void> y;                      // sym [L, C, H] in `dtype` (with_topk_grad)
@@ -132,15 +134,16 @@ struct EMCombineBwdArgs : CombineScalars {  // num_bias / bias_dtype unused
   PerRank<const float> topk_weights;          // [T, K]
   PerRank<const int32_t> copy_slot;           // [T, K]
   PerRank<const int32_t> recv_expert_count;   // [L]
-  PerRank<void> g_y;                          // sym out [L, C, H] in `dtype`, padding zeroed
+  PerRank<void> g_y;                          // sym out [L, C, H] in `dtype`, padding zeroed with zero_padding
   PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
   // Optional: the caller's y [L, C, H] (with_topk_grad), copied into the symmetric `y` above for the
   // counted slots (the peers' only, with out_g_y), and g_y result [L, C, H]. With out_g_y the kernel fills
   // the result itself: its own copies' rows pushed there directly (their y read from own_y), the padding
-  // zeroed there, the peers' rows copied out of the symmetric g_y after the end barrier. Nothing copies
-  // a whole [L, C, H] buffer.
+  // zeroed there (with zero_padding), the peers' rows copied out of the symmetric g_y after the end
+  // barrier. Nothing copies a whole [L, C, H] buffer.
   PerRank<const void> own_y;
   PerRank<void> out_g_y;
+  int zero_padding;  // 1: the result's padding slots are zeroed (out_g_y, else the symmetric g_y); 0: left as they are
 };
 
 }  // namespace omniep

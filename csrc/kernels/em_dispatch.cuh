@@ -10,7 +10,8 @@
 // end barrier with the counted slots only (their routing -1 / 0 on padding, the rows' padding left as
 // it is unless zero_padding: DESIGN §2), so its cost follows the routed copies, not L * C * H; a
 // rank's copies of its own tokens skip the symmetric buffer and go straight into its results.
-// combine_bwd zero-fills g_y's padding (a gradient: exactly 0 there).
+// combine_bwd, a cached dispatch of g_out, likewise: g_y's padding is zeroed only with zero_padding (the
+// dispatch that made the handle asked for it), else left as it is.
 //
 // One warp per copy (t, k): a low-latency batch (128 tokens, top-8) is 1024 rows per rank, where one
 // warp per token would leave most warps idle.
@@ -410,10 +411,11 @@ __global__ void __launch_bounds__(kEMDispatchThreads) combine_bwd_kernel(EMCombi
       if (lane == 0) tr.local(a.g_topk_weights)[i] = dot;
     }
   }
-  // The padding of the result: exactly 0 (a gradient). Direct: in the caller's g_y, whose peers' rows
-  // arrive in my symmetric g_y and are copied out once every peer has pushed (the end barrier, waited).
+  // The padding of the result: exactly 0 with zero_padding (DESIGN §2), else not written (no pass that
+  // grows with L * C * H). Direct: in the caller's g_y, whose peers' rows arrive in my symmetric g_y and
+  // are copied out once every peer has pushed (the end barrier, waited).
   uint8_t* result = static_cast<uint8_t*>(direct ? tr.local(a.out_g_y) : tr.local(a.g_y));
-  em_copy_slots(result, nullptr, count, L, C, row_bytes, sizeof(Pack), 1);
+  em_copy_slots(result, nullptr, count, L, C, row_bytes, sizeof(Pack), a.zero_padding);
   if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/direct) || !direct) return;
   em_copy_slots(result, static_cast<const uint8_t*>(tr.local(a.g_y)), count, L, C, row_bytes, sizeof(Pack),
                 /*zero=*/0, &s_own);

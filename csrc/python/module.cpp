@@ -160,6 +160,7 @@ omniep_em_combine_bwd_args em_combine_bwd_args(const py::dict& d) {
   PTR(g_y); PTR(g_topk_weights);
   filler.ranks_i32("num_tokens", a.num_tokens);
   I32(hidden); I32(num_topk); I32(num_experts); I32(capacity); I32(dtype); I32(with_topk_grad);
+  I32(zero_padding);
   filler.fill(d);
   return a;
 }

@@ -32,7 +32,8 @@ c10::OperatorHandle op(const char* name) {
 using DispatchSig = DispatchOut(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, int64_t,
                                 int64_t, int64_t, int64_t, int64_t, bool);
 using CombineSig = Tensor(const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
-                          const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t, int64_t);
+                          const std::optional<Tensor>&, at::TensorList, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          bool);
 using CachedSig = std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&, at::TensorList, int64_t,
                                              int64_t, int64_t, int64_t, int64_t);
 
@@ -119,12 +120,13 @@ DispatchOut dispatch_autograd(const Tensor& x, const std::optional<Tensor>& x_sc
 
 struct CombineFunction : public torch::autograd::Function<CombineFunction> {
   // Optional tensors travel as std::optional (an undefined Tensor is not a valid autograd input).
+  // zero_padding: the handle's dispatch had it; combine_bwd zeroes g_y's padding then (DESIGN §2).
   static variable_list forward(AutogradContext* ctx, const Tensor& y, const std::optional<Tensor>& topk_weights,
                                const std::optional<Tensor>& bias0, const std::optional<Tensor>& bias1,
-                               const std::vector<Tensor>* handle, Config cfg) {
+                               const std::vector<Tensor>* handle, Config cfg, bool zero_padding) {
     at::AutoDispatchBelowADInplaceOrView below;
     Tensor out = combine_op().call(y, topk_weights, bias0, bias1, *handle, cfg.ctx, cfg.num_experts, cfg.layout,
-                                   cfg.capacity, cfg.expert_alignment);
+                                   cfg.capacity, cfg.expert_alignment, zero_padding);
     variable_list saved(handle->begin(), handle->end());
     const bool em = cfg.layout == 1;
     saved.push_back(em && topk_weights.has_value() ? *topk_weights : Tensor());
@@ -133,6 +135,7 @@ struct CombineFunction : public torch::autograd::Function<CombineFunction> {
     ctx->saved_data["bias_dtypes"] = std::vector<int64_t>{
         bias0.has_value() ? static_cast<int64_t>(bias0->scalar_type()) : -1,
         bias1.has_value() ? static_cast<int64_t>(bias1->scalar_type()) : -1};
+    ctx->saved_data["zero_padding"] = zero_padding;
     save_config(ctx, cfg);
     return {out};
   }
@@ -148,27 +151,28 @@ struct CombineFunction : public torch::autograd::Function<CombineFunction> {
     auto res = op("omniep_native::combine_bwd")
                    .typed<std::tuple<Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&,
                                                      const std::optional<Tensor>&, at::TensorList, int64_t, int64_t,
-                                                     int64_t, int64_t, int64_t)>()
+                                                     int64_t, int64_t, int64_t, bool)>()
                    .call(g_out, opt(w), opt(y), saved, cfg.ctx, cfg.num_experts, cfg.layout, cfg.capacity,
-                         cfg.expert_alignment);
+                         cfg.expert_alignment, ctx->saved_data["zero_padding"].toBool());
     const auto dtypes = ctx->saved_data["bias_dtypes"].toIntVector();
     const auto g_bias = [&](int64_t dt) { return dt < 0 ? Tensor() : g_out.to(static_cast<at::ScalarType>(dt)); };
     return {std::get<0>(res), cfg.layout == 1 ? std::get<1>(res) : Tensor(), g_bias(dtypes[0]), g_bias(dtypes[1]),
-            Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor()};
   }
 };
 
 Tensor combine_autograd(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
                         const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
-                        int64_t layout, int64_t capacity, int64_t expert_alignment) {
+                        int64_t layout, int64_t capacity, int64_t expert_alignment, bool zero_padding) {
   const auto ptr = [](const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
   if (!wants_grad({&y, ptr(topk_weights), ptr(bias0), ptr(bias1)})) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return combine_op().call(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity, expert_alignment);
+    return combine_op().call(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout, capacity,
+                             expert_alignment, zero_padding);
   }
   const std::vector<Tensor> h = handle.vec();
   return CombineFunction::apply(y, topk_weights, bias0, bias1, &h,
-                                Config{ctx, num_experts, layout, capacity, expert_alignment})[0];
+                                Config{ctx, num_experts, layout, capacity, expert_alignment}, zero_padding)[0];
 }
 
 struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchFunction> {
@@ -186,7 +190,7 @@ struct CachedDispatchFunction : public torch::autograd::Function<CachedDispatchF
     const Config cfg = load_config(ctx);
     const auto handle = ctx->get_saved_variables();
     Tensor g_x = combine_op().call(grads[0].contiguous(), std::nullopt, std::nullopt, std::nullopt, handle, cfg.ctx,
-                                   cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment);
+                                   cfg.num_experts, cfg.layout, cfg.capacity, cfg.expert_alignment, false);
     return {g_x, Tensor(), Tensor(), Tensor()};
   }
 };

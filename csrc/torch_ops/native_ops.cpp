@@ -738,7 +738,7 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
 
 Tensor combine_cuda(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
                     const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
-                    int64_t layout, int64_t, int64_t) {
+                    int64_t layout, int64_t, int64_t, bool) {
   Context& c = context_of(ctx);
   TORCH_CHECK_VALUE(layout == 0 || topk_weights.has_value(), "expert-major combine needs the routing weights");
   const Tensor* w = (layout == 1 && topk_weights.has_value()) ? &*topk_weights : nullptr;
@@ -756,7 +756,7 @@ std::tuple<Tensor, Tensor> dispatch_bwd_cuda(const Tensor& g_recv_x, const Tenso
 
 std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::optional<Tensor>& topk_weights,
                                             const std::optional<Tensor>& y_in, at::TensorList handle_list, int64_t ctx,
-                                            int64_t num_experts, int64_t layout, int64_t, int64_t) {
+                                            int64_t num_experts, int64_t layout, int64_t, int64_t, bool zero_padding) {
   Context& c = context_of(ctx);
   const std::vector<Tensor> handle = handle_list.vec();
   if (layout == 0) {  // a cached dispatch of g_out
@@ -784,6 +784,7 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
   const Tensor g_out = g_out_in.contiguous();
   const Tensor w = topk_weights->contiguous();
   const Tensor y = y_in.has_value() ? y_in->contiguous() : Tensor();
+  // Padding slots: zeroed by the kernel with zero_padding, else left as the allocator gives them (DESIGN §2).
   Tensor g_y = device_empty({L, C, H}, g_out.scalar_type(), c);
   Tensor g_w = y_in.has_value() ? device_empty({T, K}, at::kFloat, c) : device_empty({0}, at::kFloat, c);
   omniep::EMCombineBwdCall e = {};
@@ -802,6 +803,7 @@ std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out_in, const std::o
   e.y = y_in.has_value() ? y.data_ptr() : nullptr;
   e.g_y = g_y.data_ptr();
   e.g_topk_weights = y_in.has_value() ? g_w.data_ptr<float>() : nullptr;
+  e.zero_padding = zero_padding;
   c.rank->em_combine_bwd(e, d, stream_of(c));
   after_op(c, "combine_bwd");
   return {g_y, g_w};

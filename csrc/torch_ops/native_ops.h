@@ -60,15 +60,17 @@ DispatchOut dispatch_fp8_cuda(const Tensor& x, const Tensor& topk_idx, const Ten
 std::tuple<Tensor, Tensor> cached_dispatch_cuda(const Tensor& x, const std::optional<Tensor>& x_scales,
                                                 at::TensorList handle, int64_t ctx, int64_t num_experts,
                                                 int64_t layout, int64_t capacity, int64_t expert_alignment);
+// zero_padding (combine, combine_bwd): the handle's dispatch had zero_padding; combine ignores it (its
+// Autograd kernel passes it on to combine_bwd), the expert-major combine_bwd then zeroes g_y's padding.
 Tensor combine_cuda(const Tensor& y, const std::optional<Tensor>& topk_weights, const std::optional<Tensor>& bias0,
                     const std::optional<Tensor>& bias1, at::TensorList handle, int64_t ctx, int64_t num_experts,
-                    int64_t layout, int64_t capacity, int64_t expert_alignment);
+                    int64_t layout, int64_t capacity, int64_t expert_alignment, bool zero_padding);
 std::tuple<Tensor, Tensor> dispatch_bwd_cuda(const Tensor& g_recv_x, const Tensor& g_recv_topk_weights,
                                              at::TensorList handle, int64_t ctx, int64_t num_experts,
                                              int64_t layout, int64_t capacity, int64_t expert_alignment);
 std::tuple<Tensor, Tensor> combine_bwd_cuda(const Tensor& g_out, const std::optional<Tensor>& topk_weights,
                                             const std::optional<Tensor>& y, at::TensorList handle, int64_t ctx,
                                             int64_t num_experts, int64_t layout, int64_t capacity,
-                                            int64_t expert_alignment);
+                                            int64_t expert_alignment, bool zero_padding);
 
 }  // namespace omniep_torch

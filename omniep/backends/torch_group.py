@@ -140,8 +140,9 @@ class PythonOps:
     """The ``op_*`` methods a backend written in Python implements; the ``omniep::*`` ops call them.
 
     Arguments after the tensors are the op's config: ``num_experts``, ``layout`` (0 rank-major, 1
-    expert-major), ``capacity`` (-1 = exact) and ``expert_alignment``; ``handle`` is the op-level handle
-    list (see the module docstring). Returns as the op schemas in :mod:`omniep.frontends.torch_ops`.
+    expert-major), ``capacity`` (-1 = exact) and ``expert_alignment``, then for dispatch, combine and
+    combine_bwd ``zero_padding`` (combine and combine_bwd: the handle's dispatch's); ``handle`` is the
+    op-level handle list (see the module docstring). Returns as the op schemas in :mod:`omniep.frontends.torch_ops`.
     """
 
     def op_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts: int, layout: int, capacity: int,
@@ -160,7 +161,7 @@ class PythonOps:
         raise NotImplementedError
 
     def op_combine(self, y, topk_weights, bias0, bias1, handle: list, num_experts: int, layout: int, capacity: int,
-                   expert_alignment: int):
+                   expert_alignment: int, zero_padding: bool = False):
         raise NotImplementedError
 
     def op_dispatch_bwd(self, g_recv_x, g_recv_topk_weights, handle: list, num_experts: int, layout: int,
@@ -168,7 +169,9 @@ class PythonOps:
         raise NotImplementedError
 
     def op_combine_bwd(self, g_out, topk_weights, y, handle: list, num_experts: int, layout: int, capacity: int,
-                       expert_alignment: int) -> tuple:
+                       expert_alignment: int, zero_padding: bool = False) -> tuple:
+        """``zero_padding`` (that of the handle's dispatch): the expert-major ``g_y``'s slots past the counts
+        must come back zero; without it they are unspecified (zeros serve too)."""
         raise NotImplementedError
 
 

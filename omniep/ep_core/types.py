@@ -121,6 +121,9 @@ class Handle:
       descriptor      JAX: the op descriptor (a tuple of DESC_WORDS ints, input verdict 0) of the dispatch
                       that made the handle: every rank that agreed holds the same, so later ops can size
                       their exchanges from it. ``None`` in PyTorch.
+      zero_padding    the dispatch's ``zero_padding`` (expert-major): ``combine_bwd`` with this handle (a
+                      cached dispatch of ``g_out``) zeroes ``g_y``'s slots past the counts too; otherwise
+                      they are unspecified (DESIGN §2). A Python bool, static under ``jit``.
     """
 
     config: DispatchConfig
@@ -137,6 +140,7 @@ class Handle:
     group: Any = None
     status: Any = None
     descriptor: Any = None
+    zero_padding: bool = False
 
     @property
     def is_token_in_rank(self):
@@ -149,7 +153,7 @@ class Handle:
         "topk_idx", "topk_weights", "send_pos", "num_tokens_per_rank", "recv_counts",
         "recv_topk_idx", "recv_topk_weights", "num_recv", "recv_expert_slot", "status",
     )
-    META_FIELDS = ("config", "backend", "group", "descriptor")
+    META_FIELDS = ("config", "backend", "group", "descriptor", "zero_padding")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,7 +104,11 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     with it returns the bias (or 0) and reports the same status. Raise it with :func:`check`.
 
     ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
-    (DESIGN §2) — for a dense expert over every slot; one pass over ``recv_x``.
+    (DESIGN §2) — for a dense expert over every slot; one pass over ``recv_x``. It governs the gradient's
+    padding too: the handle carries it (``Handle.zero_padding``, static), and the backward of
+    :func:`combine` with that handle (a cached dispatch of the output's cotangent) returns the cotangent of
+    ``y`` with its slots past the counts zero; without it they are unspecified there (the native kernels
+    leave them unwritten, so the backward's time follows the routed copies, not ``L * C * H``).
     """
     layout = Layout.parse(layout)
     fp8_pair = isinstance(x, (tuple, list))
@@ -127,8 +131,9 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts: int, axis_name, capacity
     config = DispatchConfig(num_experts, num_ranks, layout,
                             resolve_capacity(capacity, num_ranks, num_tokens, layout, static=True),
                             check_expert_alignment(expert_alignment))
-    d = _dispatch_fn(cls, axis_name, config, _sync())(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
-    if zero_padding and layout == Layout.EXPERT_MAJOR:
+    zero = bool(zero_padding) and layout == Layout.EXPERT_MAJOR
+    d = _dispatch_fn(cls, axis_name, config, _sync(), zero)(tuple(x) if fp8_pair else x, topk_idx, topk_weights)
+    if zero:
         held = (d.recv_topk_idx >= 0)[..., None]
         masked = tuple(jnp.where(held, t, jnp.zeros((), t.dtype)) for t in d.recv_x) if fp8_pair \
             else jnp.where(held, d.recv_x, jnp.zeros((), d.recv_x.dtype))
@@ -154,6 +159,9 @@ def combine(y, handle: Handle, *, bias=None, return_status: bool = False, weight
     combine's own exchange when ``y`` has the hidden size and element width of the dispatch's ``x``,
     bf16 after fp8, otherwise the combine exchanges twice; native backends: in the kernels' first
     barrier.)
+
+    The cotangent of an expert-major ``y`` is zero in the slots past the counts when the dispatch that made
+    ``handle`` was called with ``zero_padding=True`` (``handle.zero_padding``), unspecified otherwise.
 
     ``weighted=False`` (expert-major): ``out[t] = Σ_k y[e_k][slot]`` without the weights — for a caller
     that scaled ``y`` by ``recv_topk_weights`` at the experts, whose gradients come back through
@@ -275,7 +283,7 @@ def _materialized(tree):
 
 
 @functools.lru_cache(maxsize=None)
-def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
+def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool, zero_padding: bool = False):
     backend = cls(axis_name)
 
     def run(x, topk_idx, topk_weights):
@@ -285,6 +293,8 @@ def _dispatch_fn(cls, axis_name, config: DispatchConfig, sync: bool):
                                 dtype=val.dtype_name(rows), num_topk=int(topk_idx.shape[1]))
         (recv_x, recv_idx, recv_w, num_recv, per_expert, dropped), handle = backend.prepare_dispatch(
             x, topk_idx, topk_weights, config, desc)
+        if zero_padding:  # static: combine_bwd with this handle zeroes g_y's padding (DESIGN §2)
+            handle = handle.replace(zero_padding=True)
         out = Dispatched(recv_x, recv_idx, recv_w, num_recv, per_expert, dropped, handle, handle.status)
         return _materialized(_checked(out, handle.status) if sync else out)
 

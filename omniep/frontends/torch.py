@@ -53,12 +53,15 @@ class Handle:
     context       the group's backend (resolved once per (group, backend), see :func:`context`)
     config        :class:`DispatchConfig` of the dispatch (``capacity=None``: exact receive size)
     topk_weights  the routing weights given to dispatch (the expert-major combine applies them)
+    zero_padding  the dispatch's ``zero_padding`` (expert-major): the combine's backward then zeroes the
+                  padding slots of the gradient of ``y`` too, else leaves them unspecified (DESIGN §2)
     """
 
     tensors: tuple
     context: Any
     config: DispatchConfig
     topk_weights: Any = None
+    zero_padding: bool = False
 
     @property
     def backend(self) -> str:
@@ -200,7 +203,11 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     ``zero_padding=True`` (expert-major): the slots past the counts come back zero instead of unspecified
     (DESIGN §2) — for a dense expert (``bmm`` over every slot) whose gradients must not see the padding;
     the dispatch writes the zeros itself (the native kernels: the padding rows only, no pass over the
-    whole ``recv_x``). A grouped GEMM given the counts does not need it.
+    whole ``recv_x``). It governs the gradient's padding too: the backward of :func:`combine` with this
+    handle (a cached dispatch of the output's gradient) returns the gradient of ``y`` with its slots past
+    the counts zero; without it they are unspecified there (the native kernels leave them unwritten, so
+    the backward's time follows the routed copies, not ``L * C * H``). A grouped GEMM given the counts
+    needs neither.
     """
     if type(x) is tuple:
         if len(x) != 2:
@@ -256,7 +263,7 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     # recv_topk_weights may be differentiable: the handle keeps it out of the autograd graph.
     recv_w = out[3].detach() if out[3].requires_grad else out[3]
     handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
-                           "topk_weights": topk_weights})
+                           "topk_weights": topk_weights, "zero_padding": zero})
     recv_x = (out[0], pack_ue8m0(out[1]) if use_ue8m0 else out[1]) if x_scales is not None or use_fp8 else out[0]
     return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
                              "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
@@ -300,6 +307,10 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True
     ``[T, H]`` tensor or a tuple of two, added after the sum. Every sum is in fp32 from +0.0, in that
     order, rounded once. Differentiable in ``y``, ``bias`` and (expert-major) ``topk_weights``.
 
+    The gradient of an expert-major ``y`` is zero in the slots past the counts when the dispatch was
+    called with ``zero_padding=True``, unspecified otherwise (DESIGN §2: the backward is a cached
+    dispatch of the output's gradient).
+
     ``weighted=False`` (expert-major): sum the copies without weights, ``out[t] = sum_k y[copy (t, k)]``
     — for a caller that scaled ``y`` by ``recv_topk_weights`` at the experts (Megatron's practice): the
     weights' gradients then come back through dispatch, read back exactly, so they are bitwise the same
@@ -324,7 +335,7 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True
             tensors = (tensors[0], (tensors[0] >= 0).to(torch.float32), *tensors[2:])
     ctx = handle.context
     try:
-        return _ops(ctx, y).combine(y, weights, b0, b1, list(tensors), *config)
+        return _ops(ctx, y).combine(y, weights, b0, b1, list(tensors), *config, handle.zero_padding)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
 

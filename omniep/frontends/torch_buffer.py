@@ -69,7 +69,7 @@ class BufferHandle(Handle):
     @classmethod
     def of(cls, handle: Handle) -> "BufferHandle":
         return frozen_new(cls, {"tensors": handle.tensors, "context": handle.context, "config": handle.config,
-                                "topk_weights": handle.topk_weights})
+                                "topk_weights": handle.topk_weights, "zero_padding": handle.zero_padding})
 
     def __getitem__(self, index):
         if index != 0 or self.config.layout != Layout.RANK_MAJOR:
@@ -658,8 +658,8 @@ class Buffer:
         self._ll_hidden = int(x.shape[1])
         h = d.handle
         handle = frozen_new(LowLatencyHandle, {"tensors": h.tensors, "context": h.context, "config": h.config,
-                                               "topk_weights": h.topk_weights, "num_max_dispatch_tokens_per_rank": M,
-                                               "hidden": self._ll_hidden})
+                                               "topk_weights": h.topk_weights, "zero_padding": h.zero_padding,
+                                               "num_max_dispatch_tokens_per_rank": M, "hidden": self._ll_hidden})
         event = on.done((x, topk_idx, sources, stats), (recv_x, count, handle))
         return recv_x, count, handle, event, (hook.call if return_recv_hook else None)
 

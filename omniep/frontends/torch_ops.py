@@ -12,7 +12,11 @@ see one contract: data-dependent row counts (``capacity = -1``: exact) are unbac
 ``get_ctx().new_dynamic_size()``. Every op takes the group's context id ``ctx`` and the dispatch
 config ``num_experts, layout (0 rank-major, 1 expert-major), capacity (-1 = exact), expert_alignment``;
 ``dispatch`` and ``dispatch_fp8`` also ``zero_padding`` (expert-major: the slots past the counts come
-back zero, written by the backend's dispatch itself — DESIGN §2; rank-major: ignored).
+back zero, written by the backend's dispatch itself — DESIGN §2; rank-major: ignored), and so do
+``combine`` and ``combine_bwd``: the ``zero_padding`` of the dispatch that made the handle (the frontend
+passes the handle's), which ``combine`` only hands to its backward, and with which the expert-major
+``combine_bwd`` — a cached dispatch of ``g_out`` — zeroes ``g_y``'s padding slots; without it they are
+unspecified (the native kernel leaves them unwritten: its cost follows the routed copies, not ``L·C·H``).
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ SCHEMAS = {
                     f"bool zero_padding=False) -> "
                     f"(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])",
     "cached_dispatch": f"(Tensor x, Tensor? x_scales, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
-    "combine": f"(Tensor y, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor[] handle, {CONFIG}) -> Tensor",
+    # zero_padding: the handle's dispatch had it (expert-major: combine_bwd then zeroes g_y's padding)
+    "combine": f"(Tensor y, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor[] handle, {CONFIG}, "
+               f"bool zero_padding=False) -> Tensor",
     "dispatch_bwd": f"(Tensor g_recv_x, Tensor g_recv_topk_weights, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
-    "combine_bwd": f"(Tensor g_out, Tensor? topk_weights, Tensor? y, Tensor[] handle, {CONFIG}) -> (Tensor, Tensor)",
+    "combine_bwd": f"(Tensor g_out, Tensor? topk_weights, Tensor? y, Tensor[] handle, {CONFIG}, "
+                   f"bool zero_padding=False) -> (Tensor, Tensor)",
 }
 RANK_MAJOR, EXPERT_MAJOR = 0, 1
 # Positions in an op-level handle: the dispatch's recv_topk_idx / recv_topk_weights, then the backend's
@@ -92,7 +99,8 @@ def _fake_dispatch_bwd(g_recv_x, g_recv_topk_weights, handle, *config):
     return g_recv_x.new_empty((T, g_recv_x.shape[-1])), g_recv_x.new_empty((T, K), dtype=torch.float32)
 
 
-def _fake_combine_bwd(g_out, topk_weights, y, handle, ctx, num_experts, layout, capacity, expert_alignment):
+def _fake_combine_bwd(g_out, topk_weights, y, handle, ctx, num_experts, layout, capacity, expert_alignment,
+                      zero_padding=False):
     T, K = handle[TOPK_IDX].shape
     H = g_out.shape[-1]
     if layout == RANK_MAJOR:
@@ -221,7 +229,7 @@ _autograd("dispatch", _dispatch_setup, _dispatch_backward)
 
 def _combine_setup(ctx, inputs, output):
     y, topk_weights, bias0, bias1, handle = inputs[:5]
-    ctx.config = tuple(inputs[5:])
+    ctx.config = tuple(inputs[5:])  # the config and, when given, zero_padding: combine_bwd takes both
     ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (bias0, bias1))
     ctx.expert_major = ctx.config[2] == EXPERT_MAJOR
     ctx.n_handle = len(handle)
@@ -234,7 +242,7 @@ def _combine_backward(ctx, g_out):
     handle, topk_weights, y = list(saved[:ctx.n_handle]), saved[ctx.n_handle], saved[ctx.n_handle + 1]
     g_y, g_w = torch.ops.omniep.combine_bwd(g_out.contiguous(), topk_weights, y, handle, *ctx.config)
     g_bias = tuple(None if dt is None else g_out.to(dt) for dt in ctx.bias_dtypes)
-    return (g_y, g_w if ctx.expert_major else None, *g_bias, None) + (None,) * 5
+    return (g_y, g_w if ctx.expert_major else None, *g_bias, None) + (None,) * len(ctx.config)
 
 
 _autograd("combine", _combine_setup, _combine_backward)

@@ -3,7 +3,8 @@ serves ``layout="expert_major"`` (DESIGN §2). Called through VirtualRanks' own 
 
 Receiver r gets ``recv_x[L, C, H]``: for each local expert, one copy per (source token, k) that chose
 it, ordered by (source rank, source token, k); ``C`` = capacity, slots per local expert. Slots past
-``C`` are dropped and counted; padding slots are zero (``recv_topk_idx`` -1, weights 0).
+``C`` are dropped and counted; padding slots are zero (``recv_topk_idx`` -1, weights 0), and so are
+``combine_bwd``'s ``g_y`` padding slots unless it is called with ``zero_padding=False`` (then unwritten).
 ``combine`` applies the routing weights: ``out[t] = sum_k w[t, k] * y[e_k][slot(t, k)]`` in fp32, in
 k order, each product rounded to fp32 before the add, bias terms last, rounded once.
 Everything equals :mod:`omniep.ep_core.reference` bit for bit, except ``g_topk_weights`` of
@@ -165,7 +166,8 @@ def dispatch_bwd(vr, g_recv_x: Sequence, g_recv_topk_weights: Sequence, h, *, ch
     return g_x, g_w
 
 
-def combine_bwd(vr, g_out: Sequence, h, *, y: Optional[Sequence], topk_weights, check: bool):
+def combine_bwd(vr, g_out: Sequence, h, *, y: Optional[Sequence], topk_weights, check: bool,
+                zero_padding: bool = True):
 
     torch = vr._torch
     R, L, C, K = vr.num_ranks, h.config.num_local_experts, h.capacity, h.topk_idx[0].shape[1]
@@ -187,6 +189,6 @@ def combine_bwd(vr, g_out: Sequence, h, *, y: Optional[Sequence], topk_weights, 
         topk_weights=_ptrs(ws), copy_slot=_ptrs(h.copy_slot), recv_expert_count=_ptrs(h.recv_expert_count),
         g_y=_ptrs(g_y), g_topk_weights=_ptrs(g_w) if g_w is not None else [0] * R, num_tokens=h.num_tokens,
         hidden=H, num_topk=K, num_experts=h.config.num_experts, capacity=C, dtype=_dtype_code(gs[0].dtype),
-        with_topk_grad=int(ys is not None),
+        with_topk_grad=int(ys is not None), zero_padding=int(bool(zero_padding)),
     ), check)
     return [_view(h, r, g_y[r]) for r in range(R)], g_w

@@ -318,14 +318,18 @@ class VirtualRanks:
         return g_x, g_w
 
     def combine_bwd(self, g_out: Sequence, handle: VirtualHandle, *, y: Optional[Sequence] = None,
-                    topk_weights=None, check: bool = True):
+                    topk_weights=None, check: bool = True, zero_padding: bool = True):
         """Rank-major: ``g_y``, a cached dispatch of g_out (padding rows 0).
 
         Expert-major: ``(g_y, g_topk_weights)`` with ``g_y[l, c] = round(w[t, k] * g_out[t])`` and
         ``g_topk_weights[t, k] = <g_out[t], y[l, c]>`` in fp32 (None unless ``y``, the combine input, is
-        given); ``topk_weights`` default to those dispatch saw."""
+        given); ``topk_weights`` default to those dispatch saw. ``zero_padding`` (expert-major): g_y's
+        slots past the counts come back zero (the default: this class's dispatch zeroes them in recv_x
+        too) or, with False, unwritten — unspecified, as the frontends leave them unless their dispatch was
+        called with ``zero_padding=True`` (DESIGN §2: combine_bwd is a cached dispatch of g_out)."""
         if handle.expert_major:
-            return em.combine_bwd(self, g_out, handle, y=y, topk_weights=topk_weights, check=check)
+            return em.combine_bwd(self, g_out, handle, y=y, topk_weights=topk_weights, check=check,
+                                  zero_padding=zero_padding)
         gs = self._per_rank("g_out", g_out)
         for r in range(self.num_ranks):
             check_tokens(gs[r], handle.num_tokens[r])

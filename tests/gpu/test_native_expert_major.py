@@ -17,7 +17,7 @@ from omniep.ep_core import reference as ref
 from omniep.ep_core.errors import CapacityError
 from omniep.ep_core.types import Layout
 from harness import golden
-from omniep.testing.torch_bits import assert_bits_equal
+from omniep.testing.torch_bits import assert_bits_equal, randn, to_numpy
 from omniep.testing.cases import make_case
 from harness.strategies import case_strategy
 from harness.virtual_rank_checks import check_golden_vector, run_and_compare, to_torch
@@ -150,3 +150,41 @@ def test_em_cuda_graph_replay(group):
         assert_bits_equal(g_got[r].recv_x, want[r].recv_x, f"rank {r} graph recv_x")
         assert int(g_got[r].dropped) == want[r].dropped
         assert_bits_equal(g_out[r], want_out[r], f"rank {r} graph combine")
+
+
+@pytest.mark.parametrize("zero_padding", [True, False], ids=["zero_padding", "unwritten"])
+def test_em_combine_bwd_zero_padding_over_nan_memory(group, zero_padding):
+    """combine_bwd's g_y padding (the kernel's zero_padding, through the C ABI and VirtualRanks): the g_y
+    tensors get blocks that were full of NaN just before (same-sized tensors filled and freed); with
+    ``zero_padding=True`` the slots past the counts come back exactly zero, with False they are left
+    unwritten (the NaN shows: no pass over L * C * H); the counted slots are bitwise the reference's."""
+    R, E, K, T, H = 2, 8, 2, 16, 7168  # g_y [4, 37, 7168] bf16: over 1 MiB, the allocator's large pool
+    L, C = E // R, R * T + 5  # slack: every expert has padding
+    case = make_case(23, num_ranks=R, num_experts=E, num_topk=K, hidden=H, num_tokens=T, dtype="bfloat16",
+                     layout=EM)
+    vr = group(R)
+    plan = ref.make_plan(case.topk_idx, case.config(C))
+    want = ref.dispatch(case.x, case.topk_weights, plan)
+    handle = vr.prepare([to_torch(i) for i in case.topk_idx], E, capacity=C, layout="expert_major")
+    vr.dispatch([to_torch(x) for x in case.x], [to_torch(w) for w in case.topk_weights], handle)
+    rng = np.random.default_rng(24)
+    ys = [randn(rng, (L, C, H), "bfloat16") for _ in range(R)]
+    g_out = [randn(rng, (T, H), "bfloat16") for _ in range(R)]
+    want_gy, _ = ref.combine_bwd(g_out, plan, ys=ys, topk_weights=case.topk_weights)
+    gs, yt = [to_torch(g) for g in g_out], [to_torch(y) for y in ys]
+    vr.combine_bwd(gs, handle, y=yt, zero_padding=zero_padding)  # warm-up: g_y's blocks cached
+    torch.cuda.synchronize()
+    poison = [torch.full((L, C, H), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2 * R + 2)]
+    torch.cuda.synchronize()
+    del poison
+    got, _ = vr.combine_bwd(gs, handle, y=yt, zero_padding=zero_padding)
+    for r in range(R):
+        held = torch.from_numpy(want[r].recv_topk_idx >= 0).to("cuda")
+        assert bool(held.any()) and not bool(held.all()), f"rank {r}: the case must have counted and padding slots"
+        assert_bits_equal(golden.counted_rows(to_numpy(got[r]), want[r].recv_topk_idx), want_gy[r],
+                          f"rank {r} g_y counted slots")
+        pad = got[r][~held]
+        if zero_padding:
+            assert bool((pad.view(torch.int16) == 0).all()), f"rank {r}: g_y padding not zero"
+        else:
+            assert bool(torch.isnan(pad).any()), f"rank {r}: the NaN never reached g_y's padding (proves nothing)"

@@ -94,9 +94,10 @@ def check_session_results(results: list, world: int, cases: list, names: list, *
         assert res["cases"] == [ranks] * len(cases), res["cases"]
         assert [n for n, _ in res["golden"]] == names and all(r == ranks for _, r in res["golden"]), res["golden"]
         assert res["fp8"] == ranks, res["fp8"]
-        assert sorted(res["zero_padding"]) == ranks, res["zero_padding"]
-        for r, checks in res["zero_padding"].items():
-            assert all(checks.values()), f"zero_padding, rank {r}: {checks}"
+        for key in ("zero_padding", "grad_zero_padding"):
+            assert sorted(res[key]) == ranks, res[key]
+            for r, checks in res[key].items():
+                assert all(checks.values()), f"{key}, rank {r}: {checks}"
 
 
 def _init(rank: int, world: int, port: int, per_gpu: bool):
@@ -130,7 +131,7 @@ def run_golden(mesh, g) -> list:
             if key in ("num_recv", "dropped"):
                 assert int(have) == int(want), f"golden {g.name} rank {r} {key}: {int(have)} vs {int(want)}"
             else:
-                if key == "recv_x":  # expert-major padding: unspecified (DESIGN §2)
+                if key in ("recv_x", "g_y"):  # expert-major padding: unspecified (DESIGN §2)
                     have = golden.counted_rows(have, g.expected["recv_topk_idx"][r])
                 jw.assert_bitwise_equal(have, want, f"golden {g.name} rank {r} {key}")
         checked.append(r)
@@ -223,6 +224,68 @@ def check_zero_padding(mesh, world: int) -> dict:
     return out
 
 
+def check_grad_zero_padding(mesh, world: int) -> dict:
+    """The dispatch's ``zero_padding`` governs the padding of the combine's gradient too (DESIGN §2: the
+    expert-major combine_bwd is a cached dispatch of g_out): under ``jit``, the cotangent of ``y`` from
+    ``jax.vjp`` of an expert-major combine, over memory poisoned first (NaN arrays the size of g_y made and
+    freed before each run, as :func:`check_zero_padding` does), has its slots past the counts exactly zero
+    with ``zero_padding=True``, and its counted slots bitwise the reference's with and without it. Without
+    it the padding is unspecified: a native backend leaves it unwritten, so the poison must show there (else
+    the poisoning did not reach g_y and the check proves nothing); the collective backend's is zero. Returns
+    ``{rank: {check: bool}}`` for the ranks of this process."""
+    import jax
+    import jax.numpy as jnp
+
+    from omniep import jax as ep
+    from omniep.ep_core import reference as ref
+    from omniep.ep_core import registry
+    from harness import jax_workers as jw
+
+    collective = registry.select_backend("jax").name == "collective"  # OMNIEP_BACKEND from the parent
+    T, H, E, K = 6, 512, 4 * world, 2
+    L, C = E // world, 2 * T * world  # C > the copies any expert gets: every expert has padding
+    case = make_case(12, num_ranks=world, num_experts=E, num_topk=K, hidden=H, num_tokens=T, layout=Layout.EXPERT_MAJOR)
+    x = [np.asarray(a, np.float32).astype(jnp.bfloat16) for a in case.x]
+    rng = np.random.default_rng(13)
+    ys = [rng.standard_normal((L, C, H)).astype(np.float32).astype(jnp.bfloat16) for _ in range(world)]
+    g_outs = [rng.standard_normal((T, H)).astype(np.float32).astype(jnp.bfloat16) for _ in range(world)]
+    plan = ref.make_plan(case.topk_idx, case.config(C))
+    want, _ = ref.combine_bwd(g_outs, plan, ys=ys, topk_weights=case.topk_weights)
+
+    def run(zero: bool) -> dict:
+        def body(x, idx, w, y, g_out):
+            d = ep.dispatch(x, idx, w, num_experts=E, axis_name=jw.AXIS, capacity=C, layout="expert_major",
+                            zero_padding=zero)
+            _, vjp = jax.vjp(lambda y: ep.combine(y, d.handle), y)
+            (g_y,) = vjp(g_out)
+            return {"g_y": g_y[None], "recv_topk_idx": d.recv_topk_idx[None], "num_recv": d.num_recv[None]}
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(jw.AXIS), out_specs=jax.P(jw.AXIS)))
+        args = [jw._global(mesh, a) for a in (x, case.topk_idx, case.topk_weights, ys, g_outs)]
+        jax.block_until_ready(f(*args))  # compiled and warmed first: then only the outputs take the poison's blocks
+        for _ in range(2):
+            poison = [jax.device_put(jnp.full((L, C, H), jnp.nan, jnp.bfloat16), d) for d in mesh.local_devices]
+            jax.block_until_ready(poison)
+            del poison
+        return jw.local_results(f(*args))
+
+    control, zeroed = run(False), run(True)
+    out = {}
+    for r in sorted(zeroed):
+        held = zeroed[r]["recv_topk_idx"] >= 0
+        assert held.any() and not held.all(), f"rank {r}: the case must have counted and padding slots"
+        got, ctl = zeroed[r]["g_y"], control[r]["g_y"]
+        counted = want[r][held]
+        out[r] = {"zero": bool(np.all(jw.bits(got[~held]) == 0)),
+                  "counted_equal": bool(np.array_equal(jw.bits(got[held]), jw.bits(counted))),
+                  "control_counted_equal": bool(np.array_equal(jw.bits(ctl[held]), jw.bits(counted)))}
+        if collective:
+            out[r]["control_zero"] = bool(np.all(jw.bits(ctl[~held]) == 0))
+        else:
+            out[r]["control_poisoned"] = bool(np.isnan(ctl[~held].astype(np.float32)).any())
+    return out
+
+
 def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
     """Every case (``(case, capacity, num_bias, seed)``) and golden file on ``mesh``; then every native
     state is checked for recorded timeouts and destroyed."""
@@ -245,6 +308,7 @@ def _run_jobs(mesh, cases: list, golden_names: list, out: dict) -> dict:
         out["golden"].append((name, run_golden(mesh, golden.load(golden.GOLDEN_DIR / f"{name}.npz"))))
     out["fp8"] = check_fp8(mesh, mesh.shape[jw.AXIS])
     out["zero_padding"] = check_zero_padding(mesh, mesh.shape[jw.AXIS])
+    out["grad_zero_padding"] = check_grad_zero_padding(mesh, mesh.shape[jw.AXIS])
     for st in jax_backend.states().values():
         st.check()  # no rank recorded a timed-out wait
     out["data_bytes"] = [st.data_bytes for st in jax_backend.states().values()]

@@ -223,6 +223,152 @@ def check_zero_padding(rank: int, world: int) -> dict:
             "fp8_padding_zero": all(bool((padding_bytes(t, held) == 0).all()) for t in (x8, s8))}
 
 
+# ---- zero_padding of the gradient: combine_bwd, a cached dispatch of g_out -------------------------
+
+def _grad_setup(rank: int, world: int) -> dict:
+    """An expert-major routing with padding in every expert (bf16, H = 7168: g_y [L, C, H] over 1 MiB, in
+    the caching allocator's large pool, as check_zero_padding's recv_x), this rank's y (a leaf made once:
+    the only [L, C, H] allocation of a backward pass is then its g_y) and g_out, and the reference's g_y of
+    this rank (every rank builds every rank's inputs from fixed seeds)."""
+    from omniep.ep_core import reference as ref
+    from omniep.ep_core.types import Layout
+    from omniep.testing.cases import np_dtype
+
+    tokens, hidden = 16, 7168
+    L, C = E // world, world * tokens + 5  # slack: every expert has padding
+    case = make_case(7, num_ranks=world, num_experts=E, num_topk=K, hidden=hidden, num_tokens=tokens,
+                     dtype="bfloat16", layout=Layout.EXPERT_MAJOR)
+    rng = np.random.default_rng(70)
+    bf16 = np_dtype("bfloat16")
+    ys = [rng.standard_normal((L, C, hidden)).astype(np.float32).astype(bf16) for _ in range(world)]
+    g_outs = [rng.standard_normal((tokens, hidden)).astype(np.float32).astype(bf16) for _ in range(world)]
+    plan = ref.make_plan(case.topk_idx, case.config(C))
+    want = ref.combine_bwd(g_outs, plan, ys=ys, topk_weights=case.topk_weights)[0][rank]
+    x, idx, w = _mine(case, rank)
+    return dict(x=x, idx=idx, w=w, kw=dict(num_experts=E, capacity=C, layout="expert_major"), shape=(L, C, hidden),
+                y=to_torch(ys[rank], "cuda").requires_grad_(), g_out=to_torch(g_outs[rank], "cuda"),
+                want=to_torch(want, "cuda"))
+
+
+def _poison(shape, n: int = 4) -> None:
+    """n tensors of ``shape`` (bf16) filled with NaN, then freed: the caching allocator hands their blocks
+    to the next allocations of that size (the best fit among them, whichever it is, is poisoned)."""
+    import torch
+
+    blocks = [torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def _grad_results(g_y, held, want, zero_padding: bool, prefix: str = "") -> dict:
+    """Counted slots bitwise the reference's; with zero_padding, the padding's bytes all zero; without,
+    whether it shows the poison (NaN): proof that the poisoned memory reached g_y and was left unwritten."""
+    import torch
+
+    bits, want_bits = g_y.view(torch.int16), want.view(torch.int16)
+    out = {f"{prefix}counted_equal": bool(torch.equal(bits[held], want_bits[held]))}
+    if zero_padding:
+        out[f"{prefix}padding_zero"] = bool((bits[~held] == 0).all())
+    else:
+        out[f"{prefix}control_poisoned"] = bool(torch.isnan(g_y[~held]).any())
+    return out
+
+
+def check_grad_zero_padding(rank: int, world: int) -> dict:
+    """The expert-major combine's backward (combine_bwd: a cached dispatch of g_out, DESIGN §2) honours the
+    zero_padding of the dispatch that made the handle, on the native backend, eagerly: g_y's blocks were
+    full of NaN just before (:func:`_poison`, after a warm-up backward); with ``zero_padding=True`` its
+    slots past the counts come back exactly zero, without it they are left unwritten (the poison shows);
+    either way the counted slots are bitwise the reference's."""
+    import torch
+
+    from omniep import torch as ep
+
+    s = _grad_setup(rank, world)
+    y, g_out = s["y"], s["g_out"]
+    out = {}
+    for zero in (False, True):
+        d = ep.dispatch(s["x"], s["idx"], s["w"], zero_padding=zero, **s["kw"])
+        held = (d.recv_topk_idx >= 0).unsqueeze(-1).expand(s["shape"])
+        torch.autograd.grad(ep.combine(y, d.handle), y, g_out)  # warm-up: buffers grown, blocks cached
+        torch.cuda.synchronize()
+        _poison(s["shape"])
+        (g_y,) = torch.autograd.grad(ep.combine(y, d.handle), y, g_out)
+        torch.cuda.synchronize()
+        out.update(_grad_results(g_y, held, s["want"], zero, "zero_padding/" if zero else "plain/"))
+        out["has_padding"] = bool((~held).any())
+    return out
+
+
+def check_grad_zero_padding_compile(rank: int, world: int) -> dict:
+    """The same under ``torch.compile(fullgraph=True)``: dispatch (with and without zero_padding) and
+    combine compiled, the backward run by the compiled graph's backward — the flag reaches combine_bwd
+    through the schema's ``zero_padding`` argument and the fake kernels. g_y's blocks poisoned first."""
+    import torch
+
+    from omniep import torch as ep
+
+    s = _grad_setup(rank, world)
+    y, g_out = s["y"], s["g_out"]
+    out = {}
+    for zero in (False, True):
+        def step(x, idx, w, y, zero=zero):
+            d = ep.dispatch(x, idx, w, zero_padding=zero, **s["kw"])
+            return ep.combine(y, d.handle), d.recv_topk_idx
+
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)
+        res, held = compiled(s["x"], s["idx"], s["w"], y)
+        torch.autograd.grad(res, y, g_out)  # warm-up (compiles the backward too)
+        torch.cuda.synchronize()
+        _poison(s["shape"])
+        res, held = compiled(s["x"], s["idx"], s["w"], y)
+        (g_y,) = torch.autograd.grad(res, y, g_out)
+        torch.cuda.synchronize()
+        held = (held >= 0).unsqueeze(-1).expand(s["shape"])
+        out.update(_grad_results(g_y, held, s["want"], zero, "zero_padding/" if zero else "plain/"))
+    return out
+
+
+def check_grad_zero_padding_graph(rank: int, world: int) -> dict:
+    """The combine and its backward captured in a CUDA graph (the handle made outside it), replayed with a
+    new g_out copied in: g_y's counted slots bitwise the same backward run eagerly, and its padding zero
+    when the dispatch had zero_padding (the graph's pool is not poisoned: without it the padding is
+    whatever that pool held, not checked)."""
+    import torch
+
+    from omniep import torch as ep
+
+    s = _grad_setup(rank, world)
+    y = s["y"]
+    gen = torch.Generator(device="cuda").manual_seed(200 + rank)
+    out = {}
+    for zero in (False, True):
+        d = ep.dispatch(s["x"], s["idx"], s["w"], zero_padding=zero, **s["kw"])
+        held = (d.recv_topk_idx >= 0).unsqueeze(-1).expand(s["shape"])
+        static_g = s["g_out"].clone()
+        side = torch.cuda.Stream()  # warm-up on a side stream (torch's recipe for capturing a backward pass)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.autograd.grad(ep.combine(y, d.handle), y, static_g)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            (captured,) = torch.autograd.grad(ep.combine(y, d.handle), y, static_g)
+        new_g = torch.randn(static_g.shape, device="cuda", generator=gen).to(static_g.dtype)
+        static_g.copy_(new_g)
+        graph.replay()
+        torch.cuda.synchronize()
+        (eager,) = torch.autograd.grad(ep.combine(y, d.handle), y, new_g)
+        torch.cuda.synchronize()
+        key = "zero_padding/" if zero else "plain/"
+        out[f"{key}counted_equal"] = bool(torch.equal(captured.view(torch.int16)[held], eager.view(torch.int16)[held]))
+        if zero:
+            out[f"{key}padding_zero"] = bool((captured.view(torch.int16)[~held] == 0).all())
+        del graph
+    return out
+
+
 # ---- torch.compile(fullgraph=True) ---------------------------------------------------------------
 
 def check_compile(rank: int, world: int) -> dict:
@@ -360,7 +506,8 @@ def check_divergence(rank: int, world: int) -> dict:
 
 CHECKS = dict(bitwise=check_bitwise, cuda_graphs=check_cuda_graphs, back_to_back=check_back_to_back,
               zero_padding=check_zero_padding, compile=check_compile, host_waits=check_host_waits,
-              divergence=check_divergence)
+              grad_zero_padding=check_grad_zero_padding, grad_zero_padding_compile=check_grad_zero_padding_compile,
+              grad_zero_padding_graph=check_grad_zero_padding_graph, divergence=check_divergence)
 
 
 def session(rank: int, world: int, port: int, checks: tuple, per_gpu: bool) -> dict:

@@ -737,7 +737,8 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             self._rows_exchange(x, sel, send_n, recv_n, recv_x, own_scales)
         return recv_x, recv_scales
 
-    def op_combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment):
+    def op_combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment,
+                   zero_padding=False):
         T = handle[IDX32].shape[0]
         shape = "[rows, H]" if layout == RANK_MAJOR else "[num_local_experts, capacity, H]"
         problem = _problem(v.check_combine_input, y, tuple(handle[0].shape[: 1 if layout == RANK_MAJOR else 2]),
@@ -956,7 +957,9 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
             else torch.zeros((T, K), dtype=torch.float32, device=dev)
         return _rounded(acc, (), g_recv_x.dtype, from_zero), torch.where(row >= 0, picked, torch.zeros_like(picked))
 
-    def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):
+    def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment,
+                       zero_padding=False):
+        # zero_padding costs nothing here: g_y is made zero before the rows land (padding zero either way)
         return self.combine_bwd(g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment)
 
     def combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):

@@ -378,7 +378,8 @@ class CudaNvshmemJax(EPBackend):
 
     def combine_bwd(self, g_out, handle: NativeHandle, y: Optional[Any] = None):
         """``(g_y, None)``: a cached dispatch of ``g_out`` (rows only; padding rows 0). Expert-major:
-        ``(g_y [L, C, H], g_topk_weights [T, K])`` with ``<g_out[t], y[copy (t, k)]>`` (needs ``y``)."""
+        ``(g_y [L, C, H], g_topk_weights [T, K])`` with ``<g_out[t], y[copy (t, k)]>`` (needs ``y``); g_y's
+        slots past the counts zero when ``handle.zero_padding``, else unwritten (unspecified)."""
         if handle.config.layout == Layout.EXPERT_MAJOR:
             return self._em_combine_bwd(g_out, handle, y)
         C = handle.config.capacity
@@ -461,7 +462,9 @@ class CudaNvshmemJax(EPBackend):
         K = handle.topk_idx.shape[1]
         row = H * jnp.dtype(g_out.dtype).itemsize
         self._state().reserve(_regions(L * C, [row, row]))
+        # g_y's padding: zeroed by the kernel only when the handle's dispatch had zero_padding (DESIGN §2)
         g_y, g_w = self._call("em_combine_bwd", [((L, C, H), g_out.dtype), ((T, K), jnp.float32)], g_out,
                               y.astype(g_out.dtype), handle.topk_idx, self._em_weights(handle), handle.copy_slot,
-                              handle.recv_expert_count, num_experts=cfg.num_experts)
+                              handle.recv_expert_count, num_experts=cfg.num_experts,
+                              zero_padding=int(handle.zero_padding))
         return g_y.astype(y.dtype), g_w

@@ -246,7 +246,8 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
                                              w.data_ptr() if w is not None else 0, out.data_ptr(), self._stream())
         return out
 
-    def op_combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment):
+    def op_combine(self, y, topk_weights, bias0, bias1, handle, num_experts, layout, capacity, expert_alignment,
+                   zero_padding=False):
         """``omniep::combine``: ``out [T, H]`` in ``y``'s dtype (NCCL EP's sum; see the package docstring)."""
         if bias0 is not None or bias1 is not None:
             raise UnsupportedError(self.name, "combine with bias (NCCL EP rounds the sum before a bias could be "
@@ -282,9 +283,11 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
                                           0 if em else g_w.data_ptr(), self._stream())
         return g_x, g_w
 
-    def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment):
+    def op_combine_bwd(self, g_out, topk_weights, y, handle, num_experts, layout, capacity, expert_alignment,
+                       zero_padding=False):
         """``omniep::combine_bwd``: rank-major ``(g_y, empty)``, a cached dispatch of ``g_out``;
-        expert-major ``(g_y = round(w * g_out) per copy, empty)`` when ``y`` is None."""
+        expert-major ``(g_y = round(w * g_out) per copy, empty)`` when ``y`` is None, its slots past the
+        counts zero with ``zero_padding`` (the handle's dispatch's), else unspecified."""
         if layout == RANK_MAJOR:
             return self._cached(g_out, None, handle, num_experts, layout), g_out.new_empty((0,), dtype=torch.float32)
         if y is not None:
@@ -293,8 +296,11 @@ class NcclEpLibTorch(PythonOps, TorchGroupBackend):
                                               "returns one weighted sum per token)", OTHERS)
         if topk_weights is None:
             raise InputError("the expert-major combine_bwd needs topk_weights [T, K]")
-        return (self._cached(g_out, topk_weights, handle, num_experts, layout),
-                g_out.new_empty((0,), dtype=torch.float32))
+        g_y = self._cached(g_out, topk_weights, handle, num_experts, layout)
+        if zero_padding:  # the padding as the dispatch's: zero where no copy is held (recv_topk_idx -1)
+            g_y = torch.where((handle[RECV_IDX] >= 0).unsqueeze(-1), g_y, torch.zeros((), dtype=g_y.dtype,
+                                                                                     device=g_y.device))
+        return g_y, g_out.new_empty((0,), dtype=torch.float32)
 
     def check(self, again: bool = True) -> None:
         """Raise when the last dispatch of a live handle received a slot whose tag named no token of the
