@@ -21,6 +21,7 @@ slicing between the processes then inflates ``device`` and ``wall``. Prints a ta
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -78,6 +79,10 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     from omniep import torch as ep
 
     pin_cpu(rank)
+    if args.get("rank_stdout"):  # device printf (a stamped build) of each rank into its own file, unmixed
+        fd = os.open(f"{args['rank_stdout']}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        os.dup2(fd, 1)
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -162,9 +167,11 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", action="store_true", help="device µs per pair of each kernel (rank 0)")
     p.add_argument("--plain", type=int, default=0, metavar="N",
                    help="only run each pair N times (no timing, no CUPTI): for an outside profiler (ncu)")
+    p.add_argument("--rank-stdout", default="", metavar="PREFIX",
+                   help="each rank's stdout (device printf included) into PREFIX.rank<r> (scripts/stamps_ll.sh)")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile,
-                kernels=a.kernels, plain=a.plain)
+                kernels=a.kernels, plain=a.plain, rank_stdout=a.rank_stdout)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 

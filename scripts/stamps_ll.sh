@@ -6,12 +6,21 @@
 # ranks wait on each other goes — what ncu's replay cannot show. Leaves a stamped build behind: the next
 # build_all without OMNIEP_STAMPS rebuilds.
 #   OUT=... scripts/stamps_ll.sh     (on the device machine)
+#   SHAPE=ht scripts/stamps_ll.sh    the rank-major kernels at DeepEP's normal shape instead (static and
+#                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh
 export OMNIEP_STAMPS=ON
 build_all
 N="${STAMP_CALLS:-30}"
+if [[ "${SHAPE:-ll}" == ht ]]; then
+  step stamps_ht 150 "$PY" benchmarks/hot_path_gpu.py --world 1 --shapes ht --modes static,cached --plain "$N" \
+    --rank-stdout "$OUT/stamps_ht"
+  "$PY" scripts/stamps_table.py "$OUT"/stamps_ht.rank* | tee "$OUT/stamps_ht.md"
+  unset OMNIEP_STAMPS
+  exit $status
+fi
 step stamps_world1 120 "$PY" benchmarks/ll_gpu.py --world 1 --variants base --plain "$N" \
   --rank-stdout "$OUT/stamps_world1"
 "$PY" scripts/stamps_table.py "$OUT"/stamps_world1.rank* | tee "$OUT/stamps_world1.md"

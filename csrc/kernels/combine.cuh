@@ -24,6 +24,7 @@
 #include "kernels/args.h"
 #include "kernels/copy_rows.cuh"
 #include "kernels/rows.cuh"
+#include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
 
 namespace omniep {
@@ -64,6 +65,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
   const int32_t* send_pos = tr.local(a.send_pos);
   const int32_t* send_offset = tr.local(a.send_offset);
+  OMNIEP_STAMPS_BEGIN();
   bool any_remote = false;
   if constexpr (Tr::kHasRemote) {
     any_remote = tr.any_remote();
@@ -88,7 +90,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   }
   // (The start barrier orders the copy-in before any peer's reads: every block arrives after its
   // writes.)
+  OMNIEP_STAMP("copy_in");
   if (!rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/true, tell, &a.desc[me])) return;
+  OMNIEP_STAMP("start_barrier");
   // ... and puts them into my mirror for it, as I put theirs into their mirrors for me.
   if constexpr (Tr::kHasRemote) {
     const auto push = [&](int s) {
@@ -209,7 +213,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
     }
     gpu::syncwarp();  // s_slot is rewritten for the next token
   }
+  OMNIEP_STAMP("summed");
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
+  OMNIEP_STAMP("end_barrier");
+  OMNIEP_STAMPS_END("combine_kernel", me);
 }
 
 }  // namespace omniep

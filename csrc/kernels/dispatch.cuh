@@ -25,15 +25,17 @@
 // (all rows have arrived). The kernel completes on a rank only when its rows are all there, so
 // stream order is enough for whatever runs next on that rank.
 //
-// With a.route.on (static capacity) the kernel routes itself: block 0 runs the layout (layout.cuh) while
-// the other blocks wait at the start barrier, which then also carries the count rows and judges the ids;
-// after it every block reads the count matrix, which no peer rewrites before the end barrier.
+// With a.route.on (static capacity) the kernel routes itself: its blocks split the layout's tokens
+// (layout.cuh, route_layout; block 0 alone past kMaxRouteBlocks blocks), then the start barrier also
+// carries the count rows and judges the ids; after it every block reads the count matrix, which no peer
+// rewrites before the end barrier.
 #pragma once
 
 #include "kernels/args.h"
 #include "kernels/copy_rows.cuh"
 #include "kernels/layout.cuh"
 #include "kernels/rows.cuh"
+#include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
 
 namespace omniep {
@@ -67,14 +69,23 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     for (int e = threadIdx.x; e < E; e += blockDim.x) s_delivered[e] = 0;
   }
   const bool route = a.route.on != 0;
+  OMNIEP_STAMPS_BEGIN();
   if (threadIdx.x == 0) s_desc = a.desc[me];
-  if (route && blockIdx.x == 0) {  // the layout, before the barrier that exchanges its counts
+  if (route) {  // the layout, before the barrier that exchanges its counts: on every block, or on block 0
     int32_t* idx32 = const_cast<int32_t*>(tr.local(a.topk_idx32));
     int32_t* send_pos = const_cast<int32_t*>(tr.local(a.send_pos));
-    local_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
-                 tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,
-                 s_delivered + E, s_rows, &s_desc);
+    if (gridDim.x <= kMaxRouteBlocks) {
+      // (a failed wait stops the op at the start barrier below: the rank's status is set)
+      route_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
+                   tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,
+                   s_delivered + E, s_rows, &s_desc);
+    } else if (blockIdx.x == 0) {
+      local_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
+                   tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,
+                   s_delivered + E, s_rows, &s_desc);
+    }
   }
+  OMNIEP_STAMP("layout");
   if (!route && static_cast<int>(threadIdx.x) < R) s_offset[threadIdx.x] = tr.local(a.send_offset)[threadIdx.x];
   if (!rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &s_desc)) {
     if (route && blockIdx.x == 0) {
@@ -85,6 +96,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     }
     return;
   }
+  OMNIEP_STAMP("start_barrier");
   if (route) {  // every block: where my rows start at each receiver, from the count matrix
     if (static_cast<int>(threadIdx.x) < R) {
       s_offset[threadIdx.x] = exchanged_offset_at(tr.workspace(me), me, static_cast<int>(threadIdx.x));
@@ -151,6 +163,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     }
   }
 
+  OMNIEP_STAMP("pushed");
   // ---- zero my padding rows [rows received, C) ----
   {
     // (route: block 0 writes recv_counts after the start barrier, so the other blocks read the matrix)
@@ -212,7 +225,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   float* out_w = tr.local(a.out_topk_weights);
   const bool copy_out = routing && out_idx != nullptr;
   // With anything to copy out, every block waits for the peers (their rows have arrived).
+  OMNIEP_STAMP("padding_counts");
   if (!rank_barrier(tr, kPhaseDispatchDone, /*all_wait=*/copy_out || a.copy_rows > 0, puts)) return;
+  OMNIEP_STAMP("end_barrier");
   if (a.copy_rows > 0) {  // the rows but my own (those went straight to own_x): the fused copy-out
     const int64_t b = s_offset[me], e = b + tr.local(a.recv_counts)[me];
     grid_copy_rows_except(tr.local(a.own_x), tr.local(a.recv_x), a.row_bytes, a.copy_rows, b, e, a.unit);
@@ -230,6 +245,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
       out_w[j] = w_in[j];
     }
   }
+  OMNIEP_STAMP("copied_out");
+  OMNIEP_STAMPS_END(route ? "dispatch_kernel(route)" : "dispatch_kernel", me);
   if (blockIdx.x != 0) return;
 
   if (routing) {

@@ -23,6 +23,7 @@
 #pragma once
 
 #include "kernels/args.h"
+#include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
 
 namespace omniep {
@@ -42,31 +43,23 @@ OMNIEP_DEVICE void publish(HostMailbox* mailbox, int32_t ticket, int32_t rows, i
   mailbox->ticket = ticket;
 }
 
-// Block-wide, before the count exchange: this rank's layout (idx32, send_pos, the per-expert and per-rank
-// counts), its row of every peer's count matrix (stores, or puts for a remote peer: the barrier quiets
-// and signals), and in *s_desc the verdict on its ids. idx: [T, K] int32 or int64 (index_bytes 4 or 8:
-// a runtime choice, so that a kernel holds one copy of the shared arrays below). s_per_expert: E ints of
-// shared memory; s_running: kMaxRanks ints of shared memory (out: the per-rank totals).
-// blockDim.x <= kLayoutThreads.
+// Block-wide: the layout of tokens [t0, t1) — idx32 and the check of every id (the first bad one into
+// *s_bad / *s_bad_id), the per-expert counts added to s_per_expert (unless null), and send_pos[t, r] for
+// each t of the range: its position among the range's tokens bound for r (an ordered prefix count: the
+// receive order of DESIGN §2), -1 if it sends r nothing; s_running[r] (zeroed by the caller) ends as the
+// range's rows to r. idx: [T, K] int32 or int64 (index_bytes 4 or 8: a runtime choice, so that a kernel
+// holds one copy of the shared arrays). blockDim.x <= kLayoutThreads.
 template <typename Tr>
-OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
-                                int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
-                                int* s_per_expert, int* s_running, OpDesc* s_desc) {
+OMNIEP_DEVICE void layout_range(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
+                                int t0, int t1, int K, int E, int* s_per_expert, int* s_running, int* s_bad,
+                                long long* s_bad_id) {
   __shared__ int s_warp_base[kLayoutThreads / gpu::kWarpSize][kMaxRanks];
-  __shared__ int s_bad;  // an id outside [-1, E) was seen
-  __shared__ long long s_bad_id;
-  const int me = tr.rank(), R = tr.num_ranks(), L = E / R;
+  const int R = tr.num_ranks(), L = E / R;
   const int warp = gpu::warp_id(), nwarps = gpu::warps_per_block();
-
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_per_expert[e] = 0;
-  if (threadIdx.x < kMaxRanks) s_running[threadIdx.x] = 0;
-  if (threadIdx.x == 0) s_bad = 0;
-  __syncthreads();
-
-  for (int base = 0; base < T; base += blockDim.x) {  // uniform trip count: ballots stay convergent
+  for (int base = t0; base < t1; base += blockDim.x) {  // uniform trip count: ballots stay convergent
     const int t = base + threadIdx.x;
     uint32_t dest_mask = 0;
-    if (t < T) {
+    if (t < t1) {
       for (int k0 = 0; k0 < K; k0 += kLayoutIdsAhead) {
         // Every load of the group first: the shared atomics below would otherwise keep each load
         // waiting for the one before (one memory latency per id; the HT layout of 4096 x 8 ids took
@@ -86,11 +79,11 @@ OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, 
           const int64_t e64 = ids[u];
           const int e = (e64 >= 0 && e64 < E) ? static_cast<int>(e64) : -1;
           if (e64 < -1 || e64 >= E) {
-            if (atomicCAS(&s_bad, 0, 1) == 0) s_bad_id = static_cast<long long>(e64);
+            if (atomicCAS(s_bad, 0, 1) == 0) *s_bad_id = static_cast<long long>(e64);
           }
           idx32[static_cast<int64_t>(t) * K + k0 + u] = e;
           if (e >= 0) {
-            atomicAdd(&s_per_expert[e], 1);
+            if (s_per_expert != nullptr) atomicAdd(&s_per_expert[e], 1);
             dest_mask |= 1u << (e / L);
           }
         }
@@ -114,7 +107,7 @@ OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, 
       s_running[r] = run;
     }
     __syncthreads();
-    if (t < T) {
+    if (t < t1) {
 #pragma unroll
       for (int r = 0; r < kMaxRanks; ++r) {
         if (r < R) {
@@ -126,28 +119,116 @@ OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, 
     }
     __syncthreads();  // s_warp_base is rewritten by the next chunk
   }
+}
 
-  for (int e = threadIdx.x; e < E; e += blockDim.x) num_tokens_per_expert[e] = s_per_expert[e];
+// Block-wide: this rank's row of every peer's count matrix (`rows[r]`: what it sends rank r; stores, or
+// puts for a remote peer: the barrier quiets and signals) and num_tokens_per_rank; the verdict on its
+// ids into *s_desc. Before the count exchange.
+template <typename Tr>
+OMNIEP_DEVICE void layout_publish(const Tr& tr, const int* rows, int32_t* num_tokens_per_rank, bool bad,
+                                  long long bad_id, OpDesc* s_desc) {
+  const int me = tr.rank(), R = tr.num_ranks();
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
-    num_tokens_per_rank[r] = s_running[r];
+    num_tokens_per_rank[r] = rows[r];
     bool remote = false;
     if constexpr (Tr::kHasRemote) remote = tr.is_remote(r);
     if (!remote) {
       int32_t* row = &tr.workspace(r)->counts[me * kMaxRanks];  // my row of peer r's count matrix
-      for (int j = 0; j < R; ++j) row[j] = s_running[j];
+      for (int j = 0; j < R; ++j) row[j] = rows[j];
     } else if constexpr (Tr::kHasRemote) {  // remote path: put the row (the barrier quiets and signals)
       int32_t* row = &tr.workspace(me)->counts[me * kMaxRanks];  // same offset in r's workspace
-      for (int j = 0; j < R; ++j) tr.put_i32(row + j, s_running[j], r);
+      for (int j = 0; j < R; ++j) tr.put_i32(row + j, rows[j], r);
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0 && s_bad) {
-    s_desc->w[kDescInputStatus] = kInputBadExpertId;
-    const long long id = s_bad_id;  // reported as int32 (clamped): the message names a bad id
-    s_desc->w[kDescInputDetail] = static_cast<int32_t>(id > INT32_MAX ? INT32_MAX : id < INT32_MIN ? INT32_MIN : id);
+  if (threadIdx.x == 0 && bad) {
+    s_desc->w[kDescInputStatus] = kInputBadExpertId;  // reported as int32 (clamped): the message names a bad id
+    s_desc->w[kDescInputDetail] =
+        static_cast<int32_t>(bad_id > INT32_MAX ? INT32_MAX : bad_id < INT32_MIN ? INT32_MIN : bad_id);
   }
   __syncthreads();
+}
+
+// Block-wide, before the count exchange: this rank's whole layout on one block (idx32, send_pos, the
+// per-expert and per-rank counts), published (layout_publish). s_per_expert: E ints of shared memory;
+// s_running: kMaxRanks ints of shared memory (out: the per-rank totals).
+template <typename Tr>
+OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
+                                int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
+                                int* s_per_expert, int* s_running, OpDesc* s_desc) {
+  __shared__ int s_bad;  // an id outside [-1, E) was seen
+  __shared__ long long s_bad_id;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_per_expert[e] = 0;
+  if (threadIdx.x < kMaxRanks) s_running[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  layout_range(tr, idx, index_bytes, idx32, send_pos, 0, T, K, E, s_per_expert, s_running, &s_bad, &s_bad_id);
+  OMNIEP_STAMP("layout_scan");
+  for (int e = threadIdx.x; e < E; e += blockDim.x) num_tokens_per_expert[e] = s_per_expert[e];
+  layout_publish(tr, s_running, num_tokens_per_rank, s_bad != 0, s_bad_id, s_desc);
+}
+
+// Every block of the rank, before the count exchange: the layout local_layout makes, bit for bit, with
+// the tokens split over the blocks (a static-capacity dispatch routes itself with it, dispatch.cuh; one
+// block took ~37 µs for DeepEP's 4096 x top-8). Block b lays out its contiguous range of tokens with
+// positions counted from the range's start and leaves its rows per rank in the workspace; after a barrier
+// of the rank's blocks each block shifts its range's send_pos by the rows the lower blocks send each rank
+// and adds its per-expert counts to num_tokens_per_expert (zeroed by block 0 before the barrier); block 0
+// publishes the totals. s_per_expert: E ints of shared memory; s_running: kMaxRanks ints of shared memory.
+// Returns false (on every block) when the barrier timed out (a LOCAL_TIMEOUT is recorded). Needs
+// gridDim.x <= kMaxRouteBlocks.
+template <typename Tr>
+__device__ bool route_layout(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
+                             int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
+                             int* s_per_expert, int* s_running, OpDesc* s_desc) {
+  __shared__ int s_bad;
+  __shared__ long long s_bad_id;
+  __shared__ int s_base[kMaxRanks];
+  const int me = tr.rank(), R = tr.num_ranks();
+  const int b = blockIdx.x, G = gridDim.x;
+  RankWorkspace* ws = tr.workspace(me);
+  const int t0 = static_cast<int>(static_cast<int64_t>(T) * b / G);
+  const int t1 = static_cast<int>(static_cast<int64_t>(T) * (b + 1) / G);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_per_expert[e] = 0;
+  if (threadIdx.x < kMaxRanks) s_running[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s_bad = 0;
+  if (b == 0) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) num_tokens_per_expert[e] = 0;
+  }
+  __syncthreads();
+  layout_range(tr, idx, index_bytes, idx32, send_pos, t0, t1, K, E, s_per_expert, s_running, &s_bad, &s_bad_id);
+  if (static_cast<int>(threadIdx.x) < R) ws->route_rows[b * kMaxRanks + threadIdx.x] = s_running[threadIdx.x];
+  if (threadIdx.x == 0 && s_bad && atomicCAS(&ws->route_bad, 0, 1) == 0) ws->route_bad_id = s_bad_id;
+  if (!grid_barrier(tr, kPhaseDispatchStart)) return false;
+  OMNIEP_STAMP("layout_blocks");
+  if (static_cast<int>(threadIdx.x) < R) {  // the rows of the lower blocks (my base) and of all (block 0)
+    const int r = threadIdx.x;
+    int below = 0, all = 0;
+    for (int j = 0; j < G; ++j) {
+      const int n = ws->route_rows[j * kMaxRanks + r];
+      below += j < b ? n : 0;
+      all += n;
+    }
+    s_base[r] = below;
+    s_running[r] = all;
+  }
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (s_per_expert[e] != 0) atomicAdd(&num_tokens_per_expert[e], s_per_expert[e]);
+  }
+  __syncthreads();
+  for (int64_t i = static_cast<int64_t>(t0) * R + threadIdx.x; i < static_cast<int64_t>(t1) * R; i += blockDim.x) {
+    const int pos = send_pos[i];
+    if (pos >= 0) send_pos[i] = pos + s_base[i % R];
+  }
+  if (b == 0) {
+    // (no block writes route_bad again in this op: the next op's blocks find it cleared)
+    const bool bad = ws->route_bad != 0;
+    const long long bad_id = ws->route_bad_id;
+    __syncthreads();
+    if (threadIdx.x == 0) ws->route_bad = 0;
+    layout_publish(tr, s_running, num_tokens_per_rank, bad, bad_id, s_desc);
+  }
+  return true;
 }
 
 // Block-wide, when the op stopped at its count exchange (on every rank): a handle that routes nothing,
@@ -223,6 +304,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
 
   const int me = tr.rank();
   const int T = a.num_tokens[me];
+  OMNIEP_STAMPS_BEGIN();
   if (threadIdx.x == 0) s_desc = a.desc[me];
   local_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
                tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
@@ -242,6 +324,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
     publish(mailbox, a.ticket, static_cast<int32_t>(total), static_cast<int32_t>(largest), false, ws);
   }
   rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
+  OMNIEP_STAMP("end_barrier");
+  OMNIEP_STAMPS_END("layout_kernel", me);
 }
 
 }  // namespace omniep

@@ -388,6 +388,34 @@ __device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const 
   return s_ok != 0;
 }
 
+// A barrier of this rank's own blocks, no peer: on return every block of the rank has reached it and
+// their writes before it are visible (thread 0's arrival and release carry its block's writes, at device
+// scope: only the rank's blocks read them). A generation count, never reset: the last block to arrive
+// rewinds the arrivals and bumps the generation the others wait on. Returns false on every block if a
+// wait timed out (recorded as the rank's LOCAL_TIMEOUT, naming `phase`). Every thread of every block.
+template <typename Tr>
+__device__ bool grid_barrier(const Tr& tr, int phase) {
+  __shared__ int s_ok;
+  const int me = tr.rank();
+  RankWorkspace* ws = tr.workspace(me);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // (read before arriving: the generation moves only once every block, this one included, arrived)
+    const uint32_t gen = gpu::load_acquire_gpu(&ws->grid_release);
+    bool ok = true;
+    if (gpu::fetch_add_acq_rel_gpu(&ws->grid_arrive, 1u) + 1 == gridDim.x) {
+      ws->grid_arrive = 0;  // before the bump: no block arrives at the next barrier before it saw the bump
+      gpu::add_release_gpu(&ws->grid_release, 1u);
+    } else {
+      ok = wait_for([ws] { return gpu::load_acquire_gpu(&ws->grid_release); }, gen + 1u, tr.timeout_ns());
+      if (!ok) record_local_timeout(ws, me, phase, tr.timeout_ns());
+    }
+    s_ok = ok;
+  }
+  __syncthreads();
+  return s_ok != 0;
+}
+
 // The barrier of a rank with every peer: on return the peers have reached it too. `all_wait`: every
 // block leaves only after the peers signalled (use before reading peer data); otherwise only block 0
 // waits for the peers (use at the end of a kernel: the kernel completes only when block 0 does).

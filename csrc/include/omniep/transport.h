@@ -62,6 +62,9 @@ inline constexpr int kMaxRanks = 16;
 inline constexpr int kMaxLocalExperts = 1024;
 // Largest number of experts of a group.
 inline constexpr int kMaxExperts = kMaxRanks * kMaxLocalExperts;
+// Most blocks a static dispatch spreads its layout over (kernels/layout.cuh, route_layout: the workspace
+// keeps each block's rows per rank); a dispatch launched on more lays out on one block.
+inline constexpr int kMaxRouteBlocks = 64;
 
 // Per-rank pointers to one logical buffer. Entry r is where THIS process reaches rank r's copy
 // (nullptr where it cannot). Local-only buffers fill just the entries of ranks run here.
@@ -125,6 +128,16 @@ struct alignas(128) RankWorkspace {
   int32_t sent_expert[kMaxExperts];  // dispatch: my (token, k) pairs delivered to remote experts (mine only)
   int32_t remote_expert[kMaxRanks * kMaxLocalExperts];  // [s * kMaxLocalExperts + l]: remote s's pairs for l
   int32_t push_rows[kMaxRanks * 2];  // combine: remote source s's rows here are [push_rows[2s], + push_rows[2s+1])
+  // A barrier of the rank's own blocks (kernels/sync.cuh, grid_barrier; mine only): arrivals at the
+  // current one, and its generation, bumped by the last block to arrive.
+  uint32_t grid_arrive;
+  uint32_t grid_release;
+  // The static dispatch's layout over the rank's blocks (kernels/layout.cuh, route_layout; mine only):
+  // route_rows[b * kMaxRanks + r] = rows block b's tokens send rank r; route_bad: some block saw an
+  // expert id out of range (route_bad_id, the first recorded), cleared by block 0 once read.
+  int32_t route_rows[kMaxRouteBlocks * kMaxRanks];
+  int32_t route_bad;
+  int64_t route_bad_id;
 };
 
 }  // namespace omniep
