@@ -306,22 +306,33 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   const int T = a.num_tokens[me];
   OMNIEP_STAMPS_BEGIN();
   if (threadIdx.x == 0) s_desc = a.desc[me];
-  local_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
-               tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
-               a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
+  // One block (virtual ranks) lays out alone; several split the tokens (route_layout; block 0 then
+  // holds the verdict and the totals, and writes the outputs below).
+  if (gridDim.x > 1 && gridDim.x <= kMaxRouteBlocks) {
+    route_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
+                 tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
+                 a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
+  } else if (blockIdx.x == 0) {
+    local_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
+                 tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
+                 a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
+  }
   RankWorkspace* ws = tr.workspace(me);
   HostMailbox* mailbox = tr.local(a.mailbox);
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
+    if (blockIdx.x != 0) return;
     layout_route_nothing(tr, tr.local(a.send_pos), tr.local(a.recv_counts), tr.local(a.send_offset),
                          tr.local(a.num_recv), tr.local(a.dropped), T);
     if (threadIdx.x == 0 && mailbox != nullptr) publish(mailbox, a.ticket, 0, 0, true, ws);
     return;
   }
-  int64_t total = 0, largest = 0;
-  layout_exchanged(tr, tr.local(a.recv_counts), tr.local(a.send_offset), tr.local(a.count_matrix), tr.local(a.num_recv),
-                   tr.local(a.dropped), a.capacity, &total, &largest);
-  if (threadIdx.x == 0 && mailbox != nullptr) {
-    publish(mailbox, a.ticket, static_cast<int32_t>(total), static_cast<int32_t>(largest), false, ws);
+  if (blockIdx.x == 0) {
+    int64_t total = 0, largest = 0;
+    layout_exchanged(tr, tr.local(a.recv_counts), tr.local(a.send_offset), tr.local(a.count_matrix),
+                     tr.local(a.num_recv), tr.local(a.dropped), a.capacity, &total, &largest);
+    if (threadIdx.x == 0 && mailbox != nullptr) {
+      publish(mailbox, a.ticket, static_cast<int32_t>(total), static_cast<int32_t>(largest), false, ws);
+    }
   }
   rank_barrier(tr, kPhaseLayoutDone, /*all_wait=*/false);
   OMNIEP_STAMP("end_barrier");
