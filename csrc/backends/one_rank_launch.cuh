@@ -41,12 +41,14 @@ class OneRankLauncher {
   template <typename Tr>
   void layout(const LayoutArgs& a, const Tr& tr, cudaStream_t stream) {
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
-    // Over the communication blocks (the kernel splits the tokens: one block took ~41 µs for DeepEP's
-    // 4096 x top-8, benchmarks/RESULTS.md 2026-11-27).
+    // Many tokens: over the communication blocks, which split them (one block took ~41 µs for DeepEP's
+    // 4096 x top-8, benchmarks/RESULTS.md 2026-11-27); few: one block (kRouteMinTokens).
     const auto kernel = layout_kernel_for<Tr>(a.index_bytes);
     const size_t smem = checked_smem(a);
-    launch(kernel, blocks_for(reinterpret_cast<const void*>(kernel), kLayoutThreads, smem, false), kLayoutThreads, smem,
-           stream, a, tr, "layout");
+    const int blocks = a.num_tokens[rank_] > kRouteMinTokens
+                           ? blocks_for(reinterpret_cast<const void*>(kernel), kLayoutThreads, smem, false)
+                           : 1;
+    launch(kernel, blocks, kLayoutThreads, smem, stream, a, tr, "layout");
   }
 
   template <typename Tr>

@@ -26,7 +26,7 @@
 // stream order is enough for whatever runs next on that rank.
 //
 // With a.route.on (static capacity) the kernel routes itself: its blocks split the layout's tokens
-// (layout.cuh, route_layout; block 0 alone past kMaxRouteBlocks blocks), then the start barrier also
+// (layout.cuh, route_layout; block 0 alone for few tokens or past kMaxRouteBlocks blocks), then the start barrier also
 // carries the count rows and judges the ids; after it every block reads the count matrix, which no peer
 // rewrites before the end barrier.
 #pragma once
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   if (route) {  // the layout, before the barrier that exchanges its counts: on every block, or on block 0
     int32_t* idx32 = const_cast<int32_t*>(tr.local(a.topk_idx32));
     int32_t* send_pos = const_cast<int32_t*>(tr.local(a.send_pos));
-    if (gridDim.x <= kMaxRouteBlocks) {
+    if (gridDim.x <= kMaxRouteBlocks && T > kRouteMinTokens) {
       // (a failed wait stops the op at the start barrier below: the rank's status is set)
       route_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
                    tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,
