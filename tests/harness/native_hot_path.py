@@ -66,6 +66,12 @@ def bitwise_jobs(world: int) -> list:
         make_case(7, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=128, num_tokens=4, dtype="float8_e4m3fn",
                   capacity=4 * R, layout=Layout.EXPERT_MAJOR),
         make_case(8, num_ranks=R, num_experts=2 * R, num_topk=2, hidden=3, num_tokens=0, dtype="bfloat16"),
+        # Past kRouteMinTokens (kernels/layout.cuh): the layout split over the blocks — the exact
+        # dispatch's layout kernel and the static dispatch's own route — with uneven ranges per block.
+        make_case(9, num_ranks=R, num_experts=8 * R, num_topk=8, hidden=64, num_tokens=[1500 + 37 * r for r in range(R)],
+                  dtype="bfloat16", index_dtype="int64"),
+        make_case(10, num_ranks=R, num_experts=4 * R, num_topk=4, hidden=32, num_tokens=1300, capacity=R * 1300,
+                  dtype="float32"),
     ]
     return [make_job(c, 10 + i, i % 3) for i, c in enumerate(cases)]
 
