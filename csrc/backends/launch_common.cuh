@@ -45,7 +45,9 @@ inline size_t per_expert_smem(int num_experts, const char* what, int arrays = 1,
   return smem;
 }
 
-inline size_t checked_smem(const LayoutArgs& a) { return per_expert_smem(a.num_experts, "layout"); }
+inline size_t checked_smem(const LayoutArgs& a) {
+  return per_expert_smem(a.num_experts, "layout", 1, kLayoutStaticSmem);
+}
 
 inline size_t checked_smem(const DispatchArgs& a) {
   if (a.row_bytes < 0 || a.row2_bytes < 0) throw std::invalid_argument("omniep: negative row size");

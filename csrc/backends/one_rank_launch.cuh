@@ -45,9 +45,11 @@ class OneRankLauncher {
     // 4096 x top-8, benchmarks/RESULTS.md 2026-11-27); few: one block (kRouteMinTokens).
     const auto kernel = layout_kernel_for<Tr>(a.index_bytes);
     const size_t smem = checked_smem(a);
-    const int blocks = a.num_tokens[rank_] > kRouteMinTokens
-                           ? blocks_for(reinterpret_cast<const void*>(kernel), kLayoutThreads, smem, false)
-                           : 1;
+    int blocks = 1;
+    if (a.num_tokens[rank_] > kRouteMinTokens) {
+      blocks = blocks_for(reinterpret_cast<const void*>(kernel), kLayoutThreads, smem, false);
+      blocks = blocks < kMaxRouteBlocks ? blocks : kMaxRouteBlocks;
+    }
     launch(kernel, blocks, kLayoutThreads, smem, stream, a, tr, "layout");
   }
 

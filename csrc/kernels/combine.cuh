@@ -114,6 +114,16 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
 
   // One step: the lane's kPacks packs from base on, summed over the ranks (src[r]: the token's row at
   // rank r as this rank reads it, or null). `full`: every pack of the step is inside the row.
+  // The bias terms as the step reads them: a lambda that names `a` makes hipcc copy the whole
+  // CombineArgs (2.3 KB) into every lane's scratch.
+  __shared__ const void* s_bias[2];
+  __shared__ int s_bias_dtype[2];
+  if (threadIdx.x < 2) {
+    s_bias[threadIdx.x] = static_cast<int>(threadIdx.x) < a.num_bias ? tr.local(a.bias[threadIdx.x]) : nullptr;
+    s_bias_dtype[threadIdx.x] = a.bias_dtype[threadIdx.x];
+  }
+  const int num_bias = a.num_bias;
+  __syncthreads();
   const auto step = [&](const Pack* const* src, int64_t t, int base) {
     const bool full = base + gpu::kWarpSize * kPacks <= num_packs;
     float acc[kPacks][Vec];
@@ -166,11 +176,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
     for (int j = 0; j < kPacks; ++j) {
       const int p = base + lane + j * gpu::kWarpSize;
       if (!full && p >= num_packs) continue;
-      for (int b = 0; b < a.num_bias; ++b) {  // bias terms last, in the order given
-        const void* bias = tr.local(a.bias[b]);
+      for (int b = 0; b < num_bias; ++b) {  // bias terms last, in the order given
+        const void* bias = s_bias[b];
 #pragma unroll
         for (int i = 0; i < Vec; ++i) {
-          acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, a.bias_dtype[b], t * H + static_cast<int64_t>(p) * Vec + i));
+          acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, s_bias_dtype[b], t * H + static_cast<int64_t>(p) * Vec + i));
         }
       }
       Pack o;

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
       // (a failed wait stops the op at the start barrier below: the rank's status is set)
       route_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
                    tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,
-                   s_delivered + E, s_rows, &s_desc);
+                   s_delivered + E, s_rows, &s_desc, kPhaseDispatchStart);
     } else if (blockIdx.x == 0) {
       local_layout(tr, tr.local(a.route.topk_idx), a.route.index_bytes, idx32, send_pos,
                    tr.local(a.route.num_tokens_per_rank), tr.local(a.route.num_tokens_per_expert), T, K, E,

@@ -34,6 +34,9 @@ inline constexpr int kLayoutIdsAhead = 8;  // a thread's expert ids loaded toget
 // take less than the split's barrier of the blocks (one H100: 128 tokens 12.0 µs on one block, 16.2 on
 // 24; 4096 tokens 41.0 µs on one block, 18.2 on 24).
 inline constexpr int kRouteMinTokens = 1024;
+// A bound on layout_kernel's static shared memory (~2.4 KB: the scan's per-warp bases, the barrier's and
+// the kernel's own arrays), which shares the 48 KB with the per-expert counts.
+inline constexpr size_t kLayoutStaticSmem = 4096;
 
 // One thread: the host's copy of this prepare's outcome, `ticket` last (system scope: the host polls it).
 OMNIEP_DEVICE void publish(HostMailbox* mailbox, int32_t ticket, int32_t rows, int32_t max_rows, bool stopped,
@@ -179,12 +182,13 @@ OMNIEP_DEVICE void local_layout(const Tr& tr, const void* idx, int index_bytes, 
 // of the rank's blocks each block shifts its range's send_pos by the rows the lower blocks send each rank
 // and adds its per-expert counts to num_tokens_per_expert (zeroed by block 0 before the barrier); block 0
 // publishes the totals. s_per_expert: E ints of shared memory; s_running: kMaxRanks ints of shared memory.
-// Returns false (on every block) when the barrier timed out (a LOCAL_TIMEOUT is recorded). Needs
+// Returns false (on every block) when the barrier timed out (a LOCAL_TIMEOUT naming `phase` is recorded)
+// or the rank is in error: the op then stops at its count exchange, whose caller routes nothing. Needs
 // gridDim.x <= kMaxRouteBlocks.
 template <typename Tr>
 __device__ bool route_layout(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
                              int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
-                             int* s_per_expert, int* s_running, OpDesc* s_desc) {
+                             int* s_per_expert, int* s_running, OpDesc* s_desc, int phase) {
   __shared__ int s_bad;
   __shared__ long long s_bad_id;
   __shared__ int s_base[kMaxRanks];
@@ -203,7 +207,9 @@ __device__ bool route_layout(const Tr& tr, const void* idx, int index_bytes, int
   layout_range(tr, idx, index_bytes, idx32, send_pos, t0, t1, K, E, s_per_expert, s_running, &s_bad, &s_bad_id);
   if (static_cast<int>(threadIdx.x) < R) ws->route_rows[b * kMaxRanks + threadIdx.x] = s_running[threadIdx.x];
   if (threadIdx.x == 0 && s_bad && atomicCAS(&ws->route_bad, 0, 1) == 0) ws->route_bad_id = s_bad_id;
-  if (!grid_barrier(tr, kPhaseDispatchStart)) return false;
+  // (a rank in error skips the shift: a block that timed out there has left, and block 0 overwrites
+  // send_pos with "nothing" once the count exchange stops the op)
+  if (!grid_barrier(tr, phase) || has_error(ws)) return false;
   OMNIEP_STAMP("layout_blocks");
   if (static_cast<int>(threadIdx.x) < R) {  // the rows of the lower blocks (my base) and of all (block 0)
     const int r = threadIdx.x;
@@ -313,9 +319,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   // One block (virtual ranks) lays out alone; several split the tokens (route_layout; block 0 then
   // holds the verdict and the totals, and writes the outputs below).
   if (gridDim.x > 1 && gridDim.x <= kMaxRouteBlocks && T > kRouteMinTokens) {
+    // (a failed wait stops the op at the exchange below: the rank's status is set)
     route_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
                  tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
-                 a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
+                 a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc, kPhaseLayoutExchange);
   } else if (blockIdx.x == 0) {
     local_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
                  tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,

@@ -29,8 +29,10 @@ struct PhaseStamps {
     return threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x);
   }
   OMNIEP_DEVICE void begin() {
-    n = 0;
-    if (on()) mark("start");
+    if (on()) {  // (only the stamping thread touches n: another warp may start after its first mark)
+      n = 0;
+      mark("start");
+    }
   }
   OMNIEP_DEVICE void mark(const char* what) {
     if (on() && n < kMaxStamps) {

@@ -475,6 +475,13 @@ def _divergent(rank: int, world: int, name: str):
         if odd:
             bad[0, 0] = E + 5
         ep.dispatch(x, bad, w, num_experts=E, capacity=cap)
+    elif name == "bad_expert_id_many_tokens":  # the layout split over the blocks: the bad id in the last block's range
+        many = routing(world, tokens=1500, seed=5)
+        x, idx, w = _mine(many, rank)
+        bad = idx.clone()
+        if odd:
+            bad[-1, 0] = E + 5
+        ep.dispatch(x, bad, w, num_experts=E, capacity=world * 1500)
     elif name == "bad_local_input":  # rank 1's host refuses its arguments; rank 0 must not wait for it
         ep.dispatch(x.to(torch.int32) if odd else x, idx, w, num_experts=E, capacity=cap)
     else:
@@ -483,7 +490,7 @@ def _divergent(rank: int, world: int, name: str):
 
 
 DIVERGENCE = ("hidden", "num_experts", "dtype", "layout", "capacity", "expert_major_uneven_tokens", "other_handle",
-              "cached_vs_combine", "skipped_op", "bad_expert_id", "bad_local_input")
+              "cached_vs_combine", "skipped_op", "bad_expert_id", "bad_expert_id_many_tokens", "bad_local_input")
 
 
 def check_divergence(rank: int, world: int) -> dict:
