@@ -5,8 +5,27 @@
 # stack frame — spilling kernels first. A kernel change that makes a hot loop spill shows here in
 # ~30 s of CPU, before any device time is spent on it (issue 14's copy-width experiment did).
 #   scripts/kernel_resources.sh [extra nvcc flags, e.g. -DSOMETHING]
+#   scripts/kernel_resources.sh --hip [extra hipcc flags]   the same for AMD (hipcc, gfx90a): VGPRs, VGPR
+#                                                           spills, scratch bytes per lane, waves per SIMD
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--hip" ]]; then
+  shift
+  log=$(mktemp)
+  trap 'rm -f "$log" "$log.o"' EXIT
+  HIP_PLATFORM=amd "${HIPCC:-hipcc}" -I csrc -I csrc/include -O2 -std=c++17 --offload-arch="${HIP_ARCH:-gfx90a}" -x hip \
+    -c csrc/kernels/instantiate_all.cu -o "$log.o" -Rpass-analysis=kernel-resource-usage "$@" >"$log" 2>&1 \
+    || { cat "$log"; exit 1; }
+  # clang's remarks: "Function Name: NAME", then "VGPRs: N", "ScratchSize [bytes/lane]: N", "Occupancy
+  # [waves/SIMD]: N", "VGPRs Spill: N", one per line.
+  awk '
+    /Function Name:/ { name = $NF == "[-Rpass-analysis=kernel-resource-usage]" ? $(NF-1) : $NF; next }
+    / VGPRs: / { vgpr = $(NF-1) } /ScratchSize/ { scratch = $(NF-1) } /Occupancy/ { occ = $(NF-1) }
+    /VGPRs Spill:/ { printf "%8d %6d %6d %6d  %s\n", scratch, $(NF-1), vgpr, occ, name }
+  ' "$log" | sort -k1,1nr -k5 | c++filt -n 2>/dev/null | sed 's/(omniep::[A-Za-z]*Args, omniep::P2PTransport)//' |
+    { echo " scratch vspill  vgprs  waves  kernel"; cat; }
+  exit 0
+fi
 NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 [[ -x "$NVCC" ]] || { echo "kernel_resources: no nvcc (set NVCC=)"; exit 2; }
 log=$(mktemp)
