@@ -68,9 +68,9 @@ OMNIEP_DEVICE void layout_range(const Tr& tr, const void* idx, int index_bytes, 
     uint32_t dest_mask = 0;
     if (t < t1) {
       for (int k0 = 0; k0 < K; k0 += kLayoutIdsAhead) {
-        // Every load of the group first: the shared atomics below would otherwise keep each load
-        // waiting for the one before (one memory latency per id; the HT layout of 4096 x 8 ids took
-        // ~50 µs on one block that way).
+        // Every load of the group first, so that the shared atomics below do not order each load after
+        // the one before (measured alone it moved nothing; splitting the tokens over the blocks did:
+        // route_layout, benchmarks/RESULTS.md 2026-11-27).
         int64_t ids[kLayoutIdsAhead];
 #pragma unroll
         for (int u = 0; u < kLayoutIdsAhead; ++u) {
