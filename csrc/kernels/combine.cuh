@@ -112,8 +112,6 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
   const int num_packs = H / Vec;
 
-  // One step: the lane's kPacks packs from base on, summed over the ranks (src[r]: the token's row at
-  // rank r as this rank reads it, or null). `full`: every pack of the step is inside the row.
   // The bias terms as the step reads them: a lambda that names `a` makes hipcc copy the whole
   // CombineArgs (2.3 KB) into every lane's scratch.
   __shared__ const void* s_bias[2];
@@ -124,6 +122,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   }
   const int num_bias = a.num_bias;
   __syncthreads();
+  // One step: the lane's kPacks packs from base on, summed over the ranks (src[r]: the token's row at
+  // rank r as this rank reads it, or null). `full`: every pack of the step is inside the row.
   const auto step = [&](const Pack* const* src, int64_t t, int base) {
     const bool full = base + gpu::kWarpSize * kPacks <= num_packs;
     float acc[kPacks][Vec];
@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
         const void* bias = s_bias[b];
 #pragma unroll
         for (int i = 0; i < Vec; ++i) {
-          acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, s_bias_dtype[b], t * H + static_cast<int64_t>(p) * Vec + i));
+          const int64_t at = t * H + static_cast<int64_t>(p) * Vec + i;
+          acc[j][i] = gpu::add_rn(acc[j][i], load_as_float(bias, s_bias_dtype[b], at));
         }
       }
       Pack o;

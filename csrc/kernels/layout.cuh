@@ -241,6 +241,23 @@ __device__ bool route_layout(const Tr& tr, const void* idx, int index_bytes, int
   return true;
 }
 
+// Every block of the rank, before the count exchange: the layout, split over the blocks (route_layout)
+// where there are blocks to split over and more than kRouteMinTokens tokens, else on block 0 alone
+// (local_layout). Block 0's *s_desc carries the verdict on the ids either way. A failed wait of the split
+// stops the op at the count exchange that follows (the rank's status is set).
+template <typename Tr>
+__device__ void rank_layout(const Tr& tr, const void* idx, int index_bytes, int32_t* idx32, int32_t* send_pos,
+                            int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, int T, int K, int E,
+                            int* s_per_expert, int* s_running, OpDesc* s_desc, int phase) {
+  if (gridDim.x > 1 && gridDim.x <= kMaxRouteBlocks && T > kRouteMinTokens) {
+    route_layout(tr, idx, index_bytes, idx32, send_pos, num_tokens_per_rank, num_tokens_per_expert, T, K, E,
+                 s_per_expert, s_running, s_desc, phase);
+  } else if (blockIdx.x == 0) {
+    local_layout(tr, idx, index_bytes, idx32, send_pos, num_tokens_per_rank, num_tokens_per_expert, T, K, E,
+                 s_per_expert, s_running, s_desc);
+  }
+}
+
 // Block-wide, when the op stopped at its count exchange (on every rank): a handle that routes nothing,
 // so that a binding which cannot stop the ops after this one (XLA runs the whole program) moves nothing
 // with it, instead of indexing peers' buffers with counts that were never exchanged.
@@ -316,18 +333,10 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs a, Tr
   const int T = a.num_tokens[me];
   OMNIEP_STAMPS_BEGIN();
   if (threadIdx.x == 0) s_desc = a.desc[me];
-  // One block (virtual ranks) lays out alone; several split the tokens (route_layout; block 0 then
-  // holds the verdict and the totals, and writes the outputs below).
-  if (gridDim.x > 1 && gridDim.x <= kMaxRouteBlocks && T > kRouteMinTokens) {
-    // (a failed wait stops the op at the exchange below: the rank's status is set)
-    route_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
-                 tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
-                 a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc, kPhaseLayoutExchange);
-  } else if (blockIdx.x == 0) {
-    local_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32),
-                 tr.local(a.send_pos), tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T,
-                 a.num_topk, a.num_experts, s_per_expert, s_running, &s_desc);
-  }
+  // (virtual ranks launch one block; block 0 writes the outputs below either way)
+  rank_layout(tr, tr.local(a.topk_idx), static_cast<int>(sizeof(Index)), tr.local(a.topk_idx32), tr.local(a.send_pos),
+              tr.local(a.num_tokens_per_rank), tr.local(a.num_tokens_per_expert), T, a.num_topk, a.num_experts,
+              s_per_expert, s_running, &s_desc, kPhaseLayoutExchange);
   RankWorkspace* ws = tr.workspace(me);
   HostMailbox* mailbox = tr.local(a.mailbox);
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
