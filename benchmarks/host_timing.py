@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 
@@ -26,6 +27,24 @@ def pin_cpu(rank: int) -> int:
     core = cores[(rank + 1) % len(cores)]
     os.sched_setaffinity(0, {core})
     return core
+
+
+def rank_stdout(prefix: str, rank: int) -> None:
+    """With a ``prefix``: this process's stdout (device printf included: a stamped build) into
+    ``prefix.rank<rank>``, so that the ranks' lines do not mix (scripts/stamps_ll.sh)."""
+    if prefix:
+        fd = os.open(f"{prefix}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        os.dup2(fd, 1)
+
+
+def run_plain(torch, steps: list, n: int) -> None:
+    """For an outside profiler (ncu): each step (the last item of each tuple of ``steps``) ``n`` times, no
+    timing, no CUPTI of our own."""
+    for *_, step in steps:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
 
 
 def host_times(torch, fn, iters: int, spin_cycles: float = 4e6) -> list:

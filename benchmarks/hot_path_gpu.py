@@ -21,11 +21,10 @@ slicing between the processes then inflates ``device`` and ``wall``. Prints a ta
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-from host_timing import device_us, host_times, pin_cpu, quantile, report
+from host_timing import device_us, host_times, pin_cpu, quantile, rank_stdout, report, run_plain
 
 SHAPES = {"ht": dict(tokens=4096, hidden=7168, topk=8, experts=256), "ll": dict(tokens=128, hidden=7168, topk=8,
                                                                                  experts=256)}
@@ -79,10 +78,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     from omniep import torch as ep
 
     pin_cpu(rank)
-    if args.get("rank_stdout"):  # device printf (a stamped build) of each rank into its own file, unmixed
-        fd = os.open(f"{args['rank_stdout']}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        sys.stdout.flush()
-        os.dup2(fd, 1)
+    rank_stdout(args.get("rank_stdout", ""), rank)
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -119,11 +115,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                 if mode == "expert_major" and shape != "ll":
                     continue  # R * T slots per local expert: the low-latency shape's layout (issue 14 sizes it)
                 steps.append((shape, mode, by_mode[mode]))
-        if args["plain"]:  # for an outside profiler (ncu): the ops only, no CUPTI of our own, no timing
-            for shape, mode, step in steps:
-                for _ in range(args["plain"]):
-                    step()
-                torch.cuda.synchronize()
+        if args["plain"]:
+            run_plain(torch, steps, args["plain"])
             steps = []
         # Host and wall first, the CUDA profiler last: once CUPTI is loaded every launch costs more host
         # time (host_timing.py).

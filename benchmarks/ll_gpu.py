@@ -24,10 +24,9 @@ processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from host_timing import device_us, host_times, pin_cpu, quantile, report
+from host_timing import device_us, host_times, pin_cpu, quantile, rank_stdout, report, run_plain
 
 BASE = dict(tokens=128, hidden=7168, topk=8, experts=288, slots=1)
 VARIANTS = {"base": {}, "2x experts": dict(experts=576), "2x slots": dict(slots=2)}
@@ -42,10 +41,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     from omniep import torch as ep
 
     pin_cpu(rank)
-    if args.get("rank_stdout"):  # device printf (a stamped build) of each rank into its own file, unmixed
-        fd = os.open(f"{args['rank_stdout']}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        sys.stdout.flush()
-        os.dup2(fd, 1)
+    rank_stdout(args.get("rank_stdout", ""), rank)
     torch.cuda.set_device(rank if args["per_gpu"] else 0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
@@ -89,11 +85,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                            ("Buffer.low_latency_dispatch fp8", ll_dispatch),
                            ("Buffer.low_latency_combine", ll_combine)):
                 steps.append((name, op, fn))
-        if args["plain"]:  # for an outside profiler (ncu): the ops only, no CUPTI of our own, no timing
-            for name, op, step in steps:
-                for _ in range(args["plain"]):
-                    step()
-                torch.cuda.synchronize()
+        if args["plain"]:
+            run_plain(torch, steps, args["plain"])
             steps = []
         for name, op, step in steps:
             for _ in range(5):

@@ -172,6 +172,26 @@ def check_fp8(mesh, world: int) -> list:
     return sorted(got)
 
 
+def _run_over_poison(mesh, body, inputs: tuple, shape: tuple) -> dict:
+    """``body`` under ``jit(shard_map)`` over the mesh's axis, on ``inputs`` (per-rank lists), run once to
+    compile and warm it, then again after NaN bf16 arrays of ``shape`` were made and freed on every local
+    device, so that its outputs take the poisoned blocks; returns ``{rank: outputs}`` of the second run for
+    the ranks of this process."""
+    import jax
+    import jax.numpy as jnp
+
+    from harness import jax_workers as jw
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(jw.AXIS), out_specs=jax.P(jw.AXIS)))
+    args = [jw._global(mesh, a) for a in inputs]
+    jax.block_until_ready(f(*args))  # compiled and warmed first: then only the outputs take the poison's blocks
+    for _ in range(2):
+        poison = [jax.device_put(jnp.full(shape, jnp.nan, jnp.bfloat16), d) for d in mesh.local_devices]
+        jax.block_until_ready(poison)
+        del poison
+    return jw.local_results(f(*args))
+
+
 def check_zero_padding(mesh, world: int) -> dict:
     """``zero_padding=True`` on an expert-major dispatch under ``jit``: the slots past the counts come
     back zero over memory poisoned first. XLA's allocator hands a freed block of the same size back: NaN
@@ -181,7 +201,6 @@ def check_zero_padding(mesh, world: int) -> dict:
     collective backend, whose padding is zero by construction; its counted slots must equal the
     zero-padded run's. Returns ``{rank: {"zero": bool, "counted_equal": bool, "control_poisoned" |
     "control_zero": bool}}`` for the ranks of this process."""
-    import jax
     import jax.numpy as jnp
 
     from omniep import jax as ep
@@ -200,14 +219,7 @@ def check_zero_padding(mesh, world: int) -> dict:
                             zero_padding=zero)
             return {"recv_x": d.recv_x[None], "recv_topk_idx": d.recv_topk_idx[None], "num_recv": d.num_recv[None]}
 
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(jw.AXIS), out_specs=jax.P(jw.AXIS)))
-        args = [jw._global(mesh, a) for a in (x, case.topk_idx, case.topk_weights)]
-        jax.block_until_ready(f(*args))  # compiled and warmed first: then only the outputs take the poison's blocks
-        for _ in range(2):
-            poison = [jax.device_put(jnp.full((L, C, H), jnp.nan, jnp.bfloat16), d) for d in mesh.local_devices]
-            jax.block_until_ready(poison)
-            del poison
-        return jw.local_results(f(*args))
+        return _run_over_poison(mesh, body, (x, case.topk_idx, case.topk_weights), (L, C, H))
 
     control, zeroed = run(False), run(True)
     out = {}
@@ -260,14 +272,7 @@ def check_grad_zero_padding(mesh, world: int) -> dict:
             (g_y,) = vjp(g_out)
             return {"g_y": g_y[None], "recv_topk_idx": d.recv_topk_idx[None], "num_recv": d.num_recv[None]}
 
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P(jw.AXIS), out_specs=jax.P(jw.AXIS)))
-        args = [jw._global(mesh, a) for a in (x, case.topk_idx, case.topk_weights, ys, g_outs)]
-        jax.block_until_ready(f(*args))  # compiled and warmed first: then only the outputs take the poison's blocks
-        for _ in range(2):
-            poison = [jax.device_put(jnp.full((L, C, H), jnp.nan, jnp.bfloat16), d) for d in mesh.local_devices]
-            jax.block_until_ready(poison)
-            del poison
-        return jw.local_results(f(*args))
+        return _run_over_poison(mesh, body, (x, case.topk_idx, case.topk_weights, ys, g_outs), (L, C, H))
 
     control, zeroed = run(False), run(True)
     out = {}
