@@ -1,13 +1,15 @@
 // Host-side launch helpers shared by both launchers: VirtualRankGroup (several virtual ranks in one
 // launch) and OneRankLauncher (one rank per process). Argument checks, the choice of a kernel
 // instance (index type; element type and 16-byte vectors), and the alignment tests behind that
-// choice, written once. No runtime calls: builds with nvcc and with hipcc.
+// choice, written once. Builds with nvcc and with hipcc; the one runtime call (CUDA only) is
+// combine_ring_smem's, which asks for the combine's shared memory.
 #pragma once
 
 #include <type_traits>
 
 #include <stdint.h>
 
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -86,6 +88,29 @@ inline size_t checked_smem(const EMDispatchArgs& a) {
 inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a.hidden, a.num_bias); }
 
 inline size_t checked_smem(const EMCombineBwdArgs& a) { return no_smem_if_rows_ok(a.hidden, 0); }
+
+// The dynamic shared memory a combine launch of `kernel` takes: the bulk path's ring (combine.cuh) for the
+// 16-byte-pack instances on CUDA where the GPU grants it (sm_90: up to 227 KB a block), else none — the
+// kernel then sums from registers (it checks what it was given). Asked of the runtime once per kernel:
+// `granted` is the launcher's (a launcher serves one device, and the grant is the device's).
+inline size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec) {
+#if defined(OMNIEP_CUDA)
+  if (!vec) return 0;
+  if (auto it = granted.find(kernel); it != granted.end()) return it->second;
+  size_t bytes = kCombineRingBytes;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();  // (not sticky) a GPU without the room: the register path
+    bytes = 0;
+  }
+  return granted[kernel] = bytes;
+#else
+  (void)granted;
+  (void)kernel;
+  (void)vec;
+  return 0;
+#endif
+}
 
 // ---- kernel instances ----
 // The layout kernel for the routing's index type (LayoutArgs::index_bytes).

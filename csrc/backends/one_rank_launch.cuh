@@ -69,9 +69,11 @@ class OneRankLauncher {
   template <typename Tr>
   void combine(const CombineArgs& a, const Tr& tr, cudaStream_t stream) {
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
-    const size_t smem = checked_smem(a);
-    launch_wide(typed_kernel<CombineK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), "combine"), kCombineThreads,
-                smem, stream, a, tr, "combine");
+    checked_smem(a);
+    const bool vec = vec16(a, rank_, 1, num_ranks_);
+    const auto kernel = typed_kernel<CombineK, Tr>(a.dtype, vec, "combine");
+    launch_wide(kernel, kCombineThreads, combine_ring_smem(ring_, reinterpret_cast<const void*>(kernel), vec), stream, a, tr,
+                "combine");
   }
 
   // Local rows, not communication: every SM may take part (no SM budget), a plain launch.
@@ -181,6 +183,7 @@ class OneRankLauncher {
   int num_sms_ = 0;
   int blocks_ = 0;
   std::map<std::tuple<const void*, size_t>, int> cache_;
+  std::map<const void*, size_t> ring_;  // combine_ring_smem's grants
 };
 
 // ---- OneRankOps (backends/one_rank_ops.h) ----

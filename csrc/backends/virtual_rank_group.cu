@@ -83,9 +83,10 @@ void VirtualRankGroup::dispatch(const DispatchArgs& args, int first_rank, int co
 }
 
 void VirtualRankGroup::combine(const CombineArgs& args, int first_rank, int count, cudaStream_t stream) {
-  const size_t smem = checked_smem(args);
+  checked_smem(args);
   const bool vec = vec16(args, first_rank, count, num_ranks_);
-  launch(typed_kernel<CombineK, P2PTransport>(args.dtype, vec, "combine"), 0, kCombineThreads, smem, args, first_rank,
+  const auto kernel = typed_kernel<CombineK, P2PTransport>(args.dtype, vec, "combine");
+  launch(kernel, 0, kCombineThreads, combine_ring_smem(combine_ring_, reinterpret_cast<const void*>(kernel), vec), args, first_rank,
          count, stream, "combine");
 }
 

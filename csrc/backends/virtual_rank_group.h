@@ -82,6 +82,7 @@ class VirtualRankGroup {
   // (kernel, ranks launched, dynamic smem) -> blocks per rank; occupancy is queried once, never during graph capture
   // of a later call.
   mutable std::map<std::tuple<const void*, int, size_t>, int> blocks_cache_;
+  std::map<const void*, size_t> combine_ring_;  // the combine's shared memory (launch_common.cuh combine_ring_smem)
 };
 
 }  // namespace omniep

@@ -22,6 +22,7 @@
 #pragma once
 
 #include "kernels/args.h"
+#include "kernels/bulk.cuh"
 #include "kernels/copy_rows.cuh"
 #include "kernels/rows.cuh"
 #include "kernels/stamps.cuh"
@@ -31,6 +32,12 @@ namespace omniep {
 
 inline constexpr int kCombineThreads = 512;
 inline constexpr int kPacks = 4;  // packs per lane per step (loads in flight per rank)
+inline constexpr int kCombineStep = gpu::kWarpSize * kPacks;  // packs per step of a warp
+// The bulk path (CUDA sm_90): units (a step of two ranks) per warp in its ring, one summed while the
+// others load; the ring's bytes (dynamic shared memory of a launch that takes the path: combine_ring_smem).
+inline constexpr int kCombineStages = 3;
+inline constexpr size_t kCombineRingBytes =
+    static_cast<size_t>(kCombineThreads / gpu::kWarpSize) * kCombineStages * 2 * kCombineStep * 16;
 // Expert-major remote path (em_combine.cuh, em_dispatch.cuh): bytes of one chunk of a row in a warp's
 // stage (16-byte packs), and a warp's stage (two chunks). The host sizes the transport's scratch as
 // blocks * (kCombineThreads / warp size) * this.
@@ -51,11 +58,24 @@ OMNIEP_DEVICE const void* y_of(const Tr& tr, const CombineArgs& a, int r) {
 }
 
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
+//
+// A warp sums one token at a time, a step (kCombineStep packs of the row) at a time, the ranks' rows of
+// a step two at a time. Two ways to load them, the same sums in the same order (bitwise the same):
+// - registers: each lane loads its packs of two ranks, then adds them (every lane of every instance);
+// - bulk (CUDA sm_90, 16-byte packs, when the launch gave the ring: combine_ring_smem): lane 0 issues a
+//   TMA bulk load of each rank's span of the step into this warp's ring in shared memory, kCombineStages
+//   units (a step of two ranks) ahead of the one the lanes sum, so a warp keeps loads in flight while
+//   it adds and the loads cost one instruction per span, not one per 16 bytes.
 template <typename Tr, typename Scalar, int Vec>
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a, Tr tr) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a, Tr tr) {
   struct alignas(sizeof(Scalar) * Vec) Pack { Scalar v[Vec]; };
-  __shared__ int64_t s_slot[kCombineThreads / gpu::kWarpSize][kMaxRanks];  // per warp: row at rank r or -1
-  __shared__ const Pack* s_src[kCombineThreads / gpu::kWarpSize][kMaxRanks];  // per warp: that row, or null
+  constexpr int kWarps = kCombineThreads / gpu::kWarpSize;
+  // Per warp and token in flight (a ring of kCombineStages: the bulk path's loads run ahead of the sums
+  // by up to kCombineStages - 1 tokens): the token's row at rank r, or -1 / null.
+  __shared__ int64_t s_slot[kWarps][kCombineStages][kMaxRanks];
+  __shared__ const Pack* s_src[kWarps][kCombineStages][kMaxRanks];
+  __shared__ const Scalar* s_y[kMaxRanks];     // rank r's y as this rank reads it (y_of)
+  __shared__ const float* s_g[kMaxRanks];      // with_topk_grad: rank r's g_recv_topk_weights, likewise
   using Cvt = Elem<Scalar>;
 
   __shared__ int s_first[kMaxRanks];  // remote path: my first slot at rank r (send_offset)
@@ -111,72 +131,66 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
   Scalar* out = static_cast<Scalar*>(tr.local(a.out));
   const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
   const int num_packs = H / Vec;
+  const bool topk_grad = a.with_topk_grad != 0;
 
-  // The bias terms as the step reads them: a lambda that names `a` makes hipcc copy the whole
-  // CombineArgs (2.3 KB) into every lane's scratch.
+  // What the loops below read of `a`, in shared memory: a lambda that names `a` makes hipcc copy the
+  // whole CombineArgs (2.3 KB) into every lane's scratch.
   __shared__ const void* s_bias[2];
   __shared__ int s_bias_dtype[2];
   if (threadIdx.x < 2) {
     s_bias[threadIdx.x] = static_cast<int>(threadIdx.x) < a.num_bias ? tr.local(a.bias[threadIdx.x]) : nullptr;
     s_bias_dtype[threadIdx.x] = a.bias_dtype[threadIdx.x];
   }
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int r = threadIdx.x;
+    s_y[r] = static_cast<const Scalar*>(y_of(tr, a, r));
+    bool far = false;
+    if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
+    s_g[r] = topk_grad ? copy_of(tr, a.g_recv_topk_weights, r, far) : nullptr;  // far: my mirror for r
+  }
+  __shared__ const int32_t* s_idx32;  // with_topk_grad: the routing and the weights' gradient (out)
+  __shared__ float* s_g_w;
+  if (threadIdx.x == 0) {
+    s_idx32 = tr.local(a.topk_idx32);
+    s_g_w = tr.local(a.g_topk_weights);
+  }
   const int num_bias = a.num_bias;
   __syncthreads();
-  // One step: the lane's kPacks packs from base on, summed over the ranks (src[r]: the token's row at
-  // rank r as this rank reads it, or null). `full`: every pack of the step is inside the row.
-  const auto step = [&](const Pack* const* src, int64_t t, int base) {
-    const bool full = base + gpu::kWarpSize * kPacks <= num_packs;
-    float acc[kPacks][Vec];
-#pragma unroll
-    for (int j = 0; j < kPacks; ++j) {
-#pragma unroll
-      for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
+
+  // Token t's row at every rank into this warp's ring entry q (lanes r < R), then visible to the warp.
+  const auto fill = [&](int t, int q) {
+    if (lane < R) {
+      const int pos = send_pos[static_cast<int64_t>(t) * R + lane];
+      const int64_t slot = static_cast<int64_t>(send_offset[lane]) + pos;
+      const bool kept = pos >= 0 && slot < C;
+      s_slot[warp][q][lane] = kept ? slot : -1;
+      s_src[warp][q][lane] = kept ? reinterpret_cast<const Pack*>(s_y[lane] + slot * H) : nullptr;
     }
-    // Two ranks per round: the loads of rank r and r + 1 are in flight together (2 * kPacks per lane),
-    // then added in ascending rank order (the contract's summation order, unchanged).
-    for (int r = 0; r < R; r += 2) {
-      const Pack* y0 = src[r];
-      const Pack* y1 = r + 1 < R ? src[r + 1] : nullptr;
-      if (y0 == nullptr && y1 == nullptr) continue;
-      Pack v0[kPacks], v1[kPacks];
-      if (y0 != nullptr) {
-#pragma unroll
-        for (int j = 0; j < kPacks; ++j) {
-          const int p = base + lane + j * gpu::kWarpSize;
-          if (full || p < num_packs) v0[j] = y0[p];
-        }
+    gpu::syncwarp();
+  };
+  // with_topk_grad: token t's g_topk_weights, read back from the slots that carried them (ring entry q).
+  const auto grad = [&](int t, int q) {
+    const int32_t* idx32 = s_idx32;
+    float* g_w = s_g_w;
+    for (int k = lane; k < K; k += gpu::kWarpSize) {
+      const int e = idx32[static_cast<int64_t>(t) * K + k];
+      float g = 0.0f;
+      if (e >= 0) {
+        const int r = e / L;
+        const int64_t slot = s_slot[warp][q][r];
+        if (slot >= 0) g = s_g[r][slot * K + k];
       }
-      if (y1 != nullptr) {
-#pragma unroll
-        for (int j = 0; j < kPacks; ++j) {
-          const int p = base + lane + j * gpu::kWarpSize;
-          if (full || p < num_packs) v1[j] = y1[p];
-        }
-      }
-      if (y0 != nullptr) {
-#pragma unroll
-        for (int j = 0; j < kPacks; ++j) {
-          if (full || base + lane + j * gpu::kWarpSize < num_packs) {
-#pragma unroll
-            for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v0[j].v[i]));
-          }
-        }
-      }
-      if (y1 != nullptr) {
-#pragma unroll
-        for (int j = 0; j < kPacks; ++j) {
-          if (full || base + lane + j * gpu::kWarpSize < num_packs) {
-#pragma unroll
-            for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v1[j].v[i]));
-          }
-        }
-      }
+      g_w[static_cast<int64_t>(t) * K + k] = g;
     }
+  };
+  // The end of a step: the bias terms in the order given, then the lane's packs of out[t] rounded once.
+  // `full`: every pack of the step is inside the row.
+  const auto finish = [&](float (&acc)[kPacks][Vec], int64_t t, int base, bool full) {
 #pragma unroll
     for (int j = 0; j < kPacks; ++j) {
       const int p = base + lane + j * gpu::kWarpSize;
       if (!full && p >= num_packs) continue;
-      for (int b = 0; b < num_bias; ++b) {  // bias terms last, in the order given
+      for (int b = 0; b < num_bias; ++b) {
         const void* bias = s_bias[b];
 #pragma unroll
         for (int i = 0; i < Vec; ++i) {
@@ -190,39 +204,145 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a,
       reinterpret_cast<Pack*>(out + t * H)[p] = o;
     }
   };
-
-  constexpr int kStep = gpu::kWarpSize * kPacks;  // packs per step of a warp
-  for (int t = blockIdx.x * warps + warp; t < T; t += gridDim.x * warps) {
-    // Lane r < R: token t's row at rank r (its slot, and where this rank reads it), or none.
-    if (lane < R) {
-      const int pos = send_pos[static_cast<int64_t>(t) * R + lane];
-      const int64_t slot = static_cast<int64_t>(send_offset[lane]) + pos;
-      const bool kept = pos >= 0 && slot < C;
-      s_slot[warp][lane] = kept ? slot : -1;
-      s_src[warp][lane] = kept ? reinterpret_cast<const Pack*>(static_cast<const Scalar*>(y_of(tr, a, lane)) + slot * H)
-                               : nullptr;
-    }
-    gpu::syncwarp();
-    for (int base = 0; base < num_packs; base += kStep) step(s_src[warp], t, base);
-    if (a.with_topk_grad) {
-      const int32_t* idx32 = tr.local(a.topk_idx32);
-      float* g_w = tr.local(a.g_topk_weights);
-      for (int k = lane; k < K; k += gpu::kWarpSize) {
-        const int e = idx32[static_cast<int64_t>(t) * K + k];
-        float g = 0.0f;
-        if (e >= 0) {
-          const int r = e / L;
-          const int64_t slot = s_slot[warp][r];
-          if (slot >= 0) {
-            bool far = false;
-            if constexpr (Tr::kHasRemote) far = tr.is_remote(r);
-            g = copy_of(tr, a.g_recv_topk_weights, r, far)[slot * K + k];  // far: my mirror for r
-          }
-        }
-        g_w[static_cast<int64_t>(t) * K + k] = g;
+  // acc += the lane's packs of one rank's span: v[j * stride] is pack base + lane + j * warp size of the
+  // row (stride 1: the lane's registers; the warp size: the span in shared memory, from the lane's pack).
+  const auto add = [&](float (&acc)[kPacks][Vec], const Pack* v, int stride, int base, bool full) {
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      if (full || base + lane + j * gpu::kWarpSize < num_packs) {
+        const Pack pv = v[j * stride];
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(pv.v[i]));
       }
     }
-    gpu::syncwarp();  // s_slot is rewritten for the next token
+  };
+  const auto add_regs = [&](float (&acc)[kPacks][Vec], const Pack (&v)[kPacks], int base, bool full) {
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      if (full || base + lane + j * gpu::kWarpSize < num_packs) {
+#pragma unroll
+        for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v[j].v[i]));
+      }
+    }
+  };
+  const auto zero = [](float (&acc)[kPacks][Vec]) {
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+#pragma unroll
+      for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
+    }
+  };
+  const int first_t = blockIdx.x * warps + warp, stride = gridDim.x * warps;
+
+  bool summed = false;
+#if defined(OMNIEP_BULK_LOADS)
+  if constexpr (sizeof(Pack) == 16) {
+    // (With at most one token per warp — 128 tokens on 384 warps — the ring's set-up cost more than it
+    // saved: +1.1 µs on one H100, 2026-11-27.)
+    if (num_packs > 0 && T > stride && bulk::dynamic_smem_bytes() >= kCombineRingBytes) {
+      summed = true;
+      extern __shared__ __align__(128) uint8_t s_ring[];
+      __shared__ __align__(8) uint64_t s_bar[kWarps][kCombineStages];
+      constexpr int kUnit = 2 * kCombineStep;  // packs of one unit: a step of two ranks
+      Pack* ring = reinterpret_cast<Pack*>(s_ring) + static_cast<int64_t>(warp) * kCombineStages * kUnit;
+      if (lane == 0) {
+        for (int s = 0; s < kCombineStages; ++s) bulk::init(&s_bar[warp][s]);
+      }
+      gpu::syncwarp();
+      // The loads' cursor (token pt, its ordinal pn among this warp's tokens, step pbase, ranks pr0, pr0 + 1,
+      // ring stage ps) and the sums' (ct, cn, cbase, cr0, stage cs, its barrier's phase cph) walk the same
+      // units, the loads at most kCombineStages units ahead (the one summed included). A token's ring entry
+      // is filled when its first unit is issued, so the loads are at most kCombineStages - 1 tokens ahead:
+      // entries never collide.
+      int pt = first_t, pn = 0, pbase = 0, pr0 = 0, ps = 0;
+      int ct = first_t, cn = 0, cbase = 0, cr0 = 0, cs = 0, in_flight = 0;
+      uint32_t cph = 0;
+      const auto issue = [&] {
+        const int q = pn % kCombineStages;
+        if (pbase == 0 && pr0 == 0) fill(pt, q);
+        const int s = ps;
+        if (lane == 0) {
+          const int m = num_packs - pbase < kCombineStep ? num_packs - pbase : kCombineStep;
+          const uint32_t bytes = static_cast<uint32_t>(m) * sizeof(Pack);
+          const Pack* y0 = s_src[warp][q][pr0];
+          const Pack* y1 = pr0 + 1 < R ? s_src[warp][q][pr0 + 1] : nullptr;
+          Pack* st = ring + s * kUnit;
+          uint64_t* bar = &s_bar[warp][s];
+          bulk::proxy_fence();  // the lanes' reads of this stage (ordered by the sums' syncwarp) come first
+          bulk::expect(bar, (y0 != nullptr ? bytes : 0u) + (y1 != nullptr ? bytes : 0u));
+          if (y0 != nullptr) bulk::load(st, y0 + pbase, bytes, bar);
+          if (y1 != nullptr) bulk::load(st + kCombineStep, y1 + pbase, bytes, bar);
+        }
+        ps = ps + 1 == kCombineStages ? 0 : ps + 1;
+        ++in_flight;
+        if ((pr0 += 2) >= R) {
+          pr0 = 0;
+          if ((pbase += kCombineStep) >= num_packs) {
+            pbase = 0;
+            pt += stride;
+            ++pn;
+          }
+        }
+      };
+      float acc[kPacks][Vec];
+      while (ct < T) {
+        while (pt < T && in_flight < kCombineStages) issue();  // (the next units load while this one is summed)
+        const int q = cn % kCombineStages;
+        bulk::wait(&s_bar[warp][cs], cph);
+        const Pack* st = ring + cs * kUnit + lane;
+        const bool full = cbase + kCombineStep <= num_packs;
+        if (cr0 == 0) zero(acc);
+        if (s_src[warp][q][cr0] != nullptr) add(acc, st, gpu::kWarpSize, cbase, full);
+        if (cr0 + 1 < R && s_src[warp][q][cr0 + 1] != nullptr) add(acc, st + kCombineStep, gpu::kWarpSize, cbase, full);
+        if (cr0 + 2 >= R) finish(acc, ct, cbase, full);
+        gpu::syncwarp();  // every lane has read the stage before it is loaded again
+        --in_flight;
+        if (++cs == kCombineStages) {
+          cs = 0;
+          cph ^= 1u;
+        }
+        if ((cr0 += 2) >= R) {
+          cr0 = 0;
+          if ((cbase += kCombineStep) >= num_packs) {
+            cbase = 0;
+            if (topk_grad) grad(ct, q);
+            ct += stride;
+            ++cn;
+          }
+        }
+      }
+    }
+  }
+#endif
+  if (!summed) {
+    for (int t = first_t; t < T; t += stride) {
+      fill(t, 0);
+      const Pack* const* src = s_src[warp][0];
+      for (int base = 0; base < num_packs; base += kCombineStep) {
+        const bool full = base + kCombineStep <= num_packs;
+        float acc[kPacks][Vec];
+        zero(acc);
+        // Two ranks per round: the loads of rank r and r + 1 are in flight together (2 * kPacks per lane),
+        // then added in ascending rank order (the contract's summation order, unchanged).
+        for (int r = 0; r < R; r += 2) {
+          const Pack* y0 = src[r];
+          const Pack* y1 = r + 1 < R ? src[r + 1] : nullptr;
+          if (y0 == nullptr && y1 == nullptr) continue;
+          Pack v0[kPacks], v1[kPacks];
+#pragma unroll
+          for (int j = 0; j < kPacks; ++j) {
+            const int p = base + lane + j * gpu::kWarpSize;
+            if (y0 != nullptr && (full || p < num_packs)) v0[j] = y0[p];
+            if (y1 != nullptr && (full || p < num_packs)) v1[j] = y1[p];
+          }
+          if (y0 != nullptr) add_regs(acc, v0, base, full);
+          if (y1 != nullptr) add_regs(acc, v1, base, full);
+        }
+        finish(acc, t, base, full);
+      }
+      if (topk_grad) grad(t, 0);
+      gpu::syncwarp();  // the ring entry is rewritten for the next token
+    }
   }
   OMNIEP_STAMP("summed");
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
