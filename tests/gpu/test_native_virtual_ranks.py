@@ -46,6 +46,11 @@ CASES = [
     (2, 32, 8, 1024, 300, "bfloat16", "int64", "uniform", None, 1),        # 16-byte vectors, many blocks
     (8, 64, 8, 512, 96, "bfloat16", "int32", "uniform", 400, 4),
     (4, 12, 3, 7, 6, "float16", "int64", "uniform", 0, 1),                  # capacity 0: all dropped
+    # More tokens than a rank's warps (kernels/combine.cuh: the combine's bulk loads on sm_90): whole and
+    # partial steps of a row, two ranks per unit and several units per step, dropped rows.
+    (4, 16, 4, 2112, [400, 520, 385, 450], "bfloat16", "int32", "uniform", None, 1),
+    (8, 16, 2, 256, 400, "float16", "int64", "uniform", None, 1),
+    (2, 8, 2, 1000, 700, "float32", "int32", "one_expert", 600, 1),
 ]
 
 
