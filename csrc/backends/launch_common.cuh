@@ -112,6 +112,13 @@ inline size_t combine_ring_smem(std::map<const void*, size_t>& granted, const vo
 #endif
 }
 
+// Whether a combine launch of `blocks` blocks per rank should get the ring: the kernel takes the bulk path
+// only where a rank has more tokens than warps (combine.cuh), and a launch that asks for 192 KB of shared
+// memory for nothing still pays for it (the SMs' L1 / shared split is set per launch).
+inline bool combine_ring_pays(int most_tokens, int blocks) {
+  return most_tokens > blocks * (kCombineThreads / gpu::kWarpSize);
+}
+
 // ---- kernel instances ----
 // The layout kernel for the routing's index type (LayoutArgs::index_bytes).
 template <typename Tr>

@@ -72,8 +72,10 @@ class OneRankLauncher {
     checked_smem(a);
     const bool vec = vec16(a, rank_, 1, num_ranks_);
     const auto kernel = typed_kernel<CombineK, Tr>(a.dtype, vec, "combine");
-    launch_wide(kernel, kCombineThreads, combine_ring_smem(ring_, reinterpret_cast<const void*>(kernel), vec), stream, a, tr,
-                "combine");
+    const void* k = reinterpret_cast<const void*>(kernel);
+    size_t smem = combine_ring_smem(ring_, k, vec);
+    if (smem > 0 && !combine_ring_pays(a.num_tokens[rank_], blocks_for(k, kCombineThreads, smem, false))) smem = 0;
+    launch_wide(kernel, kCombineThreads, smem, stream, a, tr, "combine");
   }
 
   // Local rows, not communication: every SM may take part (no SM budget), a plain launch.
