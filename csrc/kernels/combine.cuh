@@ -216,15 +216,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       }
     }
   };
-  const auto add_regs = [&](float (&acc)[kPacks][Vec], const Pack (&v)[kPacks], int base, bool full) {
-#pragma unroll
-    for (int j = 0; j < kPacks; ++j) {
-      if (full || base + lane + j * gpu::kWarpSize < num_packs) {
-#pragma unroll
-        for (int i = 0; i < Vec; ++i) acc[j][i] = gpu::add_rn(acc[j][i], Cvt::to_float(v[j].v[i]));
-      }
-    }
-  };
   const auto zero = [](float (&acc)[kPacks][Vec]) {
 #pragma unroll
     for (int j = 0; j < kPacks; ++j) {
@@ -335,8 +326,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
             if (y0 != nullptr && (full || p < num_packs)) v0[j] = y0[p];
             if (y1 != nullptr && (full || p < num_packs)) v1[j] = y1[p];
           }
-          if (y0 != nullptr) add_regs(acc, v0, base, full);
-          if (y1 != nullptr) add_regs(acc, v1, base, full);
+          if (y0 != nullptr) add(acc, v0, 1, base, full);
+          if (y1 != nullptr) add(acc, v1, 1, base, full);
         }
         finish(acc, t, base, full);
       }
