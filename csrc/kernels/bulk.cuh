@@ -49,6 +49,10 @@ OMNIEP_DEVICE void load(void* dst, const void* src, uint32_t bytes, uint64_t* ba
 
 OMNIEP_DEVICE void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Global memory the thread has seen written through the generic proxy (plain stores, ordered by a barrier)
+// before bulk loads read it through the async proxy.
+OMNIEP_DEVICE void proxy_fence_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Wait until the barrier's phase `parity` (0, 1, 0, ... for its 1st, 2nd, 3rd use) has completed.
 OMNIEP_DEVICE void wait(uint64_t* bar, uint32_t parity) {
   asm volatile(

@@ -238,13 +238,18 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       Pack* ring = reinterpret_cast<Pack*>(s_ring) + static_cast<int64_t>(warp) * kCombineStages * kUnit;
       if (lane == 0) {
         for (int s = 0; s < kCombineStages; ++s) bulk::init(&s_bar[warp][s]);
+        // The rows were written through the generic proxy (a fused copy-in, a remote rank's puts into my
+        // mirror) and ordered before this point by the start barrier; the bulk loads read them through
+        // the async proxy.
+        bulk::proxy_fence_global();
       }
       gpu::syncwarp();
       // The loads' cursor (token pt, its ordinal pn among this warp's tokens, step pbase, ranks pr0, pr0 + 1,
       // ring stage ps) and the sums' (ct, cn, cbase, cr0, stage cs, its barrier's phase cph) walk the same
       // units, the loads at most kCombineStages units ahead (the one summed included). A token's ring entry
       // is filled when its first unit is issued, so the loads are at most kCombineStages - 1 tokens ahead:
-      // entries never collide.
+      // entries never collide with the sums' reads (grad's included: a syncwarp closes them before the next
+      // fill, which may take the entry of a token whose last unit was just summed).
       int pt = first_t, pn = 0, pbase = 0, pr0 = 0, ps = 0;
       int ct = first_t, cn = 0, cbase = 0, cr0 = 0, cs = 0, in_flight = 0;
       uint32_t cph = 0;
@@ -296,7 +301,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
           cr0 = 0;
           if ((cbase += kCombineStep) >= num_packs) {
             cbase = 0;
-            if (topk_grad) grad(ct, q);
+            if (topk_grad) {
+              grad(ct, q);
+              gpu::syncwarp();  // (its reads of entry q before the next issue's fill may rewrite it)
+            }
             ct += stride;
             ++cn;
           }
