@@ -13,9 +13,10 @@ normal ``ht``: 4096 tokens, H=7168, top-8 of 256, bf16; low-latency ``ll``: 128 
   after every host and wall measurement: CUPTI slows later launches, host_timing.py).
 
 ``--world 1`` runs one rank (one process); ``--world 2`` two processes sharing GPU 0 (CUDA IPC) — time
-slicing between the processes then inflates ``device`` and ``wall``. Prints a table, writes JSON.
+slicing between the processes then inflates ``device`` and ``wall`` — or, with ``--per-gpu``, one GPU each.
+Prints a table, writes JSON.
 
-    python benchmarks/hot_path_gpu.py [--world 1] [--iters 50] [--shapes ht,ll] [--out hot_path.json]
+    python benchmarks/hot_path_gpu.py [--world 1] [--per-gpu] [--iters 50] [--shapes ht,ll] [--out hot_path.json]
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
 
     pin_cpu(rank)
     rank_stdout(args.get("rank_stdout", ""), rank)
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank if args["per_gpu"] else 0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     rows = []
@@ -152,6 +153,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=1)
+    p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--shapes", default="ht,ll")
     p.add_argument("--modes", default=",".join(MODES))
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
                    help="each rank's stdout (device printf included) into PREFIX.rank<r> (scripts/stamps_ll.sh)")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile,
-                kernels=a.kernels, plain=a.plain, rank_stdout=a.rank_stdout)
+                kernels=a.kernels, plain=a.plain, rank_stdout=a.rank_stdout, per_gpu=a.per_gpu)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 

@@ -7,7 +7,8 @@
 # build_all without OMNIEP_STAMPS rebuilds.
 #   OUT=... scripts/stamps_ll.sh     (on the device machine)
 #   SHAPE=ht scripts/stamps_ll.sh    the rank-major kernels at DeepEP's normal shape instead (static and
-#                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank)
+#                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank and, where two
+#                                    GPUs are visible, two ranks one GPU each)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh
@@ -18,6 +19,11 @@ if [[ "${SHAPE:-ll}" == ht ]]; then
   step stamps_ht 150 "$PY" benchmarks/hot_path_gpu.py --world 1 --shapes ht --modes static,cached --plain "$N" \
     --rank-stdout "$OUT/stamps_ht"
   "$PY" scripts/stamps_table.py "$OUT"/stamps_ht.rank* | tee "$OUT/stamps_ht.md"
+  if [[ $(nvidia-smi -L | wc -l) -ge 2 ]]; then
+    step stamps_ht_world2 200 "$PY" benchmarks/hot_path_gpu.py --world 2 --per-gpu --shapes ht --modes static,cached \
+      --plain "$N" --rank-stdout "$OUT/stamps_ht_world2"
+    "$PY" scripts/stamps_table.py "$OUT"/stamps_ht_world2.rank* | tee "$OUT/stamps_ht_world2.md"
+  fi
   unset OMNIEP_STAMPS
   exit $status
 fi
