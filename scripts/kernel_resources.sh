@@ -5,7 +5,7 @@
 # stack frame — spilling kernels first. A kernel change that makes a hot loop spill shows here in
 # ~30 s of CPU, before any device time is spent on it (issue 14's copy-width experiment did).
 #   scripts/kernel_resources.sh [extra nvcc flags, e.g. -DSOMETHING]
-#   scripts/kernel_resources.sh --hip [extra hipcc flags]   the same for AMD (hipcc, gfx90a): VGPRs, VGPR
+#   scripts/kernel_resources.sh --hip [extra hipcc flags]   the same for AMD (hipcc, gfx90a, -Werror as in CI): VGPRs, VGPR
 #                                                           spills, scratch bytes per lane, waves per SIMD
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ if [[ "${1:-}" == "--hip" ]]; then
   shift
   log=$(mktemp)
   trap 'rm -f "$log" "$log.o"' EXIT
-  HIP_PLATFORM=amd "${HIPCC:-hipcc}" -I csrc -I csrc/include -O2 -std=c++17 --offload-arch="${HIP_ARCH:-gfx90a}" -x hip \
+  HIP_PLATFORM=amd "${HIPCC:-hipcc}" -I csrc -I csrc/include -O2 -Wall -Wextra -Werror -std=c++17 --offload-arch="${HIP_ARCH:-gfx90a}" -x hip \
     -c csrc/kernels/instantiate_all.cu -o "$log.o" -Rpass-analysis=kernel-resource-usage "$@" >"$log" 2>&1 \
     || { cat "$log"; exit 1; }
   # clang's remarks: "Function Name: NAME", then "VGPRs: N", "ScratchSize [bytes/lane]: N", "Occupancy
