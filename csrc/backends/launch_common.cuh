@@ -90,33 +90,48 @@ inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a
 inline size_t checked_smem(const EMCombineBwdArgs& a) { return no_smem_if_rows_ok(a.hidden, 0); }
 
 // The dynamic shared memory a combine launch of `kernel` takes: the bulk path's ring (combine.cuh) for the
-// 16-byte-pack instances on CUDA where the GPU grants it (sm_90: up to 227 KB a block), else none — the
-// kernel then sums from registers (it checks what it was given). Asked of the runtime once per kernel:
-// `granted` is the launcher's (a launcher serves one device, and the grant is the device's).
-inline size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec) {
+// 16-byte-pack instances on CUDA where the GPU grants it (sm_90: up to 227 KB a block) and a launched rank has
+// more tokens than the launch's warps — the only case the kernel takes that path, and a launch that asks for
+// 192 KB for nothing still pays for it (the SMs' L1 / shared split is set per launch); else none, and the
+// kernel sums from registers (it checks what it was given). The grant is asked of the runtime once per
+// kernel: `granted` is the launcher's (a launcher serves one device, and the grant is the device's).
+// `most_tokens`: the largest token count of the launched ranks; `blocks_for(smem)`: the launch's blocks per
+// rank with that much shared memory.
+template <typename BlocksFor>
+size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec, int most_tokens,
+                         BlocksFor&& blocks_for) {
 #if defined(OMNIEP_CUDA)
   if (!vec) return 0;
-  if (auto it = granted.find(kernel); it != granted.end()) return it->second;
-  size_t bytes = kCombineRingBytes;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();  // (not sticky) a GPU without the room: the register path
-    bytes = 0;
+  auto it = granted.find(kernel);
+  if (it == granted.end()) {
+    size_t bytes = kCombineRingBytes;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();  // (not sticky) a GPU without the room: the register path
+      bytes = 0;
+    }
+    it = granted.emplace(kernel, bytes).first;
   }
-  return granted[kernel] = bytes;
+  const size_t bytes = it->second;
+  return bytes > 0 && most_tokens > blocks_for(bytes) * (kCombineThreads / gpu::kWarpSize) ? bytes : 0;
 #else
   (void)granted;
   (void)kernel;
   (void)vec;
+  (void)most_tokens;
+  (void)blocks_for;
   return 0;
 #endif
 }
 
-// Whether a combine launch of `blocks` blocks per rank should get the ring: the kernel takes the bulk path
-// only where a rank has more tokens than warps (combine.cuh), and a launch that asks for 192 KB of shared
-// memory for nothing still pays for it (the SMs' L1 / shared split is set per launch).
-inline bool combine_ring_pays(int most_tokens, int blocks) {
-  return most_tokens > blocks * (kCombineThreads / gpu::kWarpSize);
+// The largest token count of the launched ranks [first, first + count).
+template <typename Args>
+int most_tokens(const Args& a, int first, int count) {
+  int most = 0;
+  for (int r = first < 0 ? 0 : first; r < first + count && r < kMaxRanks; ++r) {
+    most = a.num_tokens[r] > most ? a.num_tokens[r] : most;
+  }
+  return most;
 }
 
 // ---- kernel instances ----

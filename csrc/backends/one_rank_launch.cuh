@@ -73,8 +73,8 @@ class OneRankLauncher {
     const bool vec = vec16(a, rank_, 1, num_ranks_);
     const auto kernel = typed_kernel<CombineK, Tr>(a.dtype, vec, "combine");
     const void* k = reinterpret_cast<const void*>(kernel);
-    size_t smem = combine_ring_smem(ring_, k, vec);
-    if (smem > 0 && !combine_ring_pays(a.num_tokens[rank_], blocks_for(k, kCombineThreads, smem, false))) smem = 0;
+    const size_t smem = combine_ring_smem(ring_, k, vec, most_tokens(a, rank_, 1),
+                                          [&](size_t s) { return blocks_for(k, kCombineThreads, s, false); });
     launch_wide(kernel, kCombineThreads, smem, stream, a, tr, "combine");
   }
 

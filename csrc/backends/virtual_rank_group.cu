@@ -87,12 +87,8 @@ void VirtualRankGroup::combine(const CombineArgs& args, int first_rank, int coun
   const bool vec = vec16(args, first_rank, count, num_ranks_);
   const auto kernel = typed_kernel<CombineK, P2PTransport>(args.dtype, vec, "combine");
   const void* k = reinterpret_cast<const void*>(kernel);
-  size_t smem = combine_ring_smem(combine_ring_, k, vec);
-  int most = 0;
-  for (int r = first_rank < 0 ? 0 : first_rank; r < first_rank + count && r < kMaxRanks; ++r) {
-    most = args.num_tokens[r] > most ? args.num_tokens[r] : most;
-  }
-  if (smem > 0 && !combine_ring_pays(most, blocks_for(k, kCombineThreads, smem, count))) smem = 0;
+  const size_t smem = combine_ring_smem(combine_ring_, k, vec, most_tokens(args, first_rank, count),
+                                        [&](size_t s) { return blocks_for(k, kCombineThreads, s, count); });
   launch(kernel, 0, kCombineThreads, smem, args, first_rank, count, stream, "combine");
 }
 

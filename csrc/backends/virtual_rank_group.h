@@ -80,7 +80,7 @@ class VirtualRankGroup {
   int blocks_per_rank_ = 0;
   std::vector<RankWorkspace*> workspaces_;
   // (kernel, ranks launched, dynamic smem) -> blocks per rank, queried at the first launch of each key — which
-  // may be inside a graph capture (the combine's key follows its token counts: combine_ring_pays); the query,
+  // may be inside a graph capture (the combine's key follows its token counts: combine_ring_smem); the query,
   // like the combine's shared-memory attribute, is not stream work, which a capture allows.
   mutable std::map<std::tuple<const void*, int, size_t>, int> blocks_cache_;
   std::map<const void*, size_t> combine_ring_;  // the combine's shared memory (launch_common.cuh combine_ring_smem)

@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
 #if defined(OMNIEP_BULK_LOADS)
   if constexpr (sizeof(Pack) == 16) {
     // (With at most one token per warp — 128 tokens on 384 warps — the ring's set-up cost more than it
-    // saved: +1.1 µs on one H100, 2026-11-27. The launchers then give no ring: combine_ring_pays.)
+    // saved: +1.1 µs on one H100, 2026-11-27. The launchers then give no ring: combine_ring_smem.)
     if (num_packs > 0 && T > stride && bulk::dynamic_smem_bytes() >= kCombineRingBytes) {
       summed = true;
       extern __shared__ __align__(128) uint8_t s_ring[];
