@@ -27,6 +27,7 @@
 #include "kernels/rows.cuh"
 #include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
+#include "kernels/token_queue.cuh"
 
 namespace omniep {
 
@@ -59,8 +60,8 @@ OMNIEP_DEVICE const void* y_of(const Tr& tr, const CombineArgs& a, int r) {
 
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
 //
-// A warp sums one token at a time, a step (kCombineStep packs of the row) at a time, the ranks' rows of
-// a step two at a time. Two ways to load them, the same sums in the same order (bitwise the same):
+// A warp sums one token at a time (the next from the rank's queue when it is done: kernels/token_queue.cuh),
+// a step (kCombineStep packs of the row) at a time, the ranks' rows of a step two at a time. Two ways to load them, the same sums in the same order (bitwise the same):
 // - registers: each lane loads its packs of two ranks, then adds them (every lane of every instance);
 // - bulk (CUDA sm_90, 16-byte packs, when the launch gave the ring: combine_ring_smem): lane 0 issues a
 //   TMA bulk load of each rank's span of the step into this warp's ring in shared memory, kCombineStages
@@ -95,6 +96,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     }
   }
   RankWorkspace* my_ws = tr.workspace(me);
+  token_queue_reset(my_ws, kQueueCombine);  // (the start barrier waits on every block)
   // Remote rank r learns where my rows are in its y (its push_rows[me]) ...
   const auto tell = [&](int r) {
     if constexpr (Tr::kHasRemote) {
@@ -129,7 +131,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   }
 
   Scalar* out = static_cast<Scalar*>(tr.local(a.out));
-  const int lane = gpu::lane_id(), warp = gpu::warp_id(), warps = gpu::warps_per_block();
+  const int lane = gpu::lane_id(), warp = gpu::warp_id();
   const int num_packs = H / Vec;
   const bool topk_grad = a.with_topk_grad != 0;
 
@@ -150,9 +152,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   }
   __shared__ const int32_t* s_idx32;  // with_topk_grad: the routing and the weights' gradient (out)
   __shared__ float* s_g_w;
+  __shared__ uint32_t* s_queue;  // the rank's token queue (a shared load per token, not a register)
   if (threadIdx.x == 0) {
     s_idx32 = tr.local(a.topk_idx32);
     s_g_w = tr.local(a.g_topk_weights);
+    s_queue = &my_ws->work_next[kQueueCombine];
   }
   const int num_bias = a.num_bias;
   __syncthreads();
@@ -223,17 +227,17 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       for (int i = 0; i < Vec; ++i) acc[j][i] = 0.0f;
     }
   };
-  const int first_t = blockIdx.x * warps + warp, stride = gridDim.x * warps;
 
   bool summed = false;
 #if defined(OMNIEP_BULK_LOADS)
   if constexpr (sizeof(Pack) == 16) {
     // (With at most one token per warp — 128 tokens on 384 warps — the ring's set-up cost more than it
     // saved: +1.1 µs on one H100, 2026-11-27. The launchers then give no ring: combine_ring_smem.)
-    if (num_packs > 0 && T > stride && bulk::dynamic_smem_bytes() >= kCombineRingBytes) {
+    if (num_packs > 0 && T > static_cast<int>(gridDim.x) * gpu::warps_per_block() && bulk::dynamic_smem_bytes() >= kCombineRingBytes) {
       summed = true;
       extern __shared__ __align__(128) uint8_t s_ring[];
       __shared__ __align__(8) uint64_t s_bar[kWarps][kCombineStages];
+      __shared__ int s_tok[kWarps][kCombineStages];  // the token of each ring entry
       constexpr int kUnit = 2 * kCombineStep;  // packs of one unit: a step of two ranks
       Pack* ring = reinterpret_cast<Pack*>(s_ring) + static_cast<int64_t>(warp) * kCombineStages * kUnit;
       if (lane == 0) {
@@ -245,17 +249,22 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       }
       gpu::syncwarp();
       // The loads' cursor (token pt, its ordinal pn among this warp's tokens, step pbase, ranks pr0, pr0 + 1,
-      // ring stage ps) and the sums' (ct, cn, cbase, cr0, stage cs, its barrier's phase cph) walk the same
-      // units, the loads at most kCombineStages units ahead (the one summed included). A token's ring entry
-      // is filled when its first unit is issued, so the loads are at most kCombineStages - 1 tokens ahead:
-      // entries never collide with the sums' reads (grad's included: a syncwarp closes them before the next
-      // fill, which may take the entry of a token whose last unit was just summed).
-      int pt = first_t, pn = 0, pbase = 0, pr0 = 0, ps = 0;
-      int ct = first_t, cn = 0, cbase = 0, cr0 = 0, cs = 0, in_flight = 0;
+      // ring stage ps) and the sums' (the cn-th token, cbase, cr0, stage cs, its barrier's phase cph) walk the
+      // same units, the loads at most kCombineStages units ahead (the one summed included). A token's ring
+      // entry (its number s_tok and its rows) is filled when its first unit is issued, so the loads are at
+      // most kCombineStages - 1 tokens ahead: entries never collide with the sums' reads (grad's included: a
+      // syncwarp closes them before the next fill, which may take the entry of a token whose last unit was
+      // just summed).
+      TokenQueue queue(s_queue);
+      int pt = queue.next(s_queue, T), pn = 0, pbase = 0, pr0 = 0, ps = 0;
+      int cn = 0, cbase = 0, cr0 = 0, cs = 0, in_flight = 0;
       uint32_t cph = 0;
       const auto issue = [&] {
         const int q = pn % kCombineStages;
-        if (pbase == 0 && pr0 == 0) fill(pt, q);
+        if (pbase == 0 && pr0 == 0) {
+          if (lane == 0) s_tok[warp][q] = pt;
+          fill(pt, q);  // (its syncwarp publishes s_tok too)
+        }
         const int s = ps;
         if (lane == 0) {
           const int m = num_packs - pbase < kCombineStep ? num_packs - pbase : kCombineStep;
@@ -275,15 +284,17 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
           pr0 = 0;
           if ((pbase += kCombineStep) >= num_packs) {
             pbase = 0;
-            pt += stride;
+            pt = queue.next(s_queue, T);
             ++pn;
           }
         }
       };
       float acc[kPacks][Vec];
-      while (ct < T) {
+      for (;;) {
         while (pt < T && in_flight < kCombineStages) issue();  // (the next units load while this one is summed)
+        if (in_flight == 0) break;
         const int q = cn % kCombineStages;
+        const int ct = s_tok[warp][q];
         bulk::wait(&s_bar[warp][cs], cph);
         const Pack* st = ring + cs * kUnit + lane;
         const bool full = cbase + kCombineStep <= num_packs;
@@ -305,7 +316,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
               grad(ct, q);
               gpu::syncwarp();  // (its reads of entry q before the next issue's fill may rewrite it)
             }
-            ct += stride;
             ++cn;
           }
         }
@@ -314,7 +324,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   }
 #endif
   if (!summed) {
-    for (int t = first_t; t < T; t += stride) {
+    TokenQueue queue(s_queue);
+    for (int t = queue.next(s_queue, T); t < T; t = queue.next(s_queue, T)) {
       fill(t, 0);
       const Pack* const* src = s_src[warp][0];
       for (int base = 0; base < num_packs; base += kCombineStep) {

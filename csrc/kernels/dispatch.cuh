@@ -2,7 +2,8 @@
 //
 // Row t of source s lands at row send_offset_s[r] + send_pos_s[t, r] of receiver r, i.e. rows are
 // ordered by (source rank, source token) — the contract order of DESIGN §2 — and rows at or past
-// the capacity C are the ones dropped. One warp moves one token to each rank it goes to.
+// the capacity C are the ones dropped. One warp moves one token to each rank it goes to, taking its
+// next token from the rank's queue when it is done (kernels/token_queue.cuh).
 // The receiver meanwhile zero-fills its padding rows [min(sum(recv_counts), C), C), which no source
 // writes.
 // A receiver's own rows go to a.own_x / a.own_x2 instead when given (the caller's result tensors;
@@ -36,6 +37,7 @@
 #include "kernels/rows.cuh"
 #include "kernels/stamps.cuh"
 #include "kernels/sync.cuh"
+#include "kernels/token_queue.cuh"
 
 namespace omniep {
 
@@ -58,6 +60,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
 
   bool any_remote = false;
   if constexpr (Tr::kHasRemote) any_remote = tr.any_remote();
+  token_queue_reset(my_ws, kQueueDispatch);  // (the start barrier waits on every block)
   if (routing && blockIdx.x == 0) {
     for (int l = threadIdx.x; l < L; l += blockDim.x) my_ws->expert_counter[l] = 0;
     if (any_remote) {
@@ -108,7 +111,8 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   const float* weights = tr.local(a.topk_weights);
   const int lane = gpu::lane_id();
   const int warps = gpu::warps_per_block();
-  for (int t = blockIdx.x * warps + gpu::warp_id(); t < T; t += gridDim.x * warps) {
+  TokenQueue queue(&my_ws->work_next[kQueueDispatch]);  // a warp takes its next token when it is free
+  for (int t = queue.next(&my_ws->work_next[kQueueDispatch], T); t < T; t = queue.next(&my_ws->work_next[kQueueDispatch], T)) {
     // Lane r < R: where token t lands at rank r (or nowhere). The row is read once and stored to
     // every destination (warp_copy_row_multi).
     uint8_t* dst_x = nullptr;

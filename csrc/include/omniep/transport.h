@@ -138,6 +138,12 @@ struct alignas(128) RankWorkspace {
   int32_t route_rows[kMaxRouteBlocks * kMaxRanks];
   int32_t route_bad;
   int64_t route_bad_id;
+  // Tokens taken so far by the rank's warps in the current rank-major dispatch / combine
+  // (kernels/token_queue.cuh; mine only): zeroed by block 0 before the kernel's start barrier.
+  uint32_t work_next[2];
 };
+
+// work_next's queues.
+enum WorkQueue : int { kQueueDispatch = 0, kQueueCombine = 1 };
 
 }  // namespace omniep
