@@ -50,6 +50,12 @@ def edge_cases(world: int) -> list:
         make_case(13, num_experts=2 * R, num_tokens=6, hidden=3, dtype="bfloat16", **common),  # odd row bytes
         make_case(10, num_experts=2 * R, num_tokens=[2] * R, hidden=256, dtype="float8_e4m3fn", capacity=2 * R,
                   **common),
+        # y past 4 MiB (the combine's copy-in is a launch of its own, not fused) — more tokens than the kernel's
+        # warps (the bulk loads) and fewer (the register path)
+        make_case(17, num_experts=4 * R, num_tokens=[900 + 7 * r for r in range(R)], hidden=2048, dtype="bfloat16",
+                  **common),
+        make_case(18, num_experts=4 * R, num_tokens=[300 - 5 * r for r in range(R)], hidden=4096, dtype="float32",
+                  **common),
         # expert-major: the same kinds of edges, per (token, local expert) copy
         make_case(2, num_experts=2 * R, num_tokens=0, hidden=8, layout=EM, capacity=3, **common),
         make_case(4, num_experts=2 * R, num_tokens=uneven, hidden=8, dtype="float16", index_dtype="int64", layout=EM,
