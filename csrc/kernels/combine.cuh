@@ -61,7 +61,8 @@ OMNIEP_DEVICE const void* y_of(const Tr& tr, const CombineArgs& a, int r) {
 // Scalar is the element type; Vec elements per lane per step (16 bytes when rows allow, else 1).
 //
 // A warp sums one token at a time (the next from the rank's queue when it is done: kernels/token_queue.cuh),
-// a step (kCombineStep packs of the row) at a time, the ranks' rows of a step two at a time. Two ways to load them, the same sums in the same order (bitwise the same):
+// a step (kCombineStep packs of the row) at a time, the ranks' rows of a step two at a time. Two ways to
+// load them, the same sums in the same order (bitwise the same):
 // - registers: each lane loads its packs of two ranks, then adds them (every lane of every instance);
 // - bulk (CUDA sm_90, 16-byte packs, when the launch gave the ring: combine_ring_smem): lane 0 issues a
 //   TMA bulk load of each rank's span of the step into this warp's ring in shared memory, kCombineStages
@@ -233,7 +234,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   if constexpr (sizeof(Pack) == 16) {
     // (With at most one token per warp — 128 tokens on 384 warps — the ring's set-up cost more than it
     // saved: +1.1 µs on one H100, 2026-11-27. The launchers then give no ring: combine_ring_smem.)
-    if (num_packs > 0 && T > static_cast<int>(gridDim.x) * gpu::warps_per_block() && bulk::dynamic_smem_bytes() >= kCombineRingBytes) {
+    if (num_packs > 0 && T > static_cast<int>(gridDim.x) * gpu::warps_per_block() &&
+        bulk::dynamic_smem_bytes() >= kCombineRingBytes) {
       summed = true;
       extern __shared__ __align__(128) uint8_t s_ring[];
       __shared__ __align__(8) uint64_t s_bar[kWarps][kCombineStages];

@@ -111,8 +111,9 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   const float* weights = tr.local(a.topk_weights);
   const int lane = gpu::lane_id();
   const int warps = gpu::warps_per_block();
-  TokenQueue queue(&my_ws->work_next[kQueueDispatch]);  // a warp takes its next token when it is free
-  for (int t = queue.next(&my_ws->work_next[kQueueDispatch], T); t < T; t = queue.next(&my_ws->work_next[kQueueDispatch], T)) {
+  uint32_t* const tokens = &my_ws->work_next[kQueueDispatch];
+  TokenQueue queue(tokens);  // a warp takes its next token when it is free
+  for (int t = queue.next(tokens, T); t < T; t = queue.next(tokens, T)) {
     // Lane r < R: where token t lands at rank r (or nowhere). The row is read once and stored to
     // every destination (warp_copy_row_multi).
     uint8_t* dst_x = nullptr;

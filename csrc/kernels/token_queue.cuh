@@ -23,8 +23,8 @@ OMNIEP_DEVICE void token_queue_reset(RankWorkspace* ws, int queue) {
 }
 
 // A warp's view of the queue: one lane always holds one ticket taken ahead, so the atomic's round trip runs
-// while the warp moves its current token. Every lane calls next() together, with the counter the constructor got
-// (passed again, not kept: a kernel at its register cap recomputes it from its parameters instead of holding a
+// while the warp moves its current token. Every lane calls next() together, with the counter the constructor
+// got (passed again, not kept: a kernel at its register cap reads it from shared memory instead of holding a
 // pointer across its loop).
 class TokenQueue {
  public:
