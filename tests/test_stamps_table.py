@@ -30,3 +30,20 @@ def test_medians_per_mark_skip_warm_up_and_repeated_marks(tmp_path):
     # calls 1..5: counted 2.1 .. 2.5 µs, median 2.3; the second "arrived" is its own row
     assert rows == {"counted": "2.3", "arrived": "3.0", "exchanged": "9.0", "arrived#2": "20.0"}, rows
     assert "5 calls after 1 skipped" in out
+
+
+def test_warp_marks_are_rows_of_their_own(tmp_path):
+    # OMNIEP_STAMP_WARPS prints the first and the last warp's time beside thread 0's mark of the same name
+    lines = []
+    for call in range(3):
+        start = 1_000_000 * (call + 1)
+        for mark, ns in (("pushed", 120_000), ("pushed(first_warp)", 110_000 + call),
+                         ("pushed(last_warp)", 185_000 + 1000 * call)):
+            lines.append(f"omniep-stamp dispatch_kernel rank=1 block=23 start={start} {mark}={ns}")
+    log = tmp_path / "rank1"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    out = mod.table(mod.parse([str(log)]), skip=0)
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
+            if line.startswith("| ") and "mark" not in line}
+    assert rows == {"pushed": "120.0", "pushed(first_warp)": "110.0", "pushed(last_warp)": "186.0"}, rows

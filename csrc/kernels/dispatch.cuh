@@ -167,6 +167,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     }
   }
 
+  OMNIEP_STAMP_WARPS(0, "pushed");
   OMNIEP_STAMP("pushed");
   // ---- zero my padding rows [rows received, C) ----
   {

@@ -218,6 +218,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       }
     }
   }
+  OMNIEP_STAMP_WARPS(0, "pulled");
   OMNIEP_STAMP("pulled");
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
   OMNIEP_STAMP("end_barrier");
