@@ -2,9 +2,10 @@
 # Phase stamps of the expert-major ("low-latency") kernels at DeepEP's decode shape (issue 14): a
 # profiling build (OMNIEP_STAMPS=ON, csrc/kernels/stamps.cuh), then benchmarks/ll_gpu.py --plain (the ops
 # back to back, nothing else timed) at one rank and, where two GPUs are visible, two ranks one GPU each;
-# each run's table of medians (scripts/stamps_table.py) under $OUT. Where the time of a kernel whose
-# ranks wait on each other goes — what ncu's replay cannot show. Leaves a stamped build behind: the next
-# build_all without OMNIEP_STAMPS rebuilds.
+# each run's table of medians (scripts/stamps_table.py) under $OUT — with, for the push / pull loops, the
+# first and the last warp of each stamped block (`(first_warp)` / `(last_warp)` rows: how far apart they
+# finish). Where the time of a kernel whose ranks wait on each other goes — what ncu's replay cannot show.
+# Leaves a stamped build behind: the next build_all without OMNIEP_STAMPS rebuilds.
 #   OUT=... scripts/stamps_ll.sh     (on the device machine)
 #   SHAPE=ht scripts/stamps_ll.sh    the rank-major kernels at DeepEP's normal shape instead (static and
 #                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank and, where two
