@@ -6,7 +6,7 @@
 // Thread 0 of the first and the last block reads the device's global timer (ns) at each mark and, at
 // the end, prints one line per mark. A warp mark (OMNIEP_STAMP_WARPS, every warp of the block at a point
 // each reaches on its own, e.g. the end of its share of a loop) keeps the first and the last warp's time:
-// two lines, `<mark>(first warp)` and `<mark>(last warp)` — thread 0's marks see only warp 0.
+// two lines, `<mark>(first_warp)` and `<mark>(last_warp)` — thread 0's marks see only warp 0.
 //   omniep-stamp <kernel> rank=<r> block=<b> start=<ns> <mark>=<ns since start>
 // `start` is the block's first stamp in the device's timer (it tells calls apart; two GPUs' timers are
 // not aligned). scripts/stamps_table.py turns a run's lines into a table of medians.
