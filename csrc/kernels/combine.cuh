@@ -356,8 +356,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       gpu::syncwarp();  // the ring entry is rewritten for the next token
     }
   }
-  OMNIEP_STAMP_WARPS(0, "summed");
-  OMNIEP_STAMP("summed");
+  OMNIEP_STAMP_WARPS("summed");
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
   OMNIEP_STAMP("end_barrier");
   OMNIEP_STAMPS_END("combine_kernel", me);

@@ -167,8 +167,7 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
     }
   }
 
-  OMNIEP_STAMP_WARPS(0, "pushed");
-  OMNIEP_STAMP("pushed");
+  OMNIEP_STAMP_WARPS("pushed");
   // ---- zero my padding rows [rows received, C) ----
   {
     // (route: block 0 writes recv_counts after the start barrier, so the other blocks read the matrix)

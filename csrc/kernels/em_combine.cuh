@@ -218,8 +218,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       }
     }
   }
-  OMNIEP_STAMP_WARPS(0, "pulled");
-  OMNIEP_STAMP("pulled");
+  OMNIEP_STAMP_WARPS("pulled");
   rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
   OMNIEP_STAMP("end_barrier");
   OMNIEP_STAMPS_END(a.phase == kEMReceive ? "em::combine_kernel(receive)" : "em::combine_kernel", me);

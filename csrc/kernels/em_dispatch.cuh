@@ -267,8 +267,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     }
   }
 
-  OMNIEP_STAMP_WARPS(0, "pushed");
-  OMNIEP_STAMP("pushed");
+  OMNIEP_STAMP_WARPS("pushed");
   // ---- results ----
   // The counted slots [0, recv_expert_count[l]) of every local expert are the result; the rest is
   // padding, which no source writes and nothing here touches unless zero_padding asks for zeros.

@@ -4,9 +4,9 @@
 // -e .`); otherwise every macro below is empty and the kernels are unchanged.
 //
 // Thread 0 of the first and the last block reads the device's global timer (ns) at each mark and, at
-// the end, prints one line per mark. A warp mark (OMNIEP_STAMP_WARPS, every warp of the block at a point
-// each reaches on its own, e.g. the end of its share of a loop) keeps the first and the last warp's time:
-// two lines, `<mark>(first_warp)` and `<mark>(last_warp)` — thread 0's marks see only warp 0.
+// the end, prints one line per mark. A warp mark (OMNIEP_STAMP_WARPS, one per kernel: every warp of the
+// block at a point each reaches on its own, e.g. the end of its share of a loop) is thread 0's mark plus
+// the first and the last warp's time: `<mark>(first_warp)` and `<mark>(last_warp)` — thread 0 is warp 0.
 //   omniep-stamp <kernel> rank=<r> block=<b> start=<ns> <mark>=<ns since start>
 // `start` is the block's first stamp in the device's timer (it tells calls apart; two GPUs' timers are
 // not aligned). scripts/stamps_table.py turns a run's lines into a table of medians.
@@ -22,41 +22,37 @@
 namespace omniep {
 
 inline constexpr int kMaxStamps = 12;
-inline constexpr int kMaxWarpStamps = 2;
 
 struct PhaseStamps {
   uint64_t t[kMaxStamps];
   const char* name[kMaxStamps];
   int n;
-  // Warp marks: since the start, the first and the last warp (unsigned long long for atomicMin / Max).
-  unsigned long long warp_first[kMaxWarpStamps], warp_last[kMaxWarpStamps];
-  const char* warp_name[kMaxWarpStamps];
-  int warp_n;
+  // The warp mark: since the start, the first and the last warp (unsigned long long for atomicMin / Max);
+  // no name: none was met.
+  unsigned long long warp_first, warp_last;
+  const char* warp_name;
   OMNIEP_DEVICE bool on() const {
     return threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x);
   }
   OMNIEP_DEVICE void begin() {
     if (on()) {  // (only the stamping thread touches n: another warp may start after its first mark)
       n = 0;
-      warp_n = 0;
-      for (int i = 0; i < kMaxWarpStamps; ++i) {
-        warp_first[i] = ~0ull;
-        warp_last[i] = 0;
-        warp_name[i] = nullptr;
-      }
+      warp_first = ~0ull;
+      warp_last = 0;
+      warp_name = nullptr;
       mark("start");
     }
   }
-  // Every warp of a stamping block, lane 0 counting: mark i (in the order the kernel's warp marks appear;
-  // the block's threads synchronised at least once since begin(), which every kernel's barriers do).
-  OMNIEP_DEVICE void warp_mark(int i, const char* what) {
-    if ((blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x) && gpu::lane_id() == 0 && i < kMaxWarpStamps) {
+  // Every warp of a stamping block, lane 0 counting (the block's threads synchronised at least once since
+  // begin(), which every kernel's barriers do); thread 0 also takes it as its own mark.
+  OMNIEP_DEVICE void warp_mark(const char* what) {
+    if ((blockIdx.x == 0 || blockIdx.x + 1 == gridDim.x) && gpu::lane_id() == 0) {
       const unsigned long long at = gpu::global_timer_ns() - t[0];
-      atomicMin(&warp_first[i], at);
-      atomicMax(&warp_last[i], at);
-      warp_name[i] = what;
-      if (threadIdx.x == 0 && warp_n <= i) warp_n = i + 1;
+      atomicMin(&warp_first, at);
+      atomicMax(&warp_last, at);
+      warp_name = what;
     }
+    mark(what);
   }
   OMNIEP_DEVICE void mark(const char* what) {
     if (on() && n < kMaxStamps) {
@@ -70,11 +66,11 @@ struct PhaseStamps {
       printf("omniep-stamp %s rank=%d block=%d start=%llu %s=%llu\n", kernel, rank, static_cast<int>(blockIdx.x),
              static_cast<unsigned long long>(t[0]), name[i], static_cast<unsigned long long>(t[i] - t[0]));
     }
-    for (int i = 0; i < warp_n; ++i) {  // (the kernel's barriers ordered every warp's mark before this)
+    if (warp_name != nullptr) {  // (the kernel's barriers ordered every warp's mark before this)
       printf("omniep-stamp %s rank=%d block=%d start=%llu %s(first_warp)=%llu\n", kernel, rank,
-             static_cast<int>(blockIdx.x), static_cast<unsigned long long>(t[0]), warp_name[i], warp_first[i]);
+             static_cast<int>(blockIdx.x), static_cast<unsigned long long>(t[0]), warp_name, warp_first);
       printf("omniep-stamp %s rank=%d block=%d start=%llu %s(last_warp)=%llu\n", kernel, rank,
-             static_cast<int>(blockIdx.x), static_cast<unsigned long long>(t[0]), warp_name[i], warp_last[i]);
+             static_cast<int>(blockIdx.x), static_cast<unsigned long long>(t[0]), warp_name, warp_last);
     }
   }
 };
@@ -90,7 +86,7 @@ OMNIEP_DEVICE PhaseStamps& phase_stamps() {
 
 #define OMNIEP_STAMPS_BEGIN() ::omniep::phase_stamps().begin()
 #define OMNIEP_STAMP(what) ::omniep::phase_stamps().mark(what)
-#define OMNIEP_STAMP_WARPS(i, what) ::omniep::phase_stamps().warp_mark(i, what)
+#define OMNIEP_STAMP_WARPS(what) ::omniep::phase_stamps().warp_mark(what)
 #define OMNIEP_STAMPS_END(kernel, rank) ::omniep::phase_stamps().print(kernel, rank)
 #else
 #define OMNIEP_STAMPS_BEGIN() \
@@ -99,8 +95,8 @@ OMNIEP_DEVICE PhaseStamps& phase_stamps() {
 #define OMNIEP_STAMP(what) \
   do {                     \
   } while (0)
-#define OMNIEP_STAMP_WARPS(i, what) \
-  do {                              \
+#define OMNIEP_STAMP_WARPS(what) \
+  do {                           \
   } while (0)
 #define OMNIEP_STAMPS_END(kernel, rank) \
   do {                                  \
