@@ -15,7 +15,8 @@ import re
 import statistics
 from collections import defaultdict
 
-LINE = re.compile(r"omniep-stamp (\S+) rank=(\d+) block=(\d+) start=(\d+) (\S+)=(\d+)")
+# A kernel's name may hold spaces ("em::dispatch_kernel(fp8 cast)"); a mark's does not.
+LINE = re.compile(r"omniep-stamp (\S.*?) rank=(\d+) block=(\d+) start=(\d+) (\S+)=(\d+)")
 
 
 def parse(paths: list[str]) -> dict:

@@ -47,3 +47,16 @@ def test_warp_marks_are_rows_of_their_own(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
             if line.startswith("| ") and "mark" not in line}
     assert rows == {"pushed": "120.0", "pushed(first_warp)": "110.0", "pushed(last_warp)": "186.0"}, rows
+
+
+def test_kernel_names_with_spaces_are_kept(tmp_path):
+    # the fp8 dispatch prints "em::dispatch_kernel(fp8 cast)": its lines were dropped when names were one word
+    lines = [f"omniep-stamp em::dispatch_kernel(fp8 cast) rank=0 block=0 start={s} cast={c}"
+             for s, c in ((1000, 1_000), (2000, 3_000), (3000, 2_000))]
+    lines.append("omniep-stamp em::dispatch_kernel rank=0 block=0 start=5000 cast=9000")
+    log = tmp_path / "rank0"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    calls = mod.parse([str(log)])
+    assert sorted(calls) == ["em::dispatch_kernel", "em::dispatch_kernel(fp8 cast)"]
+    assert "| cast | 2.0 |" in mod.table({"k": calls["em::dispatch_kernel(fp8 cast)"]}, skip=0)
