@@ -42,7 +42,9 @@ if [[ "$PART" != tests ]]; then
   # the cache (benchmarks/RESULTS.md, 2026-11-26 16:23: launch configs of the first shapes, suspected).
   export TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)"
   step bench_hot_path 200 "$PY" benchmarks/hot_path_gpu.py --world 1 --out "$OUT/hot_path_world1.json"
-  step bench_host_split 100 "$PY" benchmarks/host_split_gpu.py
+  step bench_host_split 100 "$PY" benchmarks/host_split_gpu.py --stamps
+  # ... at DeepEP's normal shape too: where a rank-major pair's host time goes when y passes 4 MiB
+  step bench_host_split_ht 120 "$PY" benchmarks/host_split_gpu.py --tokens 4096 --iters 100 --stamps
   step bench_ll_ops 120 "$PY" benchmarks/ll_gpu.py --world 1 --out "$OUT/ll_ops.json"
   step bench_native 90 "$PY" benchmarks/bench_native.py
 fi
