@@ -55,8 +55,12 @@ static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combin
 // ranks its own share (step 3 over [i0, i1)), starting each expert where the lower source ranks and
 // the earlier shares end: the slots are those of em_layout_kernel, bit for bit. Returns false when
 // the op stopped (the handle then routes nothing). Dynamic shared memory: 2 * E ints.
+// `cast_here`: the block also casts the tokens of its share (whole tokens: [i0 / K, i1 / K)) to fp8 — after
+// its arrival at the exchange barrier, while the signals travel (a split barrier, barrier_splits_here), so
+// the cast costs no time of its own where the exchange waits for a peer; the block's warps push only those
+// tokens, so its own __syncthreads publishes them.
 template <typename Index, typename Tr>
-OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t i0, int64_t i1) {
+OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t i0, int64_t i1, bool cast_here) {
   extern __shared__ int s_mem[];  // [E] first slot of each expert for my share; block 0: [E] all my copies
   __shared__ OpDesc s_desc;       // mine, with the verdict on my ids (block 0's is the one exchanged)
   __shared__ int s_bad;
@@ -106,7 +110,22 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   int32_t* copy_slot = const_cast<int32_t*>(tr.local(a.copy_slot));
   int32_t* count_out = first ? const_cast<int32_t*>(tr.local(a.recv_expert_count)) : nullptr;
   OMNIEP_STAMP("counted");
-  if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc)) {
+  // Split where it can be (the same barrier: the arrival and signals, then the wait), so that a block's
+  // fp8 cast runs while the signals travel.
+  const bool split = barrier_splits_here(tr);
+  bool go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc,
+                         split ? kBarrierSignalOnly : kBarrierFull);
+  if (go && split) {
+    if (cast_here) {
+      const int K = a.num_topk;
+      cast_fp8_rows(reinterpret_cast<const gpu::bfloat16*>(tr.local(a.cast_src)), const_cast<uint8_t*>(tr.local(a.x)),
+                    reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))), i0 / K, i1 / K,
+                    static_cast<int>(a.row_bytes), a.cast_round_scale != 0, gpu::warp_id(), gpu::warps_per_block());
+      OMNIEP_STAMP("cast");
+    }
+    go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc, kBarrierWaitHere);
+  }
+  if (!go) {
     em_route_nothing(copy_slot, i0, i1, count_out, tr.local(a.route.num_recv_tokens_per_expert), L,
                      tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr);
     return false;
@@ -181,7 +200,10 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     OMNIEP_STAMPS_END("em::dispatch_kernel(receive)", me);
     return;
   }
-  if (const uint8_t* src = tr.local(a.cast_src)) {  // x, x2: this kernel's own staging (the barrier publishes them)
+  // fp8: x, x2 are this kernel's own staging — cast by the routing front's blocks, each its own tokens, while
+  // the exchange's signals travel; else here, by the grid (the barrier publishes them).
+  const bool cast_in_front = a.route.on && barrier_splits_here(tr);
+  if (const uint8_t* src = cast_in_front ? nullptr : tr.local(a.cast_src)) {
     grid_cast_fp8(reinterpret_cast<const gpu::bfloat16*>(src), const_cast<uint8_t*>(tr.local(a.x)),
                   reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))), T, static_cast<int>(a.row_bytes),
                   a.cast_round_scale != 0);
@@ -193,13 +215,13 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   int64_t all_warps = static_cast<int64_t>(gridDim.x) * warps;
   bool go;
   if (a.route.on) {
-    const int64_t per = (n + gridDim.x - 1) / gridDim.x;
+    const int64_t per = (T + gridDim.x - 1) / gridDim.x * K;  // whole tokens (the front's fp8 cast)
     const int64_t at = static_cast<int64_t>(blockIdx.x) * per;
     const int64_t i0 = at < n ? at : n;
     end = i0 + per < n ? i0 + per : n;
     first_warp = i0 + gpu::warp_id();
     all_warps = warps;
-    go = em_route_front<Index>(a, tr, i0, end);
+    go = em_route_front<Index>(a, tr, i0, end, cast_in_front && tr.local(a.cast_src) != nullptr);
     OMNIEP_STAMP("slots");
   } else {
     go = rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me]);

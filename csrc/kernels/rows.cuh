@@ -209,25 +209,31 @@ OMNIEP_DEVICE float pow2_ceil(float v) {
   return gpu::uint_as_float((((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
 }
 
-// Cast row t of x [T, H] bf16 to x8 [T, H] e4m3 and scales [T, H / 128] fp32, every warp of the grid:
+// Cast row t of x [T, H] bf16 to x8 [T, H] e4m3 and scales [T, H / 128] fp32:
 // amax over each block of 128 channels (NaN propagates), scale = max(amax, 1e-4) / 448 (round_scale:
 // then rounded up to a power of two), x8 = e4m3(x / scale) — each step one IEEE rounding, as torch does
 // it. Half a warp per (token, block of 128): 8 channels per lane, one 16-byte load and one 8-byte store
 // (element loads where x is not 16-byte aligned), so a warp casts two blocks per round and a decode
 // batch (128 tokens x 56 blocks) takes under two rounds of 132 x 16 warps, where a warp per block
 // with 2-byte loads took four. (The max is exact, so the lanes' order of it does not change a bit.)
-OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* scales, int T, int H, bool round_scale) {
+// Rows [t0, t1), by the warps first_warp, first_warp + warps, ... (grid_cast_fp8: every row, every warp of
+// the grid; the expert-major dispatch's routing front: a block its own tokens, while its barrier's signals
+// travel).
+OMNIEP_DEVICE void cast_fp8_rows(const gpu::bfloat16* x, uint8_t* x8, float* scales, int64_t t0, int64_t t1, int H,
+                                 bool round_scale, int64_t first_warp, int64_t warps) {
   constexpr int kLanes = 16;                 // lanes per block of 128 channels
   constexpr int kPer = kFp8Block / kLanes;   // channels per lane
   struct alignas(16) In { gpu::bfloat16 v[kPer]; };
   struct alignas(8) Out { uint8_t v[kPer]; };
   const int nb = H / kFp8Block, lane = gpu::lane_id();
   const int half = lane / kLanes, sub = lane % kLanes;
-  const int64_t items = static_cast<int64_t>(T) * nb;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * gpu::warps_per_block();
+  const int64_t items = (t1 - t0) * nb;
+  x += t0 * H;
+  x8 += t0 * H;
+  scales += t0 * nb;
   const bool vec = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;  // (x8 is the kernel's own staging)
-  for (int64_t pair = gpu::grid_warp_spread(); 2 * pair < items; pair += warps) {
-    const int64_t item = 2 * pair + half;  // (t, b): x[t * H + b * 128 + c]
+  for (int64_t pair = first_warp; 2 * pair < items; pair += warps) {
+    const int64_t item = 2 * pair + half;  // (t - t0, b): x[t * H + b * 128 + c]
     const bool on = item < items;          // (both halves shuffle; only a real item stores)
     const int64_t at = item * kFp8Block + sub * kPer;
     float v[kPer];
@@ -252,6 +258,11 @@ OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* sca
     *reinterpret_cast<Out*>(x8 + at) = out;
     if (sub == 0) scales[item] = scale;
   }
+}
+
+OMNIEP_DEVICE void grid_cast_fp8(const gpu::bfloat16* x, uint8_t* x8, float* scales, int T, int H, bool round_scale) {
+  cast_fp8_rows(x, x8, scales, 0, T, H, round_scale, gpu::grid_warp_spread(),
+                static_cast<int64_t>(gridDim.x) * gpu::warps_per_block());
 }
 
 // ---- element conversion (exact widening to fp32; one round-to-nearest-even narrowing) ----

@@ -210,8 +210,11 @@ struct NoPuts {
 // the first kernel signals the peers without waiting for them (kBarrierSignalOnly, `all_wait` must be
 // false), the second waits for those signals without sending any (kBarrierWaitOnly). Each half keeps
 // the counters the whole barrier keeps; the descriptor travels with the signals and is judged once
-// they have all arrived.
-enum BarrierMode : int { kBarrierFull = 0, kBarrierSignalOnly = 1, kBarrierWaitOnly = 2 };
+// they have all arrived. Within ONE kernel (rank_barrier_flat only: peers reached by loads and stores) a
+// barrier may be split too, so that a block works while its signals travel: kBarrierSignalOnly, the block's
+// own work, then kBarrierWaitHere, which waits for the targets and judges the descriptor slot the signalling
+// half read (a later block's arrival has moved expected[] on by then: the wait half cannot read them again).
+enum BarrierMode : int { kBarrierFull = 0, kBarrierSignalOnly = 1, kBarrierWaitOnly = 2, kBarrierWaitHere = 3 };
 
 // The barrier with a remote peer (the scheme at the top of this file: block 0 gathers the blocks,
 // signals and waits, then releases them), where a peer is reached by the transport's puts and signals.
@@ -341,19 +344,20 @@ __device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const 
   const int me = tr.rank(), R = tr.num_ranks();
   const int t = static_cast<int>(threadIdx.x);
   RankWorkspace* ws = tr.workspace(me);
+  const bool here = mode == kBarrierWaitHere;  // s_target / s_slot: the signalling half's, kept
   __syncthreads();  // the block's work is done: thread 0's arrival below carries it
   // expected[] as this barrier found it: the last block rewrites it only after every block arrived.
-  if (t < R) s_target[t] = ws->expected[t] + (mode == kBarrierWaitOnly ? 0 : 1);
+  if (t < R && !here) s_target[t] = ws->expected[t] + (mode == kBarrierWaitOnly ? 0 : 1);
   if (t == 0) {
     s_ok = !has_error(ws);
     // A later kernel of an op that stopped at its first exchange: no rank takes part in this barrier.
     if (desc != nullptr && desc->w[kDescPart] > 0 && ws->abort_seq == desc->w[kDescSeq] + 1) s_ok = 0;
-    s_slot = static_cast<int>((ws->expected[me] + (mode == kBarrierWaitOnly ? 0 : 1)) & 1u);
+    if (!here) s_slot = static_cast<int>((ws->expected[me] + (mode == kBarrierWaitOnly ? 0 : 1)) & 1u);
     s_last = 0;
   }
   __syncthreads();
   if (!s_ok) return false;
-  if (mode != kBarrierWaitOnly) {
+  if (mode == kBarrierFull || mode == kBarrierSignalOnly) {
     if (desc != nullptr && blockIdx.x == 0 && t < R) tr.workspace(t)->desc[s_slot][me] = *desc;  // mine too
     __syncthreads();  // (block 0: the descriptor's stores go with the arrival)
     if (t == 0) s_last = gpu::fetch_add_acq_rel_gpu(&ws->arrive, 1u) + 1 == gridDim.x;
@@ -370,7 +374,7 @@ __device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const 
       if (t < R) signal_peer(tr, t, me);  // a release add: every block's writes (acquired above) go with it
     }
   }
-  OMNIEP_STAMP(s_last ? "arrived(last)" : "arrived");
+  if (!here) OMNIEP_STAMP(s_last ? "arrived(last)" : "arrived");
   if (mode == kBarrierSignalOnly || (!all_wait && blockIdx.x != 0)) return true;
   if (t < R && !wait_for([&] { return signals_from(tr, ws, t); }, s_target[t], tr.timeout_ns())) {
     if (t == me) {
@@ -433,6 +437,14 @@ __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts =
     if (tr.any_remote()) return rank_barrier_gather(tr, phase, all_wait, puts, desc, mode);
   }
   return rank_barrier_flat(tr, phase, all_wait, desc, mode);
+}
+
+// Whether this rank's barriers may be split inside one kernel (kBarrierSignalOnly, then kBarrierWaitHere):
+// rank_barrier_flat's, not the gather's (a remote peer), whose block 0 signals only once every block arrived.
+template <typename Tr>
+OMNIEP_DEVICE bool barrier_splits_here(const Tr& tr) {
+  if constexpr (Tr::kHasRemote) return !tr.any_remote();
+  return true;
 }
 
 // One thread: zero the transport's counters of signals from remote peers (after a reset of the
