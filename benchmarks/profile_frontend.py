@@ -6,6 +6,11 @@ process group; prints the wall time per call pair and the functions with the mos
 (host waits on the GPU show up as ``tolist`` / ``item`` / ``synchronize`` / collective waits).
 
     python benchmarks/profile_frontend.py [--gpus 2] [--tokens 4096] [--iters 20]
+
+``--buffer-ll``: instead, DeepEP's low-latency decode step as its ``test_low_latency.py`` times it
+(``Buffer.low_latency_dispatch`` fp8 with ``cumulative_local_expert_recv_stats``, then
+``Buffer.low_latency_combine`` of a plain tensor; 288 experts, ``--tokens`` per rank, e.g. 128), and the
+functions are listed by their own time too (where the Buffer's Python layer spends it).
 """
 
 from __future__ import annotations
@@ -40,6 +45,20 @@ def rank_main(rank: int, world: int, port: int, args: dict):
         d = ep.dispatch(x, idx, w, **kw)
         return ep.combine(d.recv_x, d.handle)
 
+    if args["buffer_ll"]:
+        E = 288
+        idx = torch.rand(T, E, device="cuda", generator=gen).topk(K, dim=1).indices
+        buf = ep.Buffer(None, 0, ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E), low_latency_mode=True,
+                        num_qps_per_rank=max(1, E // world))
+        stats = torch.zeros(E // world, dtype=torch.int32, device="cuda")
+        recv, _, _, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        y = torch.randn(recv.shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+        def step():  # DeepEP's test_func(return_recv_hook=False)
+            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
+                                                          use_fp8=True, async_finish=False, return_recv_hook=False)
+            return buf.low_latency_combine(y, idx, w, handle, use_logfmt=False, return_recv_hook=False)
+
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -54,6 +73,8 @@ def rank_main(rank: int, world: int, port: int, args: dict):
     per_call = (time.perf_counter() - t0) / args["iters"]
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    if args["buffer_ll"]:
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     dist.barrier()
     dist.destroy_process_group()
     return per_call, text.getvalue() if rank == 0 else ""
@@ -66,11 +87,13 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--backend", default="cuda_nvshmem")
+    p.add_argument("--buffer-ll", action="store_true", help="DeepEP's low-latency step through Buffer instead")
     a = p.parse_args(argv)
     from omniep.testing.procs import run_ranks
 
     res = run_ranks(rank_main, a.gpus, args=(vars(a),), timeout=300)
-    print("dispatch + combine through omniep.torch, wall per call pair (ms):",
+    print("Buffer.low_latency_dispatch + low_latency_combine" if a.buffer_ll else
+          "dispatch + combine through omniep.torch", "wall per call pair (ms):",
           [round(r[0] * 1e3, 3) for r in res])
     print(res[0][1])
     return 0
