@@ -50,6 +50,8 @@ struct PrepareCall {
   int32_t* num_recv_tokens_per_expert;  // [L] expert-major: the same rounded up to expert_alignment
   int32_t* em_num_recv;            // [] expert-major copies kept
   int32_t* em_dropped;             // [] expert-major copies dropped
+  int32_t* recv_stats;             // [L] expert-major, optional: += recv_expert_count by the dispatch kernel's
+                                   // routing front (DeepEP's cumulative_local_expert_recv_stats)
 };
 
 struct PrepareResult {

@@ -411,6 +411,7 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
     a.route.num_recv_tokens_per_expert = mine<int32_t>(g, p->num_recv_tokens_per_expert);
     a.route.num_recv = mine<int32_t>(g, p->em_num_recv);
     a.route.dropped = mine<int32_t>(g, p->em_dropped);
+    a.route.recv_stats = mine<int32_t>(g, p->recv_stats);
   }
   // With the route these are the front's outputs (prepare's arrays), else prepare's results.
   a.topk_idx32 = mine<const int32_t>(g, c.route ? c.route->topk_idx32 : c.topk_idx32);

@@ -53,6 +53,8 @@ struct EMRouteArgs {
   PerRank<int32_t> num_recv_tokens_per_expert;    // out [L]: rounded up to expert_alignment
   PerRank<int32_t> num_recv;                      // out []
   PerRank<int32_t> dropped;                       // out []
+  PerRank<int32_t> recv_stats;                    // in/out [L] (optional): += recv_expert_count (DeepEP's
+                                                  // cumulative_local_expert_recv_stats, no launch of its own)
 };
 
 // An expert-major op in one kernel, or split in two launches of it (the same kernel, one profiler row):

@@ -136,7 +136,7 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   if (first) {
     em_receiver_counts(tr, counts, E, C, a.route.expert_alignment, count_out,
                        tr.local(a.route.num_recv_tokens_per_expert), tr.local(a.route.num_recv),
-                       tr.local(a.route.dropped), nullptr, nullptr);
+                       tr.local(a.route.dropped), nullptr, nullptr, tr.local(a.route.recv_stats));
   }
   __syncthreads();  // s_next complete
   em_scan_slots([idx32](int64_t i) { return idx32[i]; }, copy_slot, s_next, i0, i1, C);

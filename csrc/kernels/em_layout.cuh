@@ -82,11 +82,13 @@ OMNIEP_DEVICE void em_first_slots(int* s_next, const int32_t* counts, const int*
 
 // Step 2b (one block): the receiver's side — copies per local expert kept under the capacity C,
 // rounded up to the alignment, num_recv, dropped, the optional max / matrix outputs, and a pending
-// CAPACITY status if any expert of any rank overflows (the same verdict on every rank).
+// CAPACITY status if any expert of any rank overflows (the same verdict on every rank). `recv_stats`
+// (optional, [L]): the kept copies are added to it (DeepEP's cumulative_local_expert_recv_stats).
 template <typename Tr>
 OMNIEP_DEVICE void em_receiver_counts(const Tr& tr, const int32_t* counts, int E, int C, int align,
                                       int32_t* recv_expert_count, int32_t* per_expert_aligned, int32_t* num_recv,
-                                      int32_t* dropped, int32_t* max_count, int32_t* matrix) {
+                                      int32_t* dropped, int32_t* max_count, int32_t* matrix,
+                                      int32_t* recv_stats = nullptr) {
   __shared__ int s_kept, s_total, s_max;
   __shared__ int s_overflow;  // the lowest expert id (any rank) whose copies exceed the capacity
   const int me = tr.rank(), R = tr.num_ranks(), L = E / R;
@@ -102,6 +104,7 @@ OMNIEP_DEVICE void em_receiver_counts(const Tr& tr, const int32_t* counts, int E
     for (int s = 0; s < R; ++s) n += counts[s * E + me * L + l];
     const int kept = n < C ? n : C;
     recv_expert_count[l] = kept;
+    if (recv_stats != nullptr) recv_stats[l] += kept;  // (one thread per l: the stream orders the calls)
     per_expert_aligned[l] = (kept + align - 1) / align * align;
     atomicAdd(&s_kept, kept);
     atomicAdd(&s_total, n);

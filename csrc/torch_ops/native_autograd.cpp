@@ -229,6 +229,12 @@ PYBIND11_MODULE(_native_torch, m) {
   m.def("send_only_next", [](int64_t id, bool on) { omniep_torch::context_of(id).send_only_next = on; },
         "Whether the next expert-major dispatch / combine of context `id` launches its sends only (then "
         "`receive` runs the rest); the next dispatch or combine clears it.");
+  m.def("recv_stats_next", [](int64_t id, uintptr_t stats) {
+        omniep_torch::context_of(id).recv_stats_next = reinterpret_cast<int32_t*>(stats);
+      }, py::arg("id"), py::arg("stats"),
+      "The address of an int32 [L] tensor on the context's device (0: none) to which the next expert-major "
+      "dispatch of context `id` adds its kept copies per local expert, inside its kernel (DeepEP's "
+      "cumulative_local_expert_recv_stats); the next dispatch clears it.");
   m.def("pending_receive", [](int64_t id) { return omniep_torch::context_of(id).rank->pending_receive(); },
         "The sequence number of context `id`'s send_only op whose second half has not run (0: none).");
   m.def("receive", &omniep_torch::receive, py::arg("id"), py::arg("seq"),

@@ -405,6 +405,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   Context& c = context_of(ctx);
   const bool em = layout == 1;
   const bool send_only = std::exchange(c.send_only_next, false) && em;
+  int32_t* const recv_stats = std::exchange(c.recv_stats_next, nullptr);
   const int64_t T = topk_idx_in.dim() == 2 ? topk_idx_in.size(0) : 0;
   const int64_t K = topk_idx_in.dim() == 2 ? topk_idx_in.size(1) : 0;
   const int64_t R = c.world;
@@ -487,6 +488,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     p.num_recv_tokens_per_expert = per_expert.data_ptr<int32_t>();
     p.em_num_recv = num_recv.data_ptr<int32_t>();
     p.em_dropped = dropped.data_ptr<int32_t>();
+    p.recv_stats = recv_stats;
   } else {
     p.num_recv = num_recv.data_ptr<int32_t>();
     p.dropped = dropped.data_ptr<int32_t>();

@@ -24,6 +24,9 @@ struct Context {
   bool sync;              // OMNIEP_CHECKS=sync
   omniep::Status raised;  // the status behind the last exception an op threw (Python reads it)
   bool send_only_next = false;  // the next expert-major dispatch / combine launches its sends only
+  // The next dispatch's (expert-major: its kernel adds the kept copies per local expert, [L] int32 on the
+  // context's device; any other dispatch only clears it): DeepEP's cumulative_local_expert_recv_stats.
+  int32_t* recv_stats_next = nullptr;
 };
 
 inline constexpr int kMaxContexts = 4096;

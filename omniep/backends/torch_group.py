@@ -51,6 +51,9 @@ class TorchGroupBackend(EPBackend):
     # receive hook (send_only_next / receive: the native backends). Elsewhere an op's data has
     # arrived when its call returns.
     recv_hooks = False
+    # Whether the next expert-major dispatch can add its kept copies per local expert to a caller's int32
+    # tensor inside its kernel (recv_stats_next: the native backends); elsewhere the Buffer adds them itself.
+    recv_stats_in_kernel = False
 
     def __init__(self, group=None):
         import torch

@@ -639,15 +639,27 @@ class Buffer:
                              "runs the receive on the caller's stream)")
         sources = self._sources(topk_idx, M)
         stats = cumulative_local_expert_recv_stats
+        # DeepEP's own form of the statistics (int32 [L] beside x): the dispatch kernel adds to them where
+        # the backend can (one launch fewer); any other tensor gets the counts added here.
+        in_kernel = (stats is not None and self._context.recv_stats_in_kernel and type(stats) is torch.Tensor
+                     and stats.dtype == torch.int32 and stats.device == x.device and stats.dim() == 1
+                     and stats.shape[0] * self.group_size == num_experts and stats.is_contiguous())
         with self._stream(x.device, None, async_finish) as on, \
                 self._sends_only(return_recv_hook and x.is_cuda) as hook:
-            # Split, the scales are packed when they have arrived (by the hook), not now.
-            d = dispatch(x.detach() if use_fp8 else x, topk_idx, sources, num_experts=num_experts,
-                         group=self.group, capacity=self.group_size * M, layout=Layout.EXPERT_MAJOR,
-                         backend=self.backend, use_fp8=use_fp8, round_scale=round_scale,
-                         use_ue8m0=use_ue8m0 and not hook.split)
+            if in_kernel:
+                self._context.recv_stats_next(stats)
+            try:
+                # Split, the scales are packed when they have arrived (by the hook), not now.
+                d = dispatch(x.detach() if use_fp8 else x, topk_idx, sources, num_experts=num_experts,
+                             group=self.group, capacity=self.group_size * M, layout=Layout.EXPERT_MAJOR,
+                             backend=self.backend, use_fp8=use_fp8, round_scale=round_scale,
+                             use_ue8m0=use_ue8m0 and not hook.split)
+            except BaseException:
+                if in_kernel:  # (the native dispatch consumes it; one that failed before its call did not)
+                    self._context.recv_stats_next(None)
+                raise
             count = d.num_recv_tokens_per_expert
-            if stats is not None:
+            if stats is not None and not in_kernel:
                 stats += count.to(stats.dtype)
         recv_x = d.recv_x
         if use_ue8m0 and hook.split:

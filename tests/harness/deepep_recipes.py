@@ -135,6 +135,9 @@ def check_recipes(results: list, device_events: bool) -> None:
         want_back = (res["x"].astype(np.float32) * copies)  # exact: x bf16 times a small integer
         assert np.array_equal(res["no_topk_back"].astype(np.float32), want_back), r
         assert res["ll"]["x8_dtype"] == "torch.float8_e4m3fn"
+        if device_events:  # one kernel: the dispatch added to the int32 statistics itself
+            kernels = res["ll"]["stats_kernels"]
+            assert len(kernels) == 1 and "dispatch" in kernels[0], (r, kernels)
         assert res["ll"]["recipe"]["count"].sum() > 0
 
 
@@ -231,17 +234,43 @@ def _low_latency(rank: int, world: int, E: int, group, device: str) -> dict:
     zero_copy.copy_(y)
     combined_zero_copy, _, _ = _ll_buffer.low_latency_combine(zero_copy, topk_idx, topk_weights, handle,
                                                               zero_copy=True)
+    # The receive statistics (cumulative_local_expert_recv_stats), twice each: DeepEP's int32 [L] (added
+    # inside the dispatch kernel on the native backends) and an int64 one (added by the Buffer), with and
+    # without a hook (the hook's dispatch adds in its send half)
+    L = E // world
+    stats32 = torch.zeros(L, dtype=torch.int32, device=device)
+    stats64 = torch.full((L,), 5, dtype=torch.int64, device=device)
+    for hooked in (False, True):
+        for stats in (stats32, stats64):
+            *_, stats_hook = _ll_buffer.low_latency_dispatch(x, topk_idx, max_tokens, E, use_fp8=hooked,
+                                                             cumulative_local_expert_recv_stats=stats,
+                                                             return_recv_hook=hooked)
+            if hooked:
+                stats_hook()
+    stats_kernels = None
+    if device == "cuda":  # native backends: DeepEP's int32 statistics cost no launch of their own
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _ll_buffer.low_latency_dispatch(x, topk_idx, max_tokens, E, use_fp8=False,
+                                            cumulative_local_expert_recv_stats=stats32)
+            torch.cuda.synchronize()
+        stats_kernels = sorted(ev.name for ev in prof.events() if ev.device_type.name == "CUDA"
+                               and not ev.name.startswith(("Memcpy", "Memset")))
 
     d = ep.dispatch(quantize_fp8(x), topk_idx, topk_weights, num_experts=E, capacity=world * max_tokens,
                     layout="expert_major")
     held = (d.recv_topk_idx >= 0).unsqueeze(-1)  # slots past the counts are unspecified (as in DeepEP)
     counted = lambda t: torch.where(held, t, torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
-    direct = dict(x8=counted(d.recv_x[0]), scales=counted(d.recv_x[1]), count=d.num_recv_tokens_per_expert,
-                  combined=ep.combine(y, d.handle), combined_zero_copy=ep.combine(y, d.handle))
+    kept = d.num_recv_tokens_per_expert
+    direct = dict(x8=counted(d.recv_x[0]), scales=counted(d.recv_x[1]), count=kept,
+                  combined=ep.combine(y, d.handle), combined_zero_copy=ep.combine(y, d.handle),
+                  stats32=kept * (2 if stats_kernels is None else 3), stats64=kept.to(torch.int64) * 2 + 5)
     recipe = dict(x8=counted(x8), scales=counted(scales), count=count, combined=combined,
-                  combined_zero_copy=combined_zero_copy)
+                  combined_zero_copy=combined_zero_copy, stats32=stats32, stats64=stats64)
     _ll_buffer.destroy()
-    return dict(recipe=_plain(recipe), direct=_plain(direct), x8_dtype=str(x8.dtype))
+    return dict(recipe=_plain(recipe), direct=_plain(direct), x8_dtype=str(x8.dtype), stats_kernels=stats_kernels)
 
 
 def _plain(outputs: dict) -> dict:

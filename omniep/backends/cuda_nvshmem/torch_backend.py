@@ -134,6 +134,14 @@ class NativeTorchBackend(TorchGroupBackend):
         """Make the next expert-major dispatch / combine launch its sends only (True), or not (False)."""
         self._ops.send_only_next(self.id, on)
 
+    recv_stats_in_kernel = True
+
+    def recv_stats_next(self, stats) -> None:
+        """The int32 ``[L]`` tensor (on this rank's device, contiguous; None: none) to which the next
+        expert-major dispatch adds its kept copies per local expert inside its kernel; the next dispatch
+        clears it."""
+        self._ops.recv_stats_next(self.id, 0 if stats is None else stats.data_ptr())
+
     def pending_receive(self) -> int:
         """The sequence number of the send-only op whose rest has not run yet (0: none)."""
         return self._ops.pending_receive(self.id)
