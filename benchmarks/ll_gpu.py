@@ -3,7 +3,8 @@
 DeepEP's decode shape — 128 tokens per rank, H=7168, top-8 of 288 experts, bf16 in, bf16 back — through
 ``omniep.torch`` (``layout="expert_major"``, capacity ``R * 128`` slots per local expert, as DeepEP's
 ``num_max_dispatch_tokens_per_rank``) and through the DeepEP-compatible ``Buffer``
-(``low_latency_dispatch`` with fp8 casting / ``low_latency_combine``). For each op:
+(``low_latency_dispatch`` with fp8 casting — also with DeepEP's ``cumulative_local_expert_recv_stats``, as its
+test passes them — / ``low_latency_combine``). For each op:
 
 * ``device``: the op's GPU kernels and copies summed, from the CUDA profiler (run last: CUPTI slows the
   host, host_timing.py);
@@ -72,6 +73,11 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             def ll_dispatch(buf=buf, x=x, idx=idx, n=T * s["slots"], E=E):
                 return buf.low_latency_dispatch(x, idx, n, E, use_fp8=True)
 
+            stats = torch.zeros(E // world, dtype=torch.int32, device="cuda")
+
+            def ll_dispatch_stats(buf=buf, x=x, idx=idx, n=T * s["slots"], E=E, stats=stats):  # DeepEP's test's call
+                return buf.low_latency_dispatch(x, idx, n, E, use_fp8=True, cumulative_local_expert_recv_stats=stats)
+
             def ll_combine(buf=buf, y=y, idx=idx, w=w, h=ll_handle):
                 return buf.low_latency_combine(y, idx, w, h)
 
@@ -83,6 +89,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
 
             for op, fn in (("dispatch", dispatch), ("combine", combine), ("combine + backward", combine_backward),
                            ("Buffer.low_latency_dispatch fp8", ll_dispatch),
+                           ("Buffer.low_latency_dispatch fp8 + recv stats", ll_dispatch_stats),
                            ("Buffer.low_latency_combine", ll_combine)):
                 steps.append((name, op, fn))
         if args["plain"]:
