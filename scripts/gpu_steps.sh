@@ -26,6 +26,17 @@ build_all() {
     "$PY" -m pip install -v --no-build-isolation --no-deps -e .
   step build_info 60 "$PY" -m omniep.cli info --build
 }
+# The device runner brings back at most 8 files from $OUT (the rest are left out, unread): when a script
+# leaves more, they go back as one archive, $OUT/out.tar.gz (`tar xzf` it where the files land).
+pack_out() {
+  local n
+  n=$(find "$OUT" -type f | wc -l)
+  if [[ $n -gt 8 ]]; then
+    tar czf "/tmp/omniep_out.$$.tar.gz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/omniep_out.$$.tar.gz" "$OUT/out.tar.gz"
+    echo "gpu_steps: $n files under \$OUT, packed into out.tar.gz"
+  fi
+}
+trap pack_out EXIT
 # Issue 15's fault-injecting soak on cuda_nvshmem, SOAK_S seconds at most (default 480); extra arguments
 # go to benchmarks/soak.py (--per-gpu: one rank per GPU, else both on GPU 0).
 soak_step() {
