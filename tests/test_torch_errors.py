@@ -175,6 +175,9 @@ def test_buffer_use_after_destroy_and_bad_calls(world_of_one):
         ll.low_latency_dispatch(xb, idx, (1 << 24) + 1, 4)  # sources ride in fp32 weights: exact below 2**24
     with pytest.raises(InputError, match="hidden % 128"):
         ll.low_latency_dispatch(torch.zeros(4, 100, dtype=torch.bfloat16), idx, 4, 4)
+    for stats in (torch.zeros(5, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32), [0, 0, 0, 0]):
+        with pytest.raises(InputError, match=r"cumulative_local_expert_recv_stats must be a \[num_experts / ranks\]"):
+            ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False, cumulative_local_expert_recv_stats=stats)
     recv_x, count, ll_handle, _, _ = ll.low_latency_dispatch(xb, idx, 4, 4, use_fp8=False)
     with pytest.raises(InputError, match="handle returned by low_latency_dispatch"):
         ll.low_latency_combine(recv_x, idx, w, handle)

@@ -639,11 +639,15 @@ class Buffer:
                              "runs the receive on the caller's stream)")
         sources = self._sources(topk_idx, M)
         stats = cumulative_local_expert_recv_stats
-        # DeepEP's own form of the statistics (int32 [L] beside x): the dispatch kernel adds to them where
-        # the backend can (one launch fewer); any other tensor gets the counts added here.
-        in_kernel = (stats is not None and self._context.recv_stats_in_kernel and type(stats) is torch.Tensor
-                     and stats.dtype == torch.int32 and stats.device == x.device and stats.dim() == 1
-                     and stats.shape[0] * self.group_size == num_experts and stats.is_contiguous())
+        if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dim() != 1 or stats.device != x.device
+                                  or stats.shape[0] * self.group_size != num_experts):
+            raise InputError(f"low_latency_dispatch: cumulative_local_expert_recv_stats must be a [num_experts / "
+                             f"ranks] tensor on x's device (one count per local expert; {num_experts} experts, "
+                             f"{self.group_size} ranks), got {_described(stats)}")
+        # DeepEP's own form of the statistics (int32, contiguous): the dispatch kernel adds to them where the
+        # backend can (one launch fewer); any other dtype gets the counts added here.
+        in_kernel = (stats is not None and self._context.recv_stats_in_kernel and stats.dtype == torch.int32
+                     and stats.is_contiguous())
         with self._stream(x.device, None, async_finish) as on, \
                 self._sends_only(return_recv_hook and x.is_cuda) as hook:
             if in_kernel:
