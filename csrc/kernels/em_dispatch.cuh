@@ -118,9 +118,10 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   if (go && split) {
     if (cast_here) {
       const int K = a.num_topk;
-      cast_fp8_rows(reinterpret_cast<const gpu::bfloat16*>(tr.local(a.cast_src)), const_cast<uint8_t*>(tr.local(a.x)),
-                    reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))), i0 / K, i1 / K,
-                    static_cast<int>(a.row_bytes), a.cast_round_scale != 0, gpu::warp_id(), gpu::warps_per_block());
+      cast_fp8_rows(reinterpret_cast<const gpu::bfloat16*>(tr.local(a.cast_src)),
+                    const_cast<uint8_t*>(tr.local(a.x)), reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))),
+                    i0 / K, i1 / K, static_cast<int>(a.row_bytes), a.cast_round_scale != 0, gpu::warp_id(),
+                    gpu::warps_per_block());
       OMNIEP_STAMP("cast");
     }
     go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc, kBarrierWaitHere);
