@@ -55,12 +55,12 @@ static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combin
 // ranks its own share (step 3 over [i0, i1)), starting each expert where the lower source ranks and
 // the earlier shares end: the slots are those of em_layout_kernel, bit for bit. Returns false when
 // the op stopped (the handle then routes nothing). Dynamic shared memory: 2 * E ints.
-// `cast_here`: the block also casts the tokens of its share (whole tokens: [i0 / K, i1 / K)) to fp8 — after
-// its arrival at the exchange barrier, while the signals travel (a split barrier, barrier_splits_here), so
-// the cast costs no time of its own where the exchange waits for a peer; the block's warps push only those
-// tokens, so its own __syncthreads publishes them.
+// With an fp8 cast (a.cast_src) and a barrier that splits (barrier_splits_here) the block also casts the
+// tokens of its share (whole tokens: [i0 / K, i1 / K)) — after its arrival at the exchange barrier, while the
+// signals travel, so the cast costs no time of its own where the exchange waits for a peer; the block's warps
+// push only those tokens, so its own __syncthreads publishes them. (Otherwise the kernel cast before.)
 template <typename Index, typename Tr>
-OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t i0, int64_t i1, bool cast_here) {
+OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t i0, int64_t i1) {
   extern __shared__ int s_mem[];  // [E] first slot of each expert for my share; block 0: [E] all my copies
   __shared__ OpDesc s_desc;       // mine, with the verdict on my ids (block 0's is the one exchanged)
   __shared__ int s_bad;
@@ -116,7 +116,7 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   bool go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc,
                          split ? kBarrierSignalOnly : kBarrierFull);
   if (go && split) {
-    if (cast_here) {
+    if (tr.local(a.cast_src) != nullptr) {
       const int K = a.num_topk;
       cast_fp8_rows(reinterpret_cast<const gpu::bfloat16*>(tr.local(a.cast_src)),
                     const_cast<uint8_t*>(tr.local(a.x)), reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))),
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
     end = i0 + per < n ? i0 + per : n;
     first_warp = i0 + gpu::warp_id();
     all_warps = warps;
-    go = em_route_front<Index>(a, tr, i0, end, cast_in_front && tr.local(a.cast_src) != nullptr);
+    go = em_route_front<Index>(a, tr, i0, end);
     OMNIEP_STAMP("slots");
   } else {
     go = rank_barrier(tr, kPhaseDispatchStart, /*all_wait=*/true, NoPuts{}, &a.desc[me]);

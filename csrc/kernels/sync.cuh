@@ -420,6 +420,15 @@ __device__ bool grid_barrier(const Tr& tr, int phase) {
   return s_ok != 0;
 }
 
+// Whether this rank's barriers are rank_barrier_flat's (peers reached by loads and stores), which may also be
+// split inside one kernel (kBarrierSignalOnly, then kBarrierWaitHere) — not the gather's (a remote peer), whose
+// block 0 signals only once every block arrived.
+template <typename Tr>
+OMNIEP_DEVICE bool barrier_splits_here(const Tr& tr) {
+  if constexpr (Tr::kHasRemote) return !tr.any_remote();
+  return true;
+}
+
 // The barrier of a rank with every peer: on return the peers have reached it too. `all_wait`: every
 // block leaves only after the peers signalled (use before reading peer data); otherwise only block 0
 // waits for the peers (use at the end of a kernel: the kernel completes only when block 0 does).
@@ -433,18 +442,10 @@ __device__ bool grid_barrier(const Tr& tr, int phase) {
 template <typename Tr, typename Puts = NoPuts>
 __device__ bool rank_barrier(const Tr& tr, int phase, bool all_wait, Puts puts = NoPuts{},
                              const OpDesc* desc = nullptr, int mode = kBarrierFull) {
-  if constexpr (Tr::kHasRemote) {
-    if (tr.any_remote()) return rank_barrier_gather(tr, phase, all_wait, puts, desc, mode);
+  if constexpr (Tr::kHasRemote) {  // (the gather is compiled only for transports that can reach remote peers)
+    if (!barrier_splits_here(tr)) return rank_barrier_gather(tr, phase, all_wait, puts, desc, mode);
   }
   return rank_barrier_flat(tr, phase, all_wait, desc, mode);
-}
-
-// Whether this rank's barriers may be split inside one kernel (kBarrierSignalOnly, then kBarrierWaitHere):
-// rank_barrier_flat's, not the gather's (a remote peer), whose block 0 signals only once every block arrived.
-template <typename Tr>
-OMNIEP_DEVICE bool barrier_splits_here(const Tr& tr) {
-  if constexpr (Tr::kHasRemote) return !tr.any_remote();
-  return true;
 }
 
 // One thread: zero the transport's counters of signals from remote peers (after a reset of the
