@@ -52,6 +52,8 @@ struct PrepareCall {
   int32_t* em_dropped;             // [] expert-major copies dropped
   int32_t* recv_stats;             // [L] expert-major, optional: += recv_expert_count by the dispatch kernel's
                                    // routing front (DeepEP's cumulative_local_expert_recv_stats)
+  int32_t* push_ok;                // [] expert-major, optional: whether the combine of this handle may push
+                                   // (EMCombineArgs; written by the dispatch kernel, alike on every rank)
 };
 
 struct PrepareResult {
@@ -125,6 +127,7 @@ struct EMDispatchCall {
   void* recv_x2;             // [L, C, row2_bytes]
   int32_t* recv_topk_idx;    // [L, C]
   float* recv_topk_weights;  // [L, C]
+  int32_t* recv_src;         // [L, C], optional: each counted slot's source (em_src_code), for the push combine
   bool zero_padding;         // zero the padding rows of recv_x / recv_x2 (DESIGN §2)
   bool send_only;            // launch the sends only; EpRank::receive runs the rest (DeepEP's receive hook)
 };
@@ -135,7 +138,11 @@ struct EMCombineCall : CombineBase {
   const float* topk_weights;
   const int32_t* copy_slot;          // prepare's
   const int32_t* recv_expert_count;  // prepare's [L], or null: y's padding slots move too
-  bool send_only;                    // copy y in and signal only; EpRank::receive pulls and sums
+  bool send_only;                    // copy y in (or push it) and signal only; EpRank::receive sums
+  // Optional (both, with recv_expert_count): the dispatch's recv_src and push_ok — the combine then pushes
+  // each counted slot's row to its source when *push_ok (one barrier, no copy of y: EMCombineArgs).
+  const int32_t* slot_src;
+  const int32_t* push_ok;
 };
 
 // Expert-major combine_bwd: g_y[l, c] = round(w * g_out[t]) and, with y, g_topk_weights = <g_out, y>.

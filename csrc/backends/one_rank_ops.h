@@ -117,11 +117,18 @@ class OneRankOps : public EpRank {
   // Makes the data buffer at least `bytes` (rank_ops.cuh). Growing is collective and starts with the
   // op's descriptor exchange, so ranks that disagree stop instead of growing apart; false: the op
   // stopped (on every rank).
-  bool ensure_data(size_t bytes, OpDesc& d, cudaStream_t s);
+  // `regions_end`: where the op's regions end if not at `bytes` (the push combine's buffers lie past them).
+  bool ensure_data(size_t bytes, OpDesc& d, cudaStream_t s, int64_t regions_end = -1);
   bool stopped(const OpDesc& d) const;  // after a sync: the op stopped at an exchange (or the rank failed)
   HostMailbox* mailbox();               // pinned, host-mapped (allocated at the first exact dispatch)
   HostMailbox* mailbox_ = nullptr;
   int32_t ticket_ = 0;
+  // Where the ops' regions of the data buffer lie, for the push combine's receive buffers (rank_ops.cuh
+  // em_combine), alike on every rank (the same ops, the same sizes): the highest end of any op's regions
+  // (ensure_data, which every op with regions calls), and where the push buffers are (-1: none yet) and the
+  // bytes of each parity's half.
+  int64_t regions_high_ = 0;
+  int64_t back_at_ = -1, back_half_ = 0;
   bool grow_in_ops_ = true;
   // The second half of a send_only op (EpRank::receive): its arguments, phase kEMReceive.
   std::variant<std::monostate, EMDispatchArgs, EMCombineArgs> pending_;

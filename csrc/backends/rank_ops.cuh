@@ -21,6 +21,7 @@
 
 #include "omniep/runtime.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -131,7 +132,8 @@ bool OneRankOps<Rank>::stopped(const OpDesc& d) const {
 }
 
 template <typename Rank>
-bool OneRankOps<Rank>::ensure_data(size_t bytes, OpDesc& d, cudaStream_t s) {
+bool OneRankOps<Rank>::ensure_data(size_t bytes, OpDesc& d, cudaStream_t s, int64_t regions_end) {
+  regions_high_ = std::max(regions_high_, regions_end >= 0 ? regions_end : static_cast<int64_t>(bytes));
   if (bytes <= self().data_bytes()) return true;
   if (!grow_in_ops_) {
     throw std::invalid_argument("omniep: this op needs a " + std::to_string(bytes) + "-byte data buffer but rank " +
@@ -412,6 +414,7 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
     a.route.num_recv = mine<int32_t>(g, p->em_num_recv);
     a.route.dropped = mine<int32_t>(g, p->em_dropped);
     a.route.recv_stats = mine<int32_t>(g, p->recv_stats);
+    a.route.push_ok = mine<int32_t>(g, p->push_ok);
   }
   // With the route these are the front's outputs (prepare's arrays), else prepare's results.
   a.topk_idx32 = mine<const int32_t>(g, c.route ? c.route->topk_idx32 : c.topk_idx32);
@@ -429,6 +432,7 @@ void OneRankOps<Rank>::em_dispatch(const EMDispatchCall& c, OpDesc& d, cudaStrea
   if (c.row2_bytes > 0) a.out_x2 = mine<uint8_t>(g, c.recv_x2);
   a.out_topk_idx = mine<int32_t>(g, c.recv_topk_idx);
   a.out_topk_weights = mine<float>(g, c.recv_topk_weights);
+  a.out_src = mine<int32_t>(g, c.recv_src);
   a.zero_padding = c.zero_padding ? 1 : 0;
   a.num_tokens[g.rank()] = c.num_tokens;
   a.row_bytes = c.row_bytes;
@@ -465,8 +469,30 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   Rank& g = self();
   const int64_t L = c.num_experts / g.num_ranks(), C = c.capacity;
   const bool grad = c.with_topk_grad;
-  int64_t sizes[2] = {static_cast<int64_t>(c.hidden) * dtype_size(c.dtype), 4}, offsets[2] = {};
-  if (!ensure_data(static_cast<size_t>(pack_regions(L * C, sizes, grad ? 2 : 1, offsets)), d, s)) return;
+  const int64_t row = static_cast<int64_t>(c.hidden) * dtype_size(c.dtype);
+  int64_t sizes[2] = {row, 4}, offsets[2] = {};
+  int64_t bytes = pack_regions(L * C, sizes, grad ? 2 : 1, offsets);
+  // The push's receive buffers [2][back_rows] (rows, then their weights' gradients): where a peer may write
+  // BEFORE this op's barrier, so nowhere a peer's previous op may still read after its last barrier (a peer is
+  // at most that far behind): past every region any op used so far (the previous op's, whichever it was: a
+  // replayed CUDA graph's first op follows whatever ran before it) — the last push buffers while that holds
+  // (the other parity is this op's), else new ones past them.
+  // Each parity's half holds back_rows rows, then (grad) their floats; the halves keep the allocated stride, the
+  // same for every op that reuses them.
+  const bool push = c.slot_src != nullptr && c.push_ok != nullptr && c.recv_expert_count != nullptr;
+  const int64_t back_rows = push ? static_cast<int64_t>(em_push_tokens(c.capacity, g.num_ranks())) * c.num_topk : 0;
+  int64_t back_sizes[2] = {row, 4}, back_offsets[2] = {};
+  const int64_t back_half = pack_regions(back_rows, back_sizes, grad ? 2 : 1, back_offsets);
+  const int64_t own_end = bytes;
+  if (push) {
+    const int64_t high = std::max(regions_high_, own_end);
+    if (back_at_ < high || back_half_ < back_half) {
+      back_at_ = (high + 255) / 256 * 256;
+      back_half_ = back_half;
+    }
+    bytes = back_at_ + 2 * back_half_;
+  }
+  if (!ensure_data(static_cast<size_t>(bytes), d, s, own_end)) return;
   EMCombineArgs a = {};
   set_combine_args(a, c, g, d);
   a.y = g.template sym<const void>(offsets[0]);
@@ -481,6 +507,16 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   if (grad) {
     a.own_g_recv_topk_weights = mine<const float>(g, c.g_recv_topk_weights);
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
+  }
+  if (push) {
+    a.slot_src = mine<const int32_t>(g, c.slot_src);
+    a.push_ok = mine<const int32_t>(g, c.push_ok);
+    a.back = g.template sym<uint8_t>(back_at_);
+    a.back_half = back_half_;
+    a.back_g_at = back_offsets[1];
+    a.back_rows = back_rows;
+    const uintptr_t ends3[3] = {ends[0], ends[1], g.data_ptr() + back_at_};
+    a.copy_unit = row_copy_unit(sizes[0], ends3, 3);
   }
   a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_combine(a, s);

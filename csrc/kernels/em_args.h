@@ -55,7 +55,16 @@ struct EMRouteArgs {
   PerRank<int32_t> dropped;                       // out []
   PerRank<int32_t> recv_stats;                    // in/out [L] (optional): += recv_expert_count (DeepEP's
                                                   // cumulative_local_expert_recv_stats, no launch of its own)
+  PerRank<int32_t> push_ok;                       // out [] (optional): 1 when every rank's T <= em_push_tokens(C,
+                                                  // R), so the push combine's buffers hold every copy (em_combine.cuh)
 };
+
+// A copy's source as the push combine needs it: its (t, k) pair i = t * K + k at source rank s.
+constexpr int32_t em_src_code(int64_t i, int s, int R) { return static_cast<int32_t>(i * R + s); }
+// Tokens per rank the push combine's receive buffer holds ([2][that * K] rows at every rank: the same size on
+// every rank, from the capacity the descriptors agree on): C / R rounded up — the tokens of every rank when
+// capacity=None (C = R * T) and DeepEP's num_max_dispatch_tokens_per_rank through the Buffer (C = R * M).
+constexpr int em_push_tokens(int capacity, int R) { return (capacity + R - 1) / R; }
 
 // An expert-major op in one kernel, or split in two launches of it (the same kernel, one profiler row):
 // the sends, up to the signals of the barrier that says "my rows have arrived / my y is complete",
@@ -90,6 +99,9 @@ struct EMDispatchArgs {
   PerRank<uint8_t> out_x2;
   PerRank<int32_t> out_topk_idx;
   PerRank<float> out_topk_weights;
+  // Optional, with out_x: [L, C] each counted slot's source, em_src_code (what the push combine needs: its
+  // recv_topk_idx entries then carry the code, not l, and the results copy writes l from the slot).
+  PerRank<int32_t> out_src;
   int zero_padding;    // 1: padding rows of the result are zeroed too (DESIGN §2 zero_padding); 0: left as they are
   int phase;           // kEMWhole, or one half of a dispatch split at its end barrier (DeepEP's receive hook)
   int num_tokens[kMaxRanks];
@@ -123,6 +135,15 @@ struct EMCombineArgs : CombineScalars {
   PerRank<const int32_t> copy_slot;           // [T, K]
   PerRank<const float> g_recv_topk_weights;   // sym [L, C] (with_topk_grad)
   PerRank<float> g_topk_weights;              // out [T, K] (with_topk_grad)
+  // The push combine (all four given, and *push_ok set by the dispatch): every rank writes the rows of its
+  // counted slots into their sources' receive buffers, back[p][t * K + k] (p: the barrier's parity), then ONE
+  // barrier, then every source sums its own buffer — no copy of y, no second barrier. Else the pull above.
+  PerRank<const int32_t> slot_src;            // [L, C]: the dispatch's out_src
+  PerRank<const int32_t> push_ok;             // []: the dispatch's route.push_ok
+  PerRank<uint8_t> back;                      // sym: two halves of back_half bytes (parity p at p * back_half),
+  int64_t back_half;                          // each [back_rows, H] in `dtype`, then (with_topk_grad) back_rows
+  int64_t back_g_at;                          // floats at byte back_g_at of the half
+  int64_t back_rows;                          // em_push_tokens(C, R) * K
 };
 
 // combine_bwd: g_y[l, c] = round(w[t, k] * g_out[t]) pushed to the copy's slot, and (with_topk_grad)

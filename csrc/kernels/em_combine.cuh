@@ -22,6 +22,15 @@
 // descriptor into the same slot before a slow rank judged this one — RankMismatchError on two H100s,
 // 2026-11-26 (tests/gpu/test_recv_hook.py::test_hook_loop_with_a_slow_rank).
 //
+// The push combine (EMCombineArgs::back given and the dispatch's push_ok set — alike on every rank): each rank
+// writes the rows of its counted slots straight from the caller's y into their sources' receive buffers,
+// back[p][t * K + k] (the slot's em_src_code; p: the parity of the op's one barrier), then ONE barrier (which
+// carries the descriptor), then every source sums its own buffer in k order — the same operands, the same
+// order: bitwise the pull's result. No copy of y, no start / end pair: a peer writes into my buffer only
+// before the barrier of its op and I read it only after; the next op's writes go to the other parity (a peer
+// is at most one barrier ahead), where the host also keeps them clear of the previous op's regions. A whole
+// op reads its own copies from the caller's y; a split one pushes them too (its receive half must not read y).
+//
 // Remote ranks (a transport with kHasGets: nvshmem across nodes, or OMNIEP_FORCE_REMOTE=1): the
 // warp GETS each chunk of a copy's row into its stage in the transport's symmetric scratch and reads
 // it from there, and gets g_recv_topk_weights one value at a time; the sum is the same, in the same
@@ -55,17 +64,47 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   // The caller's y into my buffer, before the barrier that tells the peers it is complete (they pull).
   // Split in two launches (a.phase), the first copies and signals, the second waits and pulls.
   const void* own_y = tr.local(a.own_y);
+  const int32_t* push_ok = tr.local(a.push_ok);
+  const bool push = tr.local(a.back) != nullptr && push_ok != nullptr && *push_ok != 0;
   // A whole op that copies y reads its own copies from the caller's y, where they are, and copies only
   // the peers' slots (em_find_own_slots). A split op copies every slot: its receive half must not read
   // the caller's y, which DeepEP's hook contract lets the caller reuse once the send half has run.
-  const bool own_direct = a.phase == kEMWhole && own_y != nullptr && own_y != tr.local(a.y);
+  const bool own_direct = a.phase == kEMWhole && own_y != nullptr && (push || own_y != tr.local(a.y));
   __shared__ EMOwnSlots s_own;
   if (own_direct) {
     em_find_own_slots(s_own, tr.local(a.topk_idx32), tr.local(a.copy_slot), static_cast<int64_t>(T) * K, me, L);
   }
-  if (a.phase != kEMReceive && own_y != nullptr && own_y != tr.local(a.y)) {
+  // The push buffers' parity: that of the op's barrier (rank_barrier's descriptor slot), numbered alike on
+  // every rank.
+  const int64_t half = push ? ((tr.workspace(me)->expected[me] + (a.phase == kEMReceive ? 0 : 1)) & 1) * a.back_half : 0;
+  const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
+  if (push && a.phase != kEMReceive) {  // my counted slots' rows to their sources (not my own, when own_direct)
     const int32_t* count = tr.local(a.recv_expert_count);
-    const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
+    const int32_t* src = tr.local(a.slot_src);
+    const uint8_t* y_in = static_cast<const uint8_t*>(own_y);
+    const float* g_in = tr.local(a.own_g_recv_topk_weights);
+    em_for_each_peer_row(count, own_direct ? &s_own : nullptr, L, C, [&](int64_t j) {
+      const int32_t code = src[j];
+      const int s = code % R;
+      const int64_t at = code / R;
+      // (a code past the buffer: a handle of another op, which the barrier's descriptors stop)
+      if (code < 0 || at >= a.back_rows) return;
+      bool far = false;
+      if constexpr (Tr::kHasGets) far = tr.is_remote(s);
+      uint8_t* to = (far ? tr.local(a.back) : tr.peer(a.back, s)) + half;  // (far: MY address of s's buffer)
+      float* to_g = reinterpret_cast<float*>(to + a.back_g_at) + at;
+      if (!far) {
+        warp_copy_row(to + at * row_bytes, y_in + j * row_bytes, row_bytes, a.copy_unit);
+        if (g_in != nullptr && gpu::lane_id() == 0) *to_g = g_in[j];
+      } else if constexpr (Tr::kHasGets) {  // the barrier quiets the puts
+        tr.put_warp(to + at * row_bytes, y_in + j * row_bytes, static_cast<size_t>(row_bytes), s);
+        if (g_in != nullptr && gpu::lane_id() == 0) tr.put_f32(to_g, g_in[j], s);
+      }
+    });
+    OMNIEP_STAMP_WARPS("pushed");
+  }
+  if (!push && a.phase != kEMReceive && own_y != nullptr && own_y != tr.local(a.y)) {
+    const int32_t* count = tr.local(a.recv_expert_count);
     uint8_t* dst = static_cast<uint8_t*>(const_cast<void*>(tr.local(a.y)));
     const uint8_t* src = static_cast<const uint8_t*>(own_y);
     em_copy_slots(dst, src, count, L, C, row_bytes, a.copy_unit, /*zero=*/0, own_direct ? &s_own : nullptr);
@@ -78,7 +117,7 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       }
     }
   }
-  OMNIEP_STAMP("y_copied");
+  if (!push) OMNIEP_STAMP("y_copied");
   if (a.phase == kEMSend) {
     rank_barrier(tr, kPhaseCombineStart, /*all_wait=*/false, NoPuts{}, &a.desc[me], kBarrierSignalOnly);
     OMNIEP_STAMP("signalled");
@@ -102,6 +141,8 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   const int32_t* idx32 = tr.local(a.topk_idx32);
   const float* weights = tr.local(a.topk_weights);  // null: weight 1 (dispatch_bwd)
   const int32_t* copy_slot = tr.local(a.copy_slot);
+  const uint8_t* my_half = push ? tr.local(a.back) + half : nullptr;  // my push buffer, this op's parity
+  const Scalar* back = reinterpret_cast<const Scalar*>(my_half);
   Scalar* out = static_cast<Scalar*>(tr.local(a.out));
   const int lane = gpu::lane_id(), warps = gpu::warps_per_block();
   // Blocks fastest: a batch's (token, chunk) items spread over every SM (the index also picks the
@@ -151,9 +192,12 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
           const int r = e / L, l = e - r * L;
           const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
           bool far = false;
-          if constexpr (Tr::kHasGets) far = tr.is_remote(r);
+          if constexpr (Tr::kHasGets) far = !push && tr.is_remote(r);
           const Pack* y = nullptr;
-          if (!far) {
+          if (push) {  // my own copies in the caller's y (own_direct), the rest in my push buffer
+            y = reinterpret_cast<const Pack*>(r == me && own_direct ? static_cast<const Scalar*>(own_y) + row
+                                                                    : back + (t * K + k0 + j) * H);
+          } else if (!far) {
             y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(s_y_of[r]) + row);
           } else if constexpr (Tr::kHasGets) {  // (one stage: its packs go to registers before the next get)
             const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
@@ -207,8 +251,11 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
           const int r = e / L;
           const int64_t at = static_cast<int64_t>(e - r * L) * C + slot;
           bool far = false;
-          if constexpr (Tr::kHasGets) far = tr.is_remote(r);
-          if (!far) {
+          if constexpr (Tr::kHasGets) far = !push && tr.is_remote(r);
+          if (push) {
+            g = r == me && own_direct ? tr.local(a.own_g_recv_topk_weights)[at]
+                                      : reinterpret_cast<const float*>(my_half + a.back_g_at)[i];
+          } else if (!far) {
             g = tr.peer(a.g_recv_topk_weights, r)[at];
           } else if constexpr (Tr::kHasGets) {
             g = tr.get_f32(tr.local(a.g_recv_topk_weights) + at, r);
@@ -218,9 +265,11 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       }
     }
   }
-  OMNIEP_STAMP_WARPS("pulled");
-  rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
-  OMNIEP_STAMP("end_barrier");
+  OMNIEP_STAMP_WARPS(push ? "summed" : "pulled");
+  if (!push) {
+    rank_barrier(tr, kPhaseCombineDone, /*all_wait=*/false);
+    OMNIEP_STAMP("end_barrier");
+  }
   OMNIEP_STAMPS_END(a.phase == kEMReceive ? "em::combine_kernel(receive)" : "em::combine_kernel", me);
 }
 }  // namespace em

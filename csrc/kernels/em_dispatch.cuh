@@ -100,7 +100,7 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) idx32[i] = id(i);
   __syncthreads();
   if (first) {
-    em_publish_counts(tr, s_count, E);
+    em_publish_counts(tr, s_count, E, a.num_tokens[me]);
     if (threadIdx.x == 0 && s_bad) {
       s_desc.w[kDescInputStatus] = kInputBadExpertId;
       const long long bad = s_bad_id;  // reported as int32 (clamped)
@@ -126,13 +126,20 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
     }
     go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc, kBarrierWaitHere);
   }
+  int32_t* push_ok = first && threadIdx.x == 0 ? tr.local(a.route.push_ok) : nullptr;
   if (!go) {
     em_route_nothing(copy_slot, i0, i1, count_out, tr.local(a.route.num_recv_tokens_per_expert), L,
                      tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr);
+    if (push_ok != nullptr) *push_ok = 0;
     return false;
   }
   OMNIEP_STAMP("exchanged");
   const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E]: every source's row
+  if (push_ok != nullptr) {  // every rank reads the same token counts: the combine takes one path everywhere
+    int ok = 1;
+    for (int s = 0; s < R; ++s) ok &= tr.workspace(me)->em_tokens[s] <= em_push_tokens(C, R);
+    *push_ok = ok;
+  }
   em_first_slots(s_next, counts, s_next, me, E);
   if (first) {
     em_receiver_counts(tr, counts, E, C, a.route.expert_alignment, count_out,
@@ -159,15 +166,20 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   const uint8_t* recv_x2 = tr.local(a.recv_x2);
   int32_t* out_idx = tr.local(a.out_topk_idx);
   float* out_w = tr.local(a.out_topk_weights);
+  int32_t* out_src = tr.local(a.out_src);  // (then recv_idx holds each copy's em_src_code, not l)
   const int32_t* recv_idx = tr.local(a.recv_topk_idx);
   const float* recv_w = tr.local(a.recv_topk_weights);
+  const int me = tr.rank(), R = tr.num_ranks();
   em_for_each_row(count, L, C, 0, [&](int64_t j) {
-    const int32_t l = recv_idx[j];  // (one load, every lane: the branch stays warp-uniform)
+    const int32_t v = recv_idx[j];  // (one load, every lane: the branch stays warp-uniform)
+    const bool own = out_src != nullptr ? v % R == me : v == kEMSlotInResult;
     if (gpu::lane_id() == 0) {
-      out_idx[j] = l == kEMSlotInResult ? static_cast<int32_t>(j) / C : l;  // (rows fit int32: em_slots.cuh)
+      // (rows fit int32: em_slots.cuh)
+      out_idx[j] = own || out_src != nullptr ? static_cast<int32_t>(j) / C : v;
       out_w[j] = recv_w[j];
+      if (out_src != nullptr) out_src[j] = v;
     }
-    if (l == kEMSlotInResult) return;  // a copy of my own: its rows are in the result already (the push)
+    if (own) return;  // a copy of my own: its rows are in the result already (the push)
     if (a.row2_bytes > 0) warp_copy_row(out_x2 + j * a.row2_bytes, recv_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
     warp_copy_row(out_x + j * a.row_bytes, recv_x + j * a.row_bytes, a.row_bytes, a.unit);
   });
@@ -253,6 +265,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   __shared__ uint8_t* s_to[kMaxRanks];
   __shared__ uint8_t* s_to2[kMaxRanks];
   const bool has_out = tr.local(a.out_x) != nullptr;
+  const bool has_src = tr.local(a.out_src) != nullptr;  // the routing entry carries the source (em_src_code)
   if (static_cast<int>(threadIdx.x) < R) {
     const int r = threadIdx.x;
     s_to[r] = r == me && has_out ? tr.local(a.out_x) : tr.peer(a.recv_x, r);
@@ -274,7 +287,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
       warp_copy_row(s_to[r] + row * a.row_bytes, x + t * a.row_bytes, a.row_bytes, a.unit);
       if (a.row2_bytes > 0) warp_copy_row(s_to2[r] + row * a.row2_bytes, x2 + t * a.row2_bytes, a.row2_bytes, a.unit2);
       if (lane == 0) {
-        tr.peer(a.recv_topk_idx, r)[row] = r == me && has_out ? kEMSlotInResult : l;
+        tr.peer(a.recv_topk_idx, r)[row] = has_src ? em_src_code(i, me, R) : r == me && has_out ? kEMSlotInResult : l;
         tr.peer(a.recv_topk_weights, r)[row] = weights[i];
       }
     } else if constexpr (Tr::kHasGets) {  // MY addresses of the symmetric buffers; the end barrier quiets
@@ -284,7 +297,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
                     static_cast<size_t>(a.row2_bytes), r);
       }
       if (lane == 0) {
-        tr.put_i32(tr.local(a.recv_topk_idx) + row, l, r);
+        tr.put_i32(tr.local(a.recv_topk_idx) + row, has_src ? em_src_code(i, me, R) : l, r);
         tr.put_f32(tr.local(a.recv_topk_weights) + row, weights[i], r);
       }
     }

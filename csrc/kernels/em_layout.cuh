@@ -36,18 +36,21 @@ namespace omniep {
 // bindings) and the routing front of em::dispatch_kernel (every block: the one-kernel dispatch of the
 // torch ops, kernels/em_dispatch.cuh). Each is called by every thread of the block(s) named.
 
-// Step 1 (one block): my per-expert counts `per_expert[E]` as my row of EVERY rank's count matrix.
+// Step 1 (one block): my per-expert counts `per_expert[E]` as my row of EVERY rank's count matrix, and
+// my token count T beside it (em_tokens: the push combine's bound, em_push_ok).
 template <typename Tr>
-OMNIEP_DEVICE void em_publish_counts(const Tr& tr, const int* per_expert, int E) {
+OMNIEP_DEVICE void em_publish_counts(const Tr& tr, const int* per_expert, int E, int T) {
   const int me = tr.rank(), R = tr.num_ranks();
-  for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * E; j += blockDim.x) {
-    const int r = static_cast<int>(j / E), e = static_cast<int>(j % E);
+  for (int64_t j = threadIdx.x; j < static_cast<int64_t>(R) * (E + 1); j += blockDim.x) {
+    const int r = static_cast<int>(j / (E + 1)), e = static_cast<int>(j % (E + 1));
+    const auto word = [&](RankWorkspace* ws) { return e < E ? &ws->expert_counts[me * E + e] : &ws->em_tokens[me]; };
+    const int32_t v = e < E ? per_expert[e] : T;
     bool remote = false;
     if constexpr (Tr::kHasGets) remote = tr.is_remote(r);
     if (!remote) {
-      tr.workspace(r)->expert_counts[me * E + e] = per_expert[e];
+      *word(tr.workspace(r)) = v;
     } else if constexpr (Tr::kHasGets) {  // same offset in r's workspace; the barrier quiets the puts
-      tr.put_i32(&tr.workspace(me)->expert_counts[me * E + e], per_expert[e], r);
+      tr.put_i32(word(tr.workspace(me)), v, r);
     }
   }
 }
@@ -172,7 +175,7 @@ __global__ void __launch_bounds__(kLayoutThreads) em_layout_kernel(EMLayoutArgs 
   const int64_t n = static_cast<int64_t>(T) * K;
   int32_t* copy_slot = tr.local(a.copy_slot);
 
-  em_publish_counts(tr, tr.local(a.num_tokens_per_expert), E);
+  em_publish_counts(tr, tr.local(a.num_tokens_per_expert), E, T);
   if (!rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &a.desc[me])) {
     em_route_nothing(copy_slot, 0, n, tr.local(a.recv_expert_count), tr.local(a.num_recv_tokens_per_expert), L,
                      tr.local(a.num_recv), tr.local(a.dropped), tr.local(a.max_expert_count));

@@ -17,7 +17,8 @@
 //   [0] topk_idx32 [T, K] int32 (device)
 //   [1] routing    int32 (device): send_pos [T, R], num_tokens_per_rank [R], num_tokens_per_expert [E],
 //                  recv_counts [R], send_offset [R], num_recv / dropped scratch [2]; expert-major
-//                  also copy_slot [T, K], recv_expert_count [L], scratch [2]
+//                  also copy_slot [T, K], recv_expert_count [L], scratch [2], then for the push combine
+//                  recv_src [L, C] (each counted slot's source) and push_ok [1]
 //   [2] info       int64 [2] (CPU): the dispatch's sequence number (the handle id of later ops'
 //                  descriptors) and the symmetric capacity C
 #include <ATen/core/Tensor.h>
@@ -345,10 +346,12 @@ class Carved {
 };
 
 // Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts.
+// Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts (and, expert-major,
+// C slots per local expert).
 struct Routing {
   int64_t send_pos, per_rank, per_expert, recv_counts, send_offset, scratch, copy_slot, recv_expert_count, em_scratch,
-      total;
-  Routing(int64_t T, int64_t K, int64_t R, int64_t E, bool expert_major) {
+      recv_src, push_ok, total;
+  Routing(int64_t T, int64_t K, int64_t R, int64_t E, bool expert_major, int64_t C) {
     int64_t at = 0;
     const auto take = [&](int64_t n) {
       const int64_t here = at;
@@ -364,6 +367,8 @@ struct Routing {
     copy_slot = expert_major ? take(T * K) : -1;
     recv_expert_count = expert_major ? take(E / R) : -1;
     em_scratch = expert_major ? take(2) : -1;
+    recv_src = expert_major ? take(E / R * C) : -1;
+    push_ok = expert_major ? take(1) : -1;
     total = at;
   }
 };
@@ -386,7 +391,7 @@ HandleView handle_view(const std::vector<Tensor>& h, const Context& c, int64_t n
                     "omniep: the handle's tensors are not a native dispatch's: pass the handle omniep.torch.dispatch returned");
   const auto* meta = info.data_ptr<int64_t>();
   HandleView v{idx32.data_ptr<int32_t>(), routing.data_ptr<int32_t>(), meta[0], meta[1],
-               Routing(idx32.size(0), idx32.size(1), c.world, num_experts, expert_major)};
+               Routing(idx32.size(0), idx32.size(1), c.world, num_experts, expert_major, meta[1])};
   TORCH_CHECK_VALUE(routing.numel() == v.parts.total, "omniep: the handle does not match num_experts / layout");
   return v;
 }
@@ -438,7 +443,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
   const int64_t E = num_experts, L = E / R;
   stamp("dispatch: device guard, stream, contiguous");
 
-  const Routing parts(T, K, R, E, em);
+  const Routing parts(T, K, R, E, em, cap);
   const bool fp8 = x.scalar_type() == at::kFloat8_e4m3fn;
   const int64_t S = fp8 ? x_scales->size(1) : 0;
   // The small results: per received row (rank-major [rows, K]) or slot (expert-major [L, rows]).
@@ -489,6 +494,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     p.em_num_recv = num_recv.data_ptr<int32_t>();
     p.em_dropped = dropped.data_ptr<int32_t>();
     p.recv_stats = recv_stats;
+    p.push_ok = r + parts.push_ok;
   } else {
     p.num_recv = num_recv.data_ptr<int32_t>();
     p.dropped = dropped.data_ptr<int32_t>();
@@ -538,6 +544,7 @@ DispatchOut dispatch_impl(const Tensor& x_in, const std::optional<Tensor>& x_sca
     e.recv_x2 = fp8 ? recv_s.data_ptr() : nullptr;
     e.recv_topk_idx = recv_idx.data_ptr<int32_t>();
     e.recv_topk_weights = recv_w.data_ptr<float>();
+    e.recv_src = r + parts.recv_src;
     e.zero_padding = zero_padding;
     e.send_only = send_only;
     c.rank->em_dispatch(e, d, s);
@@ -721,6 +728,8 @@ std::tuple<Tensor, Tensor> combine_impl(Context& c, omniep::OpKind op, const Ten
     e.topk_weights = weights_in != nullptr ? w.data_ptr<float>() : nullptr;
     e.copy_slot = h.routing + h.parts.copy_slot;
     e.recv_expert_count = h.routing + h.parts.recv_expert_count;
+    e.slot_src = h.routing + h.parts.recv_src;
+    e.push_ok = h.routing + h.parts.push_ok;
     e.send_only = send_only;
     c.rank->em_combine(e, d, s);
   } else {

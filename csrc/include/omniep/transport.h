@@ -124,6 +124,7 @@ struct alignas(128) RankWorkspace {
   // expert e (E = num_experts), the whole [R, E] matrix: every source writes its row into every
   // rank's workspace, so each rank reads what it needs locally (1 MiB at the largest R and E).
   int32_t expert_counts[kMaxRanks * kMaxExperts];
+  int32_t em_tokens[kMaxRanks];  // em_tokens[s]: source s's token count T, published with its row above
   // Remote path of the rank-major kernels (kernels/dispatch.cuh, combine.cuh):
   int32_t sent_expert[kMaxExperts];  // dispatch: my (token, k) pairs delivered to remote experts (mine only)
   int32_t remote_expert[kMaxRanks * kMaxLocalExperts];  // [s * kMaxLocalExperts + l]: remote s's pairs for l

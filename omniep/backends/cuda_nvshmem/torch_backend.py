@@ -54,12 +54,13 @@ def torch_ops_reason() -> str:
     return ""
 
 
-def routing_words(T, K, R, E, expert_major: bool):
+def routing_words(T, K, R, E, expert_major: bool, C=0):
     """int32 words of a native handle's routing tensor (csrc/torch_ops/native_ops.cpp ``Routing``): send_pos,
     per-rank and per-expert counts, recv_counts, send_offset, two scratch words; expert-major also
-    copy_slot, per-local-expert counts and two scratch words. T may be symbolic (fake kernels)."""
+    copy_slot, per-local-expert counts, two scratch words, each slot's source ``[E // R, C]`` and the push
+    combine's flag. T and C may be symbolic (fake kernels)."""
     words = T * R + 3 * R + E + 2
-    return words + T * K + E // R + 2 if expert_major else words
+    return words + T * K + E // R + 2 + E // R * C + 1 if expert_major else words
 
 
 class NativeTorchBackend(TorchGroupBackend):
@@ -88,7 +89,7 @@ class NativeTorchBackend(TorchGroupBackend):
     def fake_handle(self, topk_idx, num_experts, layout, rows):
         T, K = topk_idx.shape
         em = layout == 1
-        words = routing_words(T, K, self.world, num_experts, em)
+        words = routing_words(T, K, self.world, num_experts, em, rows if em else 0)
         return [topk_idx.new_empty((T, K), dtype=torch.int32), topk_idx.new_empty((words,), dtype=torch.int32),
                 torch.empty((2,), dtype=torch.int64, device="meta" if topk_idx.device.type == "meta" else "cpu")]
 
