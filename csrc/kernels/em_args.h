@@ -89,7 +89,7 @@ struct EMDispatchArgs {
   PerRank<uint8_t> recv_x2;                  // sym [L, C, row2_bytes]
   PerRank<int32_t> recv_topk_idx;            // sym [L, C]: l on kept slots (kEMSlotInResult on the rank's
                                              // own copies when out_x is given: their rows and routing
-                                             // are in the results, not here)
+                                             // are in the results, not here); with out_src, em_src_code
   PerRank<float> recv_topk_weights;          // sym [L, C]: the copy's weight
   // Optional: the caller's results, which the kernel fills from its receive buffers after its end
   // barrier — only the counted slots' rows (no copy launched after it, nothing that grows with C * H):

@@ -61,8 +61,9 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   const int me = tr.rank(), R = tr.num_ranks();
   const int T = a.num_tokens[me], K = a.num_topk, L = a.num_experts / R, C = a.capacity, H = a.hidden;
   OMNIEP_STAMPS_BEGIN();
-  // The caller's y into my buffer, before the barrier that tells the peers it is complete (they pull).
-  // Split in two launches (a.phase), the first copies and signals, the second waits and pulls.
+  // The pull: the caller's y into my buffer, before the barrier that tells the peers it is complete (they
+  // pull). Split in two launches (a.phase), the first copies (the push: pushes) and signals, the second waits
+  // and pulls (sums).
   const void* own_y = tr.local(a.own_y);
   const int32_t* push_ok = tr.local(a.push_ok);
   const bool push = tr.local(a.back) != nullptr && push_ok != nullptr && *push_ok != 0;
