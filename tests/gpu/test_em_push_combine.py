@@ -29,7 +29,7 @@ def _jobs(R: int) -> list:
     common = dict(num_ranks=R, layout=EM, dtype="bfloat16")
     cases = [
         make_case(61, num_experts=8 * R, num_topk=4, hidden=1024, num_tokens=24, **common),  # capacity=None: push
-        # uneven T, C = R * max(T): push; several H chunks, an empty rank's row of counts
+        # uneven T, C = R * max(T): push (a rank with fewer tokens; one with none)
         make_case(62, num_experts=4 * R, num_topk=3, hidden=256, num_tokens=[17] + [5] * (R - 1), **common),
         make_case(63, num_experts=4 * R, num_topk=2, hidden=64, num_tokens=[0] + [9] * (R - 1), **common),
         make_case(64, num_experts=64, num_topk=40, hidden=16, num_tokens=3, capacity=3 * R, **common),  # K > 32
