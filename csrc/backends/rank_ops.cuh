@@ -481,8 +481,8 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   // same for every op that reuses them.
   const bool push = c.slot_src != nullptr && c.push_ok != nullptr && c.recv_expert_count != nullptr;
   const int64_t back_rows = push ? static_cast<int64_t>(em_push_tokens(c.capacity, g.num_ranks())) * c.num_topk : 0;
-  int64_t back_sizes[2] = {row, 4}, back_offsets[2] = {};
-  const int64_t back_half = pack_regions(back_rows, back_sizes, grad ? 2 : 1, back_offsets);
+  int64_t back_offsets[2] = {};
+  const int64_t back_half = pack_regions(back_rows, sizes, grad ? 2 : 1, back_offsets);
   const int64_t own_end = bytes;
   if (push) {
     const int64_t high = std::max(regions_high_, own_end);
@@ -502,8 +502,9 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
   // The kernel copies y (the counted slots, when the counts are given) into the buffer itself.
   a.own_y = mine<const void>(g, c.y);
   a.recv_expert_count = mine<const int32_t>(g, c.recv_expert_count);
-  const uintptr_t ends[2] = {g.data_ptr() + offsets[0], reinterpret_cast<uintptr_t>(c.y)};
-  a.copy_unit = row_copy_unit(sizes[0], ends, 2);
+  // (the rows of y it copies in or pushes, and, pushing, those of the push buffers)
+  const uintptr_t ends[3] = {g.data_ptr() + offsets[0], reinterpret_cast<uintptr_t>(c.y), g.data_ptr() + back_at_};
+  a.copy_unit = row_copy_unit(sizes[0], ends, push ? 3 : 2);
   if (grad) {
     a.own_g_recv_topk_weights = mine<const float>(g, c.g_recv_topk_weights);
     a.g_recv_topk_weights = g.template sym<const float>(offsets[1]);
@@ -515,8 +516,6 @@ void OneRankOps<Rank>::em_combine(const EMCombineCall& c, OpDesc& d, cudaStream_
     a.back_half = back_half_;
     a.back_g_at = back_offsets[1];
     a.back_rows = back_rows;
-    const uintptr_t ends3[3] = {ends[0], ends[1], g.data_ptr() + back_at_};
-    a.copy_unit = row_copy_unit(sizes[0], ends3, 3);
   }
   a.phase = c.send_only ? kEMSend : kEMWhole;
   launch_em_combine(a, s);

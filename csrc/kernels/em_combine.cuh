@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   }
   // The push buffers' parity: that of the op's barrier (rank_barrier's descriptor slot), numbered alike on
   // every rank.
-  const int64_t half = push ? ((tr.workspace(me)->expected[me] + (a.phase == kEMReceive ? 0 : 1)) & 1) * a.back_half : 0;
+  const int64_t half =
+      push ? ((tr.workspace(me)->expected[me] + (a.phase == kEMReceive ? 0 : 1)) & 1) * a.back_half : 0;
   const int64_t row_bytes = static_cast<int64_t>(H) * sizeof(Scalar);
   if (push && a.phase != kEMReceive) {  // my counted slots' rows to their sources (not my own, when own_direct)
     const int32_t* count = tr.local(a.recv_expert_count);

@@ -345,7 +345,6 @@ class Carved {
   int64_t bytes_ = 0;
 };
 
-// Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts.
 // Where the routing tensor's parts start (int32 offsets), for T tokens, K, R ranks, E experts (and, expert-major,
 // C slots per local expert).
 struct Routing {
