@@ -7,13 +7,18 @@ times, alternately, on every rank:
   d.handle)`` (rank-major, exact receive size: the default), the public API end to end;
 * **minimal**: the collective work the same routing needs, with every split and send buffer prepared
   beforehand: one all-to-all of the counts, one of the rows with their routing (the same bytes the
-  api moves), one of the rows back; receive buffers allocated per call, as a real op must.
+  api moves), one of the rows back; receive buffers allocated per call (the first bar, issue 13);
+* **minimal, kept buffers**: the same with its receive buffers allocated once — no fresh pages, the
+  floor of the data movement (the api reuses its results' storage once they are dropped, so it pays
+  no page faults either).
 
 Medians over ``--iters`` pairs after warm-up, per rank; ``ratio`` = api / minimal (mean of the ranks'
 medians); ``ratio of adjacent pairs``: the median of api / minimal over each api pair and the minimal
 pair timed right after it (steadier on a noisy host). ``host`` is the time an op spends outside
 ``all_to_all_single`` (layout, packing, sums, Python; work overlapped with a collective counts as
-collective time). ``--descriptor``: what the op descriptor costs per op; ``--profile``: rank 0's cProfile
+collective time). ``page faults``: minor faults per api pair and per minimal pair (mean of the ranks) —
+a fresh receive buffer's pages fault on first touch, and how many do varies from run to run with the
+heap glibc kept, which moves the minimal pair, and so the ratio, more than anything else here. ``--descriptor``: what the op descriptor costs per op; ``--profile``: rank 0's cProfile
 of the api pair.
 
     python benchmarks/host_overhead.py [--tokens 128 4096] [--dtype float32] [--iters 300 40]
@@ -81,6 +86,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     import datetime
     import io
     import pstats
+    import resource
 
     import torch
     import torch.distributed as dist
@@ -126,15 +132,18 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         b_out = [n * x.element_size() * H for n in recv_rows]
         b_in = [n * x.element_size() * H for n in send_rows]
 
-        def minimal():
-            c = torch.empty_like(counts)
+        kept = (torch.empty_like(counts), torch.empty(sum(s_in), dtype=torch.uint8),
+                torch.empty(sum(b_in), dtype=torch.uint8))
+
+        def minimal(fresh: bool = True):
+            c, recv, ret = ((torch.empty_like(counts), torch.empty(sum(s_in), dtype=torch.uint8),
+                             torch.empty(sum(b_in), dtype=torch.uint8)) if fresh else kept)
             dist.all_to_all_single(c, counts)
-            recv = torch.empty(sum(s_in), dtype=torch.uint8)
             dist.all_to_all_single(recv, packed.view(-1), s_in, s_out)
-            ret = torch.empty(sum(b_in), dtype=torch.uint8)
             dist.all_to_all_single(ret, back, b_in, b_out)
 
-        times = {"dispatch": [], "combine": [], "api": [], "minimal": [], "host_dispatch": [], "host_combine": []}
+        times = {"dispatch": [], "combine": [], "api": [], "minimal": [], "kept": [], "host_dispatch": [],
+                 "host_combine": []}
 
         def api(record: bool):
             in_a2a[0] = 0.0
@@ -155,19 +164,30 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         for _ in range(warm):
             api(False)
             minimal()
+            minimal(False)
         dist.barrier()
         step = max(1, iters // 5)
+        faults = {"api": 0, "minimal": 0}
         for i in range(iters):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             api(True)
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             minimal()
             times["minimal"].append(time.perf_counter() - t0)
+            faults["api"] += f1 - f0
+            faults["minimal"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f1
+            t0 = time.perf_counter()
+            minimal(False)
+            times["kept"].append(time.perf_counter() - t0)
             if rank == 0 and (i + 1) % step == 0:
                 print(f"  T={T}: {i + 1}/{iters} pairs", file=sys.stderr, flush=True)
         out[T] = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        out[T].update({f"faults_{k}": n / iters for k, n in faults.items()})
         # Adjacent pairs share the machine's state of the moment: the median of their ratios is the
         # steadier figure on a noisy host.
         out[T]["pair_ratio"] = statistics.median(a / m for a, m in zip(times["api"], times["minimal"]))
+        out[T]["kept_ratio"] = statistics.median(a / m for a, m in zip(times["api"], times["kept"]))
         if args["descriptor"]:
             out[T].update(descriptor_cost(ctx, api, min(iters, 200)))
         if args["profile"]:
@@ -213,8 +233,9 @@ def main(argv=None) -> int:
             print(f"  run {i + 1}/{a.repeats} done", file=sys.stderr, flush=True)
     res = runs[-1]
     print("| T | run | api pair (µs) | minimal (µs) | ratio | ratio of adjacent pairs | dispatch (µs) | combine (µs) "
-          "| host: dispatch / combine (µs) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| host: dispatch / combine (µs) | page faults per pair: api / minimal | minimal, kept buffers (µs) "
+          "| ratio to it (adjacent pairs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in a.tokens:
         ratios = []
         for i, run in enumerate(runs):
@@ -225,13 +246,15 @@ def main(argv=None) -> int:
 
             api = " / ".join(f"{q['api']:.0f}" for q in per)
             minimal = " / ".join(f"{q['minimal']:.0f}" for q in per)
-            ratios.append((mean('api') / mean('minimal'), mean('pair_ratio')))
+            ratios.append((mean('api') / mean('minimal'), mean('pair_ratio'), mean('kept_ratio')))
             print(f"| {T} | {i + 1} | {api} | {minimal} | {ratios[-1][0]:.2f}x | {ratios[-1][1]:.2f}x "
                   f"| {mean('dispatch'):.0f} | {mean('combine'):.0f} | {mean('host_dispatch'):.0f} / "
-                  f"{mean('host_combine'):.0f} |")
+                  f"{mean('host_combine'):.0f} | {mean('faults_api'):.0f} / {mean('faults_minimal'):.0f} "
+                  f"| {mean('kept'):.0f} | {ratios[-1][2]:.2f}x |")
         if len(runs) > 1:
             print(f"| {T} | median of {len(runs)} | | | {statistics.median(r[0] for r in ratios):.2f}x "
-                  f"| {statistics.median(r[1] for r in ratios):.2f}x | | | |")
+                  f"| {statistics.median(r[1] for r in ratios):.2f}x | | | | | "
+                  f"| {statistics.median(r[2] for r in ratios):.2f}x |")
     if a.descriptor:
         print("\n| T | dispatch: headers (µs, % of the op) | combine: headers | combine: rows copied behind them |")
         print("|---|---|---|---|")

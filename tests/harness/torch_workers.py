@@ -554,6 +554,44 @@ def fail_one_rank(rank: int, world: int, port: int, fail_rank: int, pid_dir: str
     ep.dispatch(torch.randn(2, 4), torch.tensor([[0], [1]]), torch.rand(2, 1), num_experts=world)
 
 
+def output_reuse_session(rank: int, world: int, port: int) -> dict:
+    """Four dispatch + combine rounds on the collective backend (CPU) with the same routing: x1, x2, x1, x2.
+    Round 1's results are dropped before round 2; round 2's are kept through rounds 3 and 4; round 3's
+    are dropped before round 4. Returns each round's results (copies, numpy), round 2's results read
+    again after round 4, and the storage address of each round's ``recv_x`` and combine output."""
+    import torch
+
+    from omniep import torch as ep
+
+    init_gloo(rank, world, port)
+    try:
+        T, H, E, K = 64, 256, 4 * world, 2
+        gen = torch.Generator().manual_seed(11 + rank)
+        xs = [torch.randn(T, H, generator=gen) for _ in range(2)]
+        idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+        w = torch.rand(T, K, generator=gen)
+        out = {"recv_x": [], "out": [], "recv_ptr": [], "out_ptr": []}
+        kept, blockers = None, []
+        for i in range(4):
+            d = ep.dispatch(xs[i % 2], idx, w, num_experts=E)
+            y = ep.combine(d.recv_x, d.handle)
+            out["recv_x"].append(to_numpy(d.recv_x.clone()))
+            out["out"].append(to_numpy(y.clone()))
+            out["recv_ptr"].append(d.recv_x.untyped_storage().data_ptr())
+            out["out_ptr"].append(y.untyped_storage().data_ptr())
+            if i == 1:
+                kept = (d, y)
+            sizes = [t.untyped_storage().nbytes() for t in (d.recv_x, y)]
+            del d, y
+            # A plain allocator would hand a dropped result's memory to these: a storage the next round
+            # shares with this one was kept for it, not found again by chance.
+            blockers.extend(torch.empty(n, dtype=torch.uint8) for n in sizes)
+        out["kept_recv_x"], out["kept_out"] = to_numpy(kept[0].recv_x.clone()), to_numpy(kept[1].clone())
+        return out
+    finally:
+        shutdown()
+
+
 def exchange_count_session(rank: int, world: int, port: int, layout: str) -> dict:
     """The same dispatch + combine three times on the collective backend over gloo, counting its
     collectives: rows of 256 KB per peer overflow the first slot (64 KB), so the first dispatch sends
