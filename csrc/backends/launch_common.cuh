@@ -97,14 +97,11 @@ inline size_t checked_smem(const EMCombineBwdArgs& a) { return no_smem_if_rows_o
 // kernel: `granted` is the launcher's (a launcher serves one device, and the grant is the device's).
 // `most_tokens`: the largest token count of the launched ranks; `blocks_for(smem)`: the launch's blocks per
 // rank with that much shared memory.
-template <typename BlocksFor>
-size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec, int most_tokens,
-                         BlocksFor&& blocks_for) {
+// The dynamic shared memory the runtime grants `kernel` (asked once, `bytes`; 0 where the GPU has not the room).
+inline size_t granted_smem(std::map<const void*, size_t>& granted, const void* kernel, size_t bytes) {
 #if defined(OMNIEP_CUDA)
-  if (!vec) return 0;
   auto it = granted.find(kernel);
   if (it == granted.end()) {
-    size_t bytes = kCombineRingBytes;
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
         cudaSuccess) {
       (void)cudaGetLastError();  // (not sticky) a GPU without the room: the register path
@@ -112,7 +109,21 @@ size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* ker
     }
     it = granted.emplace(kernel, bytes).first;
   }
-  const size_t bytes = it->second;
+  return it->second;
+#else
+  (void)granted;
+  (void)kernel;
+  (void)bytes;
+  return 0;
+#endif
+}
+
+template <typename BlocksFor>
+size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec, int most_tokens,
+                         BlocksFor&& blocks_for) {
+#if defined(OMNIEP_CUDA)
+  if (!vec) return 0;
+  const size_t bytes = granted_smem(granted, kernel, kCombineRingBytes);
   return bytes > 0 && most_tokens > blocks_for(bytes) * (kCombineThreads / gpu::kWarpSize) ? bytes : 0;
 #else
   (void)granted;
@@ -122,6 +133,13 @@ size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* ker
   (void)blocks_for;
   return 0;
 #endif
+}
+
+// The dynamic shared memory of an expert-major combine launch: the push sums' stages (em_combine.cuh) for a
+// 16-byte-pack instance on CUDA that may push (push buffers given; whether it does, the dispatch decided on the
+// device), where the GPU grants them; else none, and the kernel sums from registers (it checks what it got).
+inline size_t em_sum_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec, bool may_push) {
+  return vec && may_push ? granted_smem(granted, kernel, kEMSumSmemBytes) : 0;
 }
 
 // The largest token count of the launched ranks [first, first + count).

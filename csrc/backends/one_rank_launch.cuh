@@ -121,10 +121,12 @@ class OneRankLauncher {
   void em_combine(const EMCombineArgs& a, const Tr& tr, cudaStream_t stream) {
     require_gets(tr, "expert-major combine");
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
-    const size_t smem = checked_smem(a);
+    checked_smem(a);
     const char* what = "expert-major combine";
-    launch_wide(typed_kernel<EMCombineK, Tr>(a.dtype, vec16(a, rank_, 1, num_ranks_), what), kEMCombineThreads,
-                smem, stream, a, tr, what, /*whole_gpu=*/true);
+    const bool vec = vec16(a, rank_, 1, num_ranks_);
+    const auto kernel = typed_kernel<EMCombineK, Tr>(a.dtype, vec, what);
+    const size_t smem = em_sum_smem(ring_, reinterpret_cast<const void*>(kernel), vec, a.back.p[rank_] != nullptr);
+    launch_wide(kernel, kEMCombineThreads, smem, stream, a, tr, what, /*whole_gpu=*/true);
   }
 
   template <typename Tr>
@@ -185,7 +187,7 @@ class OneRankLauncher {
   int num_sms_ = 0;
   int blocks_ = 0;
   std::map<std::tuple<const void*, size_t>, int> cache_;
-  std::map<const void*, size_t> ring_;  // combine_ring_smem's grants
+  std::map<const void*, size_t> ring_;  // the shared memory granted per kernel (combine_ring_smem, em_sum_smem)
 };
 
 // ---- OneRankOps (backends/one_rank_ops.h) ----

@@ -37,6 +37,9 @@
 // order (bitwise unchanged). On p2p and nccl_dev those branches compile away.
 #pragma once
 
+#include <type_traits>
+
+#include "kernels/bulk.cuh"
 #include "kernels/combine.cuh"  // the remote path's staging sizes
 #include "kernels/em_args.h"
 #include "kernels/em_slots.cuh"
@@ -49,6 +52,12 @@ namespace omniep {
 inline constexpr int kEMCombineThreads = 512;
 inline constexpr int kEMPacks = 1;  // packs per lane per work item (token, chunk of H)
 inline constexpr int kEMGroup = 8;  // copies of a token whose packs are loaded together
+// The push combine's sums through bulk (TMA) loads (CUDA sm_90, 16-byte packs, the launch gave the shared
+// memory): per item a copy's kEMSumPacks packs per lane, kEMGroup copies in flight per warp — 8 KB, where the
+// register path holds 4 KB (kEMGroup * kEMPacks packs per lane) — so that each warp's item is one round trip.
+inline constexpr int kEMSumPacks = 2;
+inline constexpr int kEMSumStageBytes = kEMGroup * 32 * kEMSumPacks * 16;  // per warp (32 lanes, 16-byte packs)
+inline constexpr size_t kEMSumSmemBytes = static_cast<size_t>(kEMSumStageBytes) * (kEMCombineThreads / 32);
 // The remote path stages one chunk per warp in the scratch the host sized for combine's warps.
 static_assert(kEMCombineThreads <= kCombineThreads && kEMPacks <= kPacks, "em stages come from combine's scratch");
 
@@ -157,84 +166,20 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
   if constexpr (Tr::kHasGets) stage = reinterpret_cast<Pack*>(tr.scratch + first_warp * kCombineStageBytesPerWarp);
   const int chunks = num_packs > 0 ? (num_packs + kChunk - 1) / kChunk : 1;  // H = 0: still one item (g_w)
 
-  for (int64_t item = first_warp; item < static_cast<int64_t>(T) * chunks; item += all_warps) {
-    const int64_t t = item / chunks;
-    const int base = static_cast<int>(item % chunks) * kChunk;
-    float acc[kEMPacks][Vec];
+  // An item's end: the bias terms (last, in the order given), then its packs of out — pack base + lane + u * 32
+  // of token t holds acc[u].
+  const auto finish = [&](auto& acc, int64_t t, int base) {
+    constexpr int kN = static_cast<int>(std::extent_v<std::remove_reference_t<decltype(acc)>>);
 #pragma unroll
-    for (int j = 0; j < kEMPacks; ++j) {
-#pragma unroll
-      for (int v = 0; v < Vec; ++v) acc[j][v] = 0.0f;
-    }
-    // Lane k holds copy k's (slot, expert, weight); the loop broadcasts them in k order.
-    for (int k0 = 0; k0 < K; k0 += gpu::kWarpSize) {
-      int my_slot = -1, my_e = 0;
-      float my_w = 1.0f;
-      if (k0 + lane < K) {
-        const int64_t i = t * K + k0 + lane;
-        my_slot = copy_slot[i];
-        my_e = idx32[i];
-        if (weights != nullptr) my_w = weights[i];
-      }
-      const int kn = K - k0 < gpu::kWarpSize ? K - k0 : gpu::kWarpSize;
-      // kEMGroup copies at a time: their loads are all issued before the first is summed (one memory
-      // latency per group, not per copy); the sum still runs in ascending k, the contract's order.
-      for (int j0 = 0; j0 < kn; j0 += kEMGroup) {
-        Pack v[kEMGroup][kEMPacks];
-        float wj[kEMGroup];
-        bool have[kEMGroup];
-#pragma unroll
-        for (int g = 0; g < kEMGroup; ++g) {
-          const int j = j0 + g < kn ? j0 + g : kn - 1;  // (shfl needs every lane: clamp, then drop)
-          const int slot = gpu::shfl(my_slot, j);
-          const int e = gpu::shfl(my_e, j);
-          wj[g] = gpu::shfl(my_w, j);
-          have[g] = j0 + g < kn && slot >= 0;
-          if (!have[g]) continue;
-          const int r = e / L, l = e - r * L;
-          const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
-          bool far = false;
-          if constexpr (Tr::kHasGets) far = !push && tr.is_remote(r);
-          const Pack* y = nullptr;
-          if (push) {  // my own copies in the caller's y (own_direct), the rest in my push buffer
-            y = reinterpret_cast<const Pack*>(r == me && own_direct ? static_cast<const Scalar*>(own_y) + row
-                                                                    : back + (t * K + k0 + j) * H);
-          } else if (!far) {
-            y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(s_y_of[r]) + row);
-          } else if constexpr (Tr::kHasGets) {  // (one stage: its packs go to registers before the next get)
-            const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
-            y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);
-          }
-#pragma unroll
-          for (int u = 0; u < kEMPacks; ++u) {
-            const int p = base + lane + u * gpu::kWarpSize;
-            if (p < num_packs) v[g][u] = y[p];
-          }
-        }
-#pragma unroll
-        for (int g = 0; g < kEMGroup; ++g) {
-          if (!have[g]) continue;
-#pragma unroll
-          for (int u = 0; u < kEMPacks; ++u) {
-            if (base + lane + u * gpu::kWarpSize < num_packs) {
-#pragma unroll
-              for (int q = 0; q < Vec; ++q) {
-                acc[u][q] = gpu::add_rn(acc[u][q], gpu::mul_rn(wj[g], Cvt::to_float(v[g][u].v[q])));
-              }
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kEMPacks; ++u) {
+    for (int u = 0; u < kN; ++u) {
       const int p = base + lane + u * gpu::kWarpSize;
       if (p >= num_packs) continue;
-      for (int b = 0; b < a.num_bias; ++b) {  // bias terms last, in the order given
+      for (int b = 0; b < a.num_bias; ++b) {
         const void* bias = tr.local(a.bias[b]);
 #pragma unroll
         for (int q = 0; q < Vec; ++q) {
-          acc[u][q] = gpu::add_rn(acc[u][q], load_as_float(bias, a.bias_dtype[b], t * H + static_cast<int64_t>(p) * Vec + q));
+          const int64_t at = t * H + static_cast<int64_t>(p) * Vec + q;
+          acc[u][q] = gpu::add_rn(acc[u][q], load_as_float(bias, a.bias_dtype[b], at));
         }
       }
       Pack o;
@@ -242,29 +187,186 @@ __global__ void __launch_bounds__(kEMCombineThreads) combine_kernel(EMCombineArg
       for (int q = 0; q < Vec; ++q) o.v[q] = Cvt::from_float(acc[u][q]);
       reinterpret_cast<Pack*>(out + t * H)[p] = o;
     }
-    if (a.with_topk_grad && base == 0) {  // once per token: the first chunk's warp
-      float* g_w = tr.local(a.g_topk_weights);
-      for (int k = lane; k < K; k += gpu::kWarpSize) {
-        const int64_t i = t * K + k;
-        const int slot = copy_slot[i];
-        float g = 0.0f;
-        if (slot >= 0) {
-          const int e = idx32[i];
-          const int r = e / L;
-          const int64_t at = static_cast<int64_t>(e - r * L) * C + slot;
-          bool far = false;
-          if constexpr (Tr::kHasGets) far = !push && tr.is_remote(r);
-          if (push) {
-            g = r == me && own_direct ? tr.local(a.own_g_recv_topk_weights)[at]
-                                      : reinterpret_cast<const float*>(my_half + a.back_g_at)[i];
-          } else if (!far) {
-            g = tr.peer(a.g_recv_topk_weights, r)[at];
-          } else if constexpr (Tr::kHasGets) {
-            g = tr.get_f32(tr.local(a.g_recv_topk_weights) + at, r);
+  };
+  // Once per token (the warp of its first item): g_topk_weights[t, k] read back from the slot that carried it.
+  const auto grad_w = [&](int64_t t) {
+    float* g_w = tr.local(a.g_topk_weights);
+    for (int k = lane; k < K; k += gpu::kWarpSize) {
+      const int64_t i = t * K + k;
+      const int slot = copy_slot[i];
+      float g = 0.0f;
+      if (slot >= 0) {
+        const int e = idx32[i];
+        const int r = e / L;
+        const int64_t at = static_cast<int64_t>(e - r * L) * C + slot;
+        bool far = false;
+        if constexpr (Tr::kHasGets) far = !push && tr.is_remote(r);
+        if (push) {
+          g = r == me && own_direct ? tr.local(a.own_g_recv_topk_weights)[at]
+                                    : reinterpret_cast<const float*>(my_half + a.back_g_at)[i];
+        } else if (!far) {
+          g = tr.peer(a.g_recv_topk_weights, r)[at];
+        } else if constexpr (Tr::kHasGets) {
+          g = tr.get_f32(tr.local(a.g_recv_topk_weights) + at, r);
+        }
+      }
+      g_w[i] = g;
+    }
+  };
+
+  bool summed = false;
+#if defined(OMNIEP_BULK_LOADS)
+  if constexpr (sizeof(Pack) == 16) {
+    if (push && num_packs > 0 && bulk::dynamic_smem_bytes() >= kEMSumSmemBytes) {
+      summed = true;
+      extern __shared__ __align__(128) uint8_t s_sum[];
+      __shared__ __align__(8) uint64_t s_sum_bar[kEMCombineThreads / 32];
+      static_assert(gpu::kWarpSize == 32, "the stages are sized for 32 lanes");
+      const int warp = gpu::warp_id();
+      Pack* st = reinterpret_cast<Pack*>(s_sum + static_cast<size_t>(warp) * kEMSumStageBytes);
+      uint64_t* bar = &s_sum_bar[warp];
+      if (lane == 0) bulk::init(bar);
+      // The peers' rows came through the generic proxy, ordered before this point by the barrier; the bulk
+      // loads read them through the async proxy (every lane may issue one).
+      bulk::proxy_fence_global();
+      gpu::syncwarp();
+      uint32_t phase = 0;
+      constexpr int kStep = gpu::kWarpSize * kEMSumPacks;  // packs of a copy per item
+      const int steps = (num_packs + kStep - 1) / kStep;
+      for (int64_t item = first_warp; item < static_cast<int64_t>(T) * steps; item += all_warps) {
+        const int64_t t = item / steps;
+        const int base = static_cast<int>(item % steps) * kStep;
+        const int m = num_packs - base < kStep ? num_packs - base : kStep;
+        const uint32_t bytes = static_cast<uint32_t>(m) * sizeof(Pack);
+        float acc[kEMSumPacks][Vec];
+#pragma unroll
+        for (int u = 0; u < kEMSumPacks; ++u) {
+#pragma unroll
+          for (int q = 0; q < Vec; ++q) acc[u][q] = 0.0f;
+        }
+        for (int k0 = 0; k0 < K; k0 += gpu::kWarpSize) {
+          // Lane k: copy k0 + k's row (null: unrouted or dropped) and weight.
+          const Pack* my_row = nullptr;
+          float my_w = 1.0f;
+          if (k0 + lane < K) {
+            const int64_t i = t * K + k0 + lane;
+            const int slot = copy_slot[i];
+            if (weights != nullptr) my_w = weights[i];
+            if (slot >= 0) {
+              const int e = idx32[i];
+              const int r = e / L;
+              my_row = reinterpret_cast<const Pack*>(
+                  r == me && own_direct
+                      ? static_cast<const Scalar*>(own_y) + (static_cast<int64_t>(e - r * L) * C + slot) * H
+                      : back + i * H);
+            }
+          }
+          const int kn = K - k0 < gpu::kWarpSize ? K - k0 : gpu::kWarpSize;
+          for (int j0 = 0; j0 < kn; j0 += kEMGroup) {
+            const int gn = kn - j0 < kEMGroup ? kn - j0 : kEMGroup;
+            const bool load = lane >= j0 && lane < j0 + gn && my_row != nullptr;
+            const gpu::lane_mask_t loaded = gpu::ballot(load);
+            if (lane == 0) bulk::expect(bar, static_cast<uint32_t>(gpu::popc(loaded)) * bytes);
+            gpu::syncwarp();  // the expectation is set before any load can complete it
+            if (load) {
+              bulk::proxy_fence();  // the lanes' reads of the stage (ordered by the last syncwarp) come first
+              bulk::load(st + (lane - j0) * kStep, my_row + base, bytes, bar);
+            }
+            bulk::wait(bar, phase);
+            phase ^= 1u;
+            for (int g = 0; g < gn; ++g) {  // ascending k, the contract's order
+              const float w = gpu::shfl(my_w, j0 + g);
+              if (!((loaded >> (j0 + g)) & 1u)) continue;
+#pragma unroll
+              for (int u = 0; u < kEMSumPacks; ++u) {
+                const int p = lane + u * gpu::kWarpSize;
+                if (p >= m) continue;
+                const Pack v = st[g * kStep + p];
+#pragma unroll
+                for (int q = 0; q < Vec; ++q) acc[u][q] = gpu::add_rn(acc[u][q], gpu::mul_rn(w, Cvt::to_float(v.v[q])));
+              }
+            }
+            gpu::syncwarp();  // every lane has read the stage before the next group loads into it
           }
         }
-        g_w[i] = g;
+        finish(acc, t, base);
+        if (a.with_topk_grad && base == 0) grad_w(t);
       }
+    }
+  }
+#endif
+  if (!summed) {  // the sums from registers: HIP, element packs, the pull, or no shared memory given
+    for (int64_t item = first_warp; item < static_cast<int64_t>(T) * chunks; item += all_warps) {
+      const int64_t t = item / chunks;
+      const int base = static_cast<int>(item % chunks) * kChunk;
+      float acc[kEMPacks][Vec];
+#pragma unroll
+      for (int j = 0; j < kEMPacks; ++j) {
+#pragma unroll
+        for (int v = 0; v < Vec; ++v) acc[j][v] = 0.0f;
+      }
+      // Lane k holds copy k's (slot, expert, weight); the loop broadcasts them in k order.
+      for (int k0 = 0; k0 < K; k0 += gpu::kWarpSize) {
+        int my_slot = -1, my_e = 0;
+        float my_w = 1.0f;
+        if (k0 + lane < K) {
+          const int64_t i = t * K + k0 + lane;
+          my_slot = copy_slot[i];
+          my_e = idx32[i];
+          if (weights != nullptr) my_w = weights[i];
+        }
+        const int kn = K - k0 < gpu::kWarpSize ? K - k0 : gpu::kWarpSize;
+        // kEMGroup copies at a time: their loads are all issued before the first is summed (one memory
+        // latency per group, not per copy); the sum still runs in ascending k, the contract's order.
+        for (int j0 = 0; j0 < kn; j0 += kEMGroup) {
+          Pack v[kEMGroup][kEMPacks];
+          float wj[kEMGroup];
+          bool have[kEMGroup];
+#pragma unroll
+          for (int g = 0; g < kEMGroup; ++g) {
+            const int j = j0 + g < kn ? j0 + g : kn - 1;  // (shfl needs every lane: clamp, then drop)
+            const int slot = gpu::shfl(my_slot, j);
+            const int e = gpu::shfl(my_e, j);
+            wj[g] = gpu::shfl(my_w, j);
+            have[g] = j0 + g < kn && slot >= 0;
+            if (!have[g]) continue;
+            const int r = e / L, l = e - r * L;
+            const int64_t row = (static_cast<int64_t>(l) * C + slot) * H;
+            bool far = false;
+            if constexpr (Tr::kHasGets) far = !push && tr.is_remote(r);
+            const Pack* y = nullptr;
+            if (push) {  // my own copies in the caller's y (own_direct), the rest in my push buffer
+              y = reinterpret_cast<const Pack*>(r == me && own_direct ? static_cast<const Scalar*>(own_y) + row
+                                                                      : back + (t * K + k0 + j) * H);
+            } else if (!far) {
+              y = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(s_y_of[r]) + row);
+            } else if constexpr (Tr::kHasGets) {  // (one stage: its packs go to registers before the next get)
+              const Pack* mine = reinterpret_cast<const Pack*>(static_cast<const Scalar*>(tr.local(a.y)) + row);
+              y = get_packs(tr, mine, r, base, num_packs - base < kChunk ? num_packs - base : kChunk, stage);
+            }
+#pragma unroll
+            for (int u = 0; u < kEMPacks; ++u) {
+              const int p = base + lane + u * gpu::kWarpSize;
+              if (p < num_packs) v[g][u] = y[p];
+            }
+          }
+#pragma unroll
+          for (int g = 0; g < kEMGroup; ++g) {
+            if (!have[g]) continue;
+#pragma unroll
+            for (int u = 0; u < kEMPacks; ++u) {
+              if (base + lane + u * gpu::kWarpSize < num_packs) {
+#pragma unroll
+                for (int q = 0; q < Vec; ++q) {
+                  acc[u][q] = gpu::add_rn(acc[u][q], gpu::mul_rn(wj[g], Cvt::to_float(v[g][u].v[q])));
+                }
+              }
+            }
+          }
+        }
+      }
+      finish(acc, t, base);
+      if (a.with_topk_grad && base == 0) grad_w(t);
     }
   }
   OMNIEP_STAMP_WARPS(push ? "summed" : "pulled");
