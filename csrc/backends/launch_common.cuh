@@ -89,14 +89,6 @@ inline size_t checked_smem(const EMCombineArgs& a) { return no_smem_if_rows_ok(a
 
 inline size_t checked_smem(const EMCombineBwdArgs& a) { return no_smem_if_rows_ok(a.hidden, 0); }
 
-// The dynamic shared memory a combine launch of `kernel` takes: the bulk path's ring (combine.cuh) for the
-// 16-byte-pack instances on CUDA where the GPU grants it (sm_90: up to 227 KB a block) and a launched rank has
-// more tokens than the launch's warps — the only case the kernel takes that path, and a launch that asks for
-// 192 KB for nothing still pays for it (the SMs' L1 / shared split is set per launch); else none, and the
-// kernel sums from registers (it checks what it was given). The grant is asked of the runtime once per
-// kernel: `granted` is the launcher's (a launcher serves one device, and the grant is the device's).
-// `most_tokens`: the largest token count of the launched ranks; `blocks_for(smem)`: the launch's blocks per
-// rank with that much shared memory.
 // The dynamic shared memory the runtime grants `kernel` (asked once, `bytes`; 0 where the GPU has not the room).
 inline size_t granted_smem(std::map<const void*, size_t>& granted, const void* kernel, size_t bytes) {
 #if defined(OMNIEP_CUDA)
@@ -118,6 +110,14 @@ inline size_t granted_smem(std::map<const void*, size_t>& granted, const void* k
 #endif
 }
 
+// The dynamic shared memory a combine launch of `kernel` takes: the bulk path's ring (combine.cuh) for the
+// 16-byte-pack instances on CUDA where the GPU grants it (sm_90: up to 227 KB a block) and a launched rank has
+// more tokens than the launch's warps — the only case the kernel takes that path, and a launch that asks for
+// 192 KB for nothing still pays for it (the SMs' L1 / shared split is set per launch); else none, and the
+// kernel sums from registers (it checks what it was given). The grant is asked of the runtime once per
+// kernel: `granted` is the launcher's (a launcher serves one device, and the grant is the device's).
+// `most_tokens`: the largest token count of the launched ranks; `blocks_for(smem)`: the launch's blocks per
+// rank with that much shared memory.
 template <typename BlocksFor>
 size_t combine_ring_smem(std::map<const void*, size_t>& granted, const void* kernel, bool vec, int most_tokens,
                          BlocksFor&& blocks_for) {
