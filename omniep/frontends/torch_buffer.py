@@ -585,7 +585,10 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """A ``[L, R * num_max_dispatch_tokens_per_rank, H]`` bf16 tensor for the expert outputs of the next
         :meth:`low_latency_combine` (DeepEP's zero-copy path: fill it, then combine it with
-        ``zero_copy=True``). Here it is an ordinary tensor the Buffer keeps; combine reads it like any x."""
+        ``zero_copy=True``). Here it is an ordinary tensor the Buffer keeps; combine reads it like any x —
+        where it lies: the native backends' push combine writes each row from it straight into its token's
+        rank, with no copy of it first (the Buffer's capacity, ``R * num_max_dispatch_tokens_per_rank``, always
+        lets the combine push)."""
         self._alive()
         if not isinstance(handle, Handle) or handle.config.layout != Layout.EXPERT_MAJOR or not self._ll_hidden:
             raise InputError("get_next_low_latency_combine_buffer needs a handle returned by low_latency_dispatch")
