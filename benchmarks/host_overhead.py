@@ -18,8 +18,8 @@ pair timed right after it (steadier on a noisy host). ``host`` is the time an op
 ``all_to_all_single`` (layout, packing, sums, Python; work overlapped with a collective counts as
 collective time). ``page faults``: minor faults per api pair and per minimal pair (mean of the ranks) —
 a fresh receive buffer's pages fault on first touch, and how many do varies from run to run with the
-heap glibc kept, which moves the minimal pair, and so the ratio, more than anything else here. ``--descriptor``: what the op descriptor costs per op; ``--profile``: rank 0's cProfile
-of the api pair.
+heap glibc kept, which moves the minimal pair, and so the ratio, more than anything else here.
+``--descriptor``: what the op descriptor costs per op; ``--profile``: rank 0's cProfile of the api pair.
 
     python benchmarks/host_overhead.py [--tokens 128 4096] [--dtype float32] [--iters 300 40]
 """
@@ -232,8 +232,9 @@ def main(argv=None) -> int:
         if a.repeats > 1:
             print(f"  run {i + 1}/{a.repeats} done", file=sys.stderr, flush=True)
     res = runs[-1]
-    print("| T | run | api pair (µs) | minimal (µs) | ratio | ratio of adjacent pairs | dispatch (µs) | combine (µs) "
-          "| host: dispatch / combine (µs) | page faults per pair: api / minimal | minimal, kept buffers (µs) "
+    print("| T | run | api pair (µs) | minimal (µs) | ratio | ratio of adjacent pairs | dispatch (µs) "
+          "| combine (µs) | host: dispatch / combine (µs) | page faults per pair: api / minimal "
+          "| minimal, kept buffers (µs) "
           "| ratio to it (adjacent pairs) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in a.tokens:

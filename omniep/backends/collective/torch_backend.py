@@ -619,7 +619,7 @@ class CollectiveTorch(PythonOps, TorchGroupBackend):
         rows_from = [tok[s][me] for s in range(R)]
         M = sum(rows_from)
         kept, kept_to, kept_from, per_expert, over = expert_major_plan(copies, me, R, C)
-        moved = torch.empty((M, H), dtype=x.dtype, device=dev)
+        moved = self._output("dispatch_em_rows", (M, H), x.dtype, dev)
         if rows_of is not None:
             _place(moved, x, sel(me), rows_from, me, rows_of)
         else:
