@@ -438,9 +438,10 @@ def test_dispatch_is_one_exchange_once_the_slot_holds_its_rows(world, layout):
 
 def test_cpu_results_reuse_only_storage_nothing_holds():
     """On CPU the collective backend gives an op's result the storage of an earlier result of the same
-    op once nothing holds that storage (fresh pages fault on first touch): round 2 gets round 1's
-    storage, dropped; round 3 does not get round 2's, still held, whose values stay as they were; round 4
-    gets round 3's. Every round's values are those of its input, bit for bit."""
+    op once nothing holds that storage (fresh pages fault on first touch): round 2 (x2) gets round 1's
+    storage (x1's results, dropped); round 3 (x2) does not get round 2's, still held, whose values stay as
+    they were; round 4 (x1) gets round 3's (x2's results). A round on reused storage gives bit for bit what
+    the round of the same input on fresh storage gave."""
     from harness.torch_workers import output_reuse_session
 
     results = run_ranks(output_reuse_session, 2, timeout=120, env={"OMNIEP_BACKEND": "collective"})
@@ -450,9 +451,9 @@ def test_cpu_results_reuse_only_storage_nothing_holds():
             assert ptr[1] == ptr[0], f"rank {r}: round 2's {key} storage is not round 1's (dropped)"
             assert ptr[2] != ptr[1], f"rank {r}: round 3's {key} storage is round 2's, which is still held"
             assert ptr[3] == ptr[2], f"rank {r}: round 4's {key} storage is not round 3's (dropped)"
-        for a, b in ((0, 2), (1, 3)):  # the same input, the same results
-            assert_bits(res["recv_x"][b], res["recv_x"][a], f"rank {r} round {b + 1} recv_x")
-            assert_bits(res["out"][b], res["out"][a], f"rank {r} round {b + 1} out")
+        for fresh, reused in ((2, 1), (0, 3)):  # the same input: on fresh storage, on another input's
+            assert_bits(res["recv_x"][reused], res["recv_x"][fresh], f"rank {r} round {reused + 1} recv_x")
+            assert_bits(res["out"][reused], res["out"][fresh], f"rank {r} round {reused + 1} out")
         assert_bits(res["kept_recv_x"], res["recv_x"][1], f"rank {r}: round 2's recv_x, held, after round 4")
         assert_bits(res["kept_out"], res["out"][1], f"rank {r}: round 2's out, held, after round 4")
         assert not np.array_equal(res["recv_x"][0], res["recv_x"][1])  # the inputs differ

@@ -555,10 +555,11 @@ def fail_one_rank(rank: int, world: int, port: int, fail_rank: int, pid_dir: str
 
 
 def output_reuse_session(rank: int, world: int, port: int) -> dict:
-    """Four dispatch + combine rounds on the collective backend (CPU) with the same routing: x1, x2, x1, x2.
+    """Four dispatch + combine rounds on the collective backend (CPU) with the same routing: x1, x2, x2, x1.
     Round 1's results are dropped before round 2; round 2's are kept through rounds 3 and 4; round 3's
-    are dropped before round 4. Returns each round's results (copies, numpy), round 2's results read
-    again after round 4, and the storage address of each round's ``recv_x`` and combine output."""
+    are dropped before round 4. So rounds 2 and 4 may reuse storage that holds the other input's results,
+    and rounds 1 and 3 (fresh storage) have their inputs. Returns each round's results (copies, numpy), round
+    2's results read again after round 4, and the storage address of each round's ``recv_x`` and output."""
     import torch
 
     from omniep import torch as ep
@@ -573,7 +574,7 @@ def output_reuse_session(rank: int, world: int, port: int) -> dict:
         out = {"recv_x": [], "out": [], "recv_ptr": [], "out_ptr": []}
         kept, blockers = None, []
         for i in range(4):
-            d = ep.dispatch(xs[i % 2], idx, w, num_experts=E)
+            d = ep.dispatch(xs[(0, 1, 1, 0)[i]], idx, w, num_experts=E)
             y = ep.combine(d.recv_x, d.handle)
             out["recv_x"].append(to_numpy(d.recv_x.clone()))
             out["out"].append(to_numpy(y.clone()))
