@@ -1,0 +1,97 @@
+"""DeepEP's own tests run against omniep on two GPUs, session after session: a plot of their kernel lines.
+
+Reads ``benchmarks/data/deepep_tests_history.csv`` (one row per figure RESULTS.md records from DeepEP's
+``test_low_latency.py`` / ``test_intranode.py`` through ``tests/deepep_shim``: when, which machine, which
+metric, each rank's µs, whether the tree was main's or a variant not kept, and the RESULTS.md line it was read
+from, with the text quoted) and draws two panels — the low-latency
+dispatch (fp8) and combine (bf16), the high-throughput dispatch (bf16) and combine — each point the mean of
+the ranks, with DeepEP V1's own figures on two H200s (measured side by side on 2026-11-22: LL 29–31 / 40 µs,
+HT 345 / 399 µs; the issue's figures, not re-measured since) and issue 14's targets as lines. Only main's
+trees on two H200s are drawn (the H100 pair is another machine; variants not kept are in the file, not in the
+plot). No GPU needed:
+
+    python benchmarks/plot_progress.py [--csv benchmarks/data/deepep_tests_history.csv] [--png ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PANELS = (
+    ("low-latency (128 tokens, H = 7168, top-8 of 288)", (
+        ("ll_dispatch", "dispatch (fp8)", "tab:blue", 30.0, 20.0),
+        ("ll_combine", "combine (bf16)", "tab:orange", 40.0, 28.0))),
+    ("high-throughput (4096 tokens, H = 7168, top-8 of 256)", (
+        ("ht_dispatch_bf16", "dispatch (bf16)", "tab:blue", 345.0, 185.0),
+        ("ht_combine", "combine (bf16)", "tab:orange", 399.0, 200.0))),
+)
+
+
+def read(path: str) -> dict:
+    """``{metric: [(datetime, µs), ...]}`` of the two-H200 rows, the ranks' mean, in time order."""
+    out: dict = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["machine"] != "2xH200" or row["main_tree"] != "1":
+                continue
+            ranks = [float(v) for v in (row["rank0_us"], row["rank1_us"]) if v]
+            when = datetime.datetime.fromisoformat(row["date_utc"])
+            out.setdefault(row["metric"], []).append((when, sum(ranks) / len(ranks)))
+    for points in out.values():
+        points.sort()
+    return out
+
+
+def plot(series: dict, path: str) -> bool:
+    """The two panels into ``path``; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.dates as mdates
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, (title, metrics) in zip(axes, PANELS):
+        for key, label, color, deepep, target in metrics:
+            points = series.get(key, [])
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=color, ms=3, lw=1,
+                        label=f"omniep {label}")
+            ax.axhline(deepep, color=color, ls="--", lw=1, label=f"DeepEP V1 {label}")
+            ax.axhline(target, color=color, ls=":", lw=1, label=f"target {label}")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("kernel time in DeepEP's test (µs, mean of 2 ranks)")
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
+        ax.legend(fontsize=7)
+    fig.suptitle("omniep through DeepEP's own tests, two H200s (NV18)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--csv", default=os.path.join(HERE, "data", "deepep_tests_history.csv"))
+    p.add_argument("--png", default=os.path.join(HERE, "deepep_tests_progress.png"))
+    a = p.parse_args(argv)
+    series = read(a.csv)
+    for key, points in sorted(series.items()):
+        first, last = points[0], points[-1]
+        print(f"{key}: {len(points)} figures, {first[1]:.1f} µs ({first[0]:%m-%d %H:%M}) -> {last[1]:.1f} µs "
+              f"({last[0]:%m-%d %H:%M})")
+    print(f"plot_progress: {'wrote ' + a.png if plot(series, a.png) else 'no matplotlib: no plot'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
