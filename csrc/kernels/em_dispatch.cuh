@@ -51,10 +51,13 @@ static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combin
 // dispatch is ONE launch with two barriers (the count exchange, the end). Every block counts the
 // copies before its share [i0, i1) of the (t, k) pairs; block 0 also counts them all (its row of the
 // count matrix, published before the exchange barrier, which also carries the op descriptor and the
-// verdict on the ids) and, after it, the receiver's side (em_layout.cuh step 2b). Then every block
-// ranks its own share (step 3 over [i0, i1)), starting each expert where the lower source ranks and
-// the earlier shares end: the slots are those of em_layout_kernel, bit for bit. Returns false when
-// the op stopped (the handle then routes nothing). Dynamic shared memory: 2 * E ints.
+// verdict on the ids) and, after it, the receiver's side (em_layout.cuh step 2b). Every block ranks its
+// own share among the rank's copies of each expert (step 3 over [i0, i1), from the earlier shares'
+// counts, without the capacity: copy_slot holds each copy's rank j) while the exchange's signals travel;
+// after the exchange only s_mem[e] = the copies of e from the lower source ranks is computed, and the
+// push loop takes slot = s_mem[e] + j (-1 past C) and writes it back for the handle: the slots are those
+// of em_layout_kernel, bit for bit. Returns false when the op stopped (the handle then routes nothing).
+// Dynamic shared memory: 2 * E ints.
 // With an fp8 cast (a.cast_src) and a barrier that splits (barrier_splits_here) the block also casts the
 // tokens of its share (whole tokens: [i0 / K, i1 / K)) — after its arrival at the exchange barrier, while the
 // signals travel, so the cast costs no time of its own where the exchange waits for a peer; the block's warps
@@ -115,8 +118,8 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   const bool split = barrier_splits_here(tr);
   bool go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc,
                          split ? kBarrierSignalOnly : kBarrierFull);
-  if (go && split) {
-    if (tr.local(a.cast_src) != nullptr) {
+  if (go) {
+    if (split && tr.local(a.cast_src) != nullptr) {
       const int K = a.num_topk;
       cast_fp8_rows(reinterpret_cast<const gpu::bfloat16*>(tr.local(a.cast_src)),
                     const_cast<uint8_t*>(tr.local(a.x)), reinterpret_cast<float*>(const_cast<uint8_t*>(tr.local(a.x2))),
@@ -124,7 +127,8 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
                     gpu::warps_per_block());
       OMNIEP_STAMP("cast");
     }
-    go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc, kBarrierWaitHere);
+    em_scan_slots([idx32](int64_t i) { return idx32[i]; }, copy_slot, s_next, i0, i1, INT32_MAX);  // j
+    if (split) go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc, kBarrierWaitHere);
   }
   int32_t* push_ok = first && threadIdx.x == 0 ? tr.local(a.route.push_ok) : nullptr;
   if (!go) {
@@ -140,15 +144,14 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
     for (int s = 0; s < R; ++s) ok &= tr.workspace(me)->em_tokens[s] <= em_push_tokens(C, R);
     *push_ok = ok;
   }
-  em_first_slots(s_next, counts, s_next, me, E);
+  __syncthreads();  // every warp's ranks read s_next before it is rewritten
+  em_first_slots(s_next, counts, nullptr, me, E);
   if (first) {
     em_receiver_counts(tr, counts, E, C, a.route.expert_alignment, count_out,
                        tr.local(a.route.num_recv_tokens_per_expert), tr.local(a.route.num_recv),
                        tr.local(a.route.dropped), nullptr, nullptr, tr.local(a.route.recv_stats));
   }
-  __syncthreads();  // s_next complete
-  em_scan_slots([idx32](int64_t i) { return idx32[i]; }, copy_slot, s_next, i0, i1, C);
-  __syncthreads();  // my share's slots, for every warp of the block
+  __syncthreads();  // s_next complete: the copies of each expert from lower source ranks
   return true;
 }
 
@@ -274,10 +277,17 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   __syncthreads();
 
   // ---- push my copies ----
+  extern __shared__ int s_lower[];  // the routing front's: the copies of each expert from lower source ranks
   for (int64_t i = first_warp; i < end; i += all_warps) {
-    const int slot = copy_slot[i];
-    if (slot < 0) continue;  // unrouted or dropped
+    int slot = copy_slot[i];
+    if (slot < 0) continue;  // unrouted (or, without the routing front, dropped)
     const int e = idx32[i];
+    if (a.route.on) {  // the front left my rank j among my copies of e: the slot, kept for the handle
+      slot += s_lower[e];
+      gpu::syncwarp();  // every lane has read j before lane 0 replaces it
+      if (lane == 0) const_cast<int32_t*>(copy_slot)[i] = slot < C ? slot : -1;
+      if (slot >= C) continue;  // dropped
+    }
     const int r = e / L, l = e - r * L;
     const int64_t row = static_cast<int64_t>(l) * C + slot;
     const int64_t t = i / K;
