@@ -51,7 +51,7 @@ static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combin
 // dispatch is ONE launch with two barriers (the count exchange, the end). Every block counts the
 // copies before its share [i0, i1) of the (t, k) pairs; block 0 also counts them all (its row of the
 // count matrix, published before the exchange barrier, which also carries the op descriptor and the
-// verdict on the ids) and, after it, the receiver's side (em_layout.cuh step 2b). Every block ranks its
+// verdict on the ids; after its pushes, the receiver's side: em_route_counts). Every block ranks its
 // own share among the rank's copies of each expert (step 3 over [i0, i1), from the earlier shares'
 // counts, without the capacity: copy_slot holds each copy's rank j) while the exchange's signals travel;
 // after the exchange only s_mem[e] = the copies of e from the lower source ranks is computed, and the
@@ -69,7 +69,7 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
   __shared__ int s_bad;
   __shared__ long long s_bad_id;
   const int me = tr.rank(), R = tr.num_ranks();
-  const int E = a.num_experts, L = E / R, C = a.capacity;
+  const int E = a.num_experts, L = E / R;
   const int64_t n = static_cast<int64_t>(a.num_tokens[me]) * a.num_topk;
   const bool first = blockIdx.x == 0;
   int* s_next = s_mem;
@@ -130,29 +130,34 @@ OMNIEP_DEVICE bool em_route_front(const EMDispatchArgs& a, const Tr& tr, int64_t
     em_scan_slots([idx32](int64_t i) { return idx32[i]; }, copy_slot, s_next, i0, i1, INT32_MAX);  // j
     if (split) go = rank_barrier(tr, kPhaseLayoutExchange, /*all_wait=*/true, NoPuts{}, &s_desc, kBarrierWaitHere);
   }
-  int32_t* push_ok = first && threadIdx.x == 0 ? tr.local(a.route.push_ok) : nullptr;
   if (!go) {
     em_route_nothing(copy_slot, i0, i1, count_out, tr.local(a.route.num_recv_tokens_per_expert), L,
                      tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr);
-    if (push_ok != nullptr) *push_ok = 0;
+    if (first && threadIdx.x == 0) *tr.local(a.route.push_ok) = 0;
     return false;
   }
   OMNIEP_STAMP("exchanged");
-  const int32_t* counts = tr.workspace(me)->expert_counts;  // [R, E]: every source's row
-  if (push_ok != nullptr) {  // every rank reads the same token counts: the combine takes one path everywhere
-    int ok = 1;
-    for (int s = 0; s < R; ++s) ok &= tr.workspace(me)->em_tokens[s] <= em_push_tokens(C, R);
-    *push_ok = ok;
-  }
   __syncthreads();  // every warp's ranks read s_next before it is rewritten
-  em_first_slots(s_next, counts, nullptr, me, E);
-  if (first) {
-    em_receiver_counts(tr, counts, E, C, a.route.expert_alignment, count_out,
-                       tr.local(a.route.num_recv_tokens_per_expert), tr.local(a.route.num_recv),
-                       tr.local(a.route.dropped), nullptr, nullptr, tr.local(a.route.recv_stats));
-  }
+  em_first_slots(s_next, tr.workspace(me)->expert_counts, nullptr, me, E);  // [R, E]: every source's row
   __syncthreads();  // s_next complete: the copies of each expert from lower source ranks
   return true;
+}
+
+// Block 0, after its pushes (nothing of the op reads them before the end barrier, which publishes them): the
+// receiver's side of the routing front (em_layout step 2b) and whether the combine may push — every rank reads
+// the same token counts, so the combine takes one path everywhere.
+template <typename Tr>
+OMNIEP_DEVICE void em_route_counts(const EMDispatchArgs& a, const Tr& tr) {
+  const int me = tr.rank(), R = tr.num_ranks(), C = a.capacity;
+  if (threadIdx.x == 0) {
+    int ok = 1;
+    for (int s = 0; s < R; ++s) ok &= tr.workspace(me)->em_tokens[s] <= em_push_tokens(C, R);
+    *tr.local(a.route.push_ok) = ok;
+  }
+  em_receiver_counts(tr, tr.workspace(me)->expert_counts, a.num_experts, C, a.route.expert_alignment,
+                     const_cast<int32_t*>(tr.local(a.recv_expert_count)), tr.local(a.route.num_recv_tokens_per_expert),
+                     tr.local(a.route.num_recv), tr.local(a.route.dropped), nullptr, nullptr,
+                     tr.local(a.route.recv_stats));
 }
 
 // After the end barrier: the counted slots of the symmetric receive buffers into the caller's results
@@ -314,6 +319,7 @@ __global__ void __launch_bounds__(kEMDispatchThreads) dispatch_kernel(EMDispatch
   }
 
   OMNIEP_STAMP_WARPS("pushed");
+  if (a.route.on && blockIdx.x == 0) em_route_counts(a, tr);
   // ---- results ----
   // The counted slots [0, recv_expert_count[l]) of every local expert are the result; the rest is
   // padding, which no source writes and nothing here touches unless zero_padding asks for zeros.
