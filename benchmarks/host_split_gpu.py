@@ -1,5 +1,6 @@
 """Where the host time of one op goes on a GPU (one rank): the public omniep.torch call, the C++ op
-called directly through torch.ops (no Python frontend), and the raw costs it is made of (torch.empty,
+called directly through torch.ops (no Python frontend) and through its direct entry (no dispatcher from Python:
+what the frontend calls), and the raw costs it is made of (torch.empty,
 a kernel launch, a cudaMemcpyAsync), each timed on the host while a spin kernel keeps the GPU busy.
 With OMNIEP_FUSED_COPY_BYTES=0 the kernels leave the local copy-out / copy-in to a launch of their own
 (the layout before 2026-11-25): run both to see what the fused copies save.
@@ -65,6 +66,12 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         "torch.ops dispatch.default (static)": lambda: ops.dispatch.default(x, None, idx, w, ctx.id, E, 0, cap, 1),
         "one copy_ (cudaMemcpyAsync)": lambda: dst.copy_(src),
     }
+    direct = getattr(ctx, "direct_entries", None)
+    if hasattr(direct, "eager_dispatch"):  # the C++ ops entered without the dispatcher (what the API calls)
+        calls["direct entry dispatch (static)"] = lambda: direct.eager_dispatch(x, None, idx, w, ctx.id, E, 0, cap, 1,
+                                                                                False)
+        calls["direct entry combine"] = lambda: direct.eager_combine(d.recv_x, None, None, None, h, ctx.id, E, 0, cap,
+                                                                     1, False)
     # Rounds over every call, interleaved: a slow spell of the machine lands on all rows alike.
     rounds = {name: [] for name in calls}
     for _ in range(args["rounds"]):

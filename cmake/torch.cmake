@@ -1,7 +1,8 @@
 # omniep._native_torch: the CUDA and Autograd kernels of the omniep_native::* torch ops
 # (csrc/torch_ops/native_ops.cpp, native_autograd.cpp) over any rank's EpRank. Built where ${Python_EXECUTABLE} imports a CUDA
 # build of torch; headers and libraries come from that torch (torch.utils.cpp_extension's include
-# paths, torch/lib), with its C++ ABI. No libtorch_python: the module passes only integers to Python.
+# paths, torch/lib), with its C++ ABI. libtorch_python for the direct entries (eager_*: tensors cross pybind11
+# through torch's own casters, torch/csrc/utils/pybind.h).
 # Under OMNIEP_COMPILE_CHECK a CPU torch still compiles the sources (object library, not linked): its
 # headers lack only one generated header of the CUDA part, written here as a CUDA build has it.
 set(_torch_sources csrc/torch_ops/native_ops.cpp csrc/torch_ops/native_autograd.cpp)
@@ -46,6 +47,7 @@ target_include_directories(_native_torch PRIVATE csrc csrc/include)
 target_compile_definitions(_native_torch PRIVATE _GLIBCXX_USE_CXX11_ABI=${_torch_abi})
 target_compile_options(_native_torch PRIVATE ${OMNIEP_CXX_WERROR})
 target_link_libraries(_native_torch PRIVATE "${_torch_lib}/libc10.so" "${_torch_lib}/libc10_cuda.so"
-                      "${_torch_lib}/libtorch_cpu.so" "${_torch_lib}/libtorch_cuda.so" CUDA::cudart_static)
+                      "${_torch_lib}/libtorch_cpu.so" "${_torch_lib}/libtorch_cuda.so"
+                      "${_torch_lib}/libtorch_python.so" CUDA::cudart_static)
 omniep_module(_native_torch RPATH_WHEEL_DIRS torch/lib RPATH_DIRS "${_torch_lib}")
 omniep_part(_native_torch built "torch ops (torch CUDA ${_torch_cuda}, ${_torch_lib})")

@@ -149,3 +149,24 @@ def test_dispatch_zero_padding_reaches_combine_bwd(world_of_one, monkeypatch, la
     if em:
         pad = eager[held < 0]
         assert pad.numel() and not pad.any()
+
+
+def test_native_eager_ops_take_the_direct_entries_where_the_module_has_them():
+    """A native backend's eager ops (``torch_ops.Overloads``): its module's ``eager_<op>`` for the ops the
+    module enters directly, the op's ``.default`` overload for the rest — every op of the schemas either way."""
+    import types
+
+    from omniep.frontends import torch_ops
+
+    class Op:
+        def __init__(self, name):
+            self.default = f"{name}.default"
+
+    namespace = types.SimpleNamespace(**{name: Op(name) for name in torch_ops.SCHEMAS})
+    direct = types.SimpleNamespace(eager_dispatch="direct dispatch", eager_combine="direct combine")
+    ops = torch_ops.Overloads(namespace, direct)
+    for name in torch_ops.SCHEMAS:
+        want = getattr(direct, f"eager_{name}", f"{name}.default")
+        assert getattr(ops, name) == want, name
+    plain = torch_ops.Overloads(namespace)
+    assert all(getattr(plain, name) == f"{name}.default" for name in torch_ops.SCHEMAS)

@@ -10,6 +10,7 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor (the direct entries; libtorch_python)
 
 #include <optional>
 #include <string>
@@ -207,6 +208,32 @@ std::tuple<Tensor, Tensor> cached_dispatch_autograd(const Tensor& x, const std::
   return {out[0], out[1]};
 }
 
+using DispatchFp8Sig = DispatchOut(const Tensor&, const Tensor&, const Tensor&, bool, int64_t, int64_t, int64_t,
+                                   int64_t, int64_t, bool);
+
+// dispatch_fp8 has no Autograd kernel (fp8 rows carry no gradient): its direct entry calls below autograd.
+DispatchOut dispatch_fp8_direct(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, bool round_scale,
+                                int64_t ctx, int64_t num_experts, int64_t layout, int64_t capacity,
+                                int64_t expert_alignment, bool zero_padding) {
+  static const auto h = op("omniep_native::dispatch_fp8").typed<DispatchFp8Sig>();
+  at::AutoDispatchBelowADInplaceOrView below;
+  return h.call(x, topk_idx, topk_weights, round_scale, ctx, num_experts, layout, capacity, expert_alignment,
+                zero_padding);
+}
+
+// The direct entries' errors as Python sees the dispatcher's: TORCH_CHECK_VALUE's a ValueError, any other c10
+// error a RuntimeError, without the C++ backtrace (the frontend turns them into omniep's typed errors).
+template <typename F>
+auto python_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::ValueError& e) {
+    throw pybind11::value_error(e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
 }  // namespace omniep_torch
 
 TORCH_LIBRARY_IMPL(omniep_native, Autograd, m) {
@@ -249,6 +276,49 @@ PYBIND11_MODULE(_native_torch, m) {
       "set_host_stamps(True); empty otherwise); reset clears them.");
   m.def("set_host_stamps", &omniep_torch::set_host_stamps, py::arg("on"),
         "Record the ops' host stamps from now on (True) or stop (False).");
+  // The direct entries: what the frontend calls eagerly on plain tensors outside any tracing (its `_ops`): the
+  // Autograd kernels above (and dispatch_fp8 below autograd), entered without the dispatcher's boxed call from
+  // Python — every argument parsed against the schema into an IValue, the kernel's unboxing, the results boxed
+  // back: ~6 µs per op on the lent H100 hosts (benchmarks/RESULTS.md, twenty-first session, host split). The
+  // same C++ below them; profilers still see the ops (the calls below autograd go through the dispatcher).
+  // Arguments in the schemas' order (omniep/frontends/torch_ops.py); the GIL is released while the op runs, as
+  // the dispatcher's call from Python does.
+  using omniep_torch::python_errors;
+  using omniep_torch::Tensor;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("eager_dispatch", [](const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
+                             const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
+                             int64_t capacity, int64_t expert_alignment, bool zero_padding) {
+        return python_errors([&] {
+          return omniep_torch::dispatch_autograd(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout,
+                                                 capacity, expert_alignment, zero_padding);
+        });
+      }, nogil, "omniep_native::dispatch, entered directly.");
+  m.def("eager_dispatch_fp8", [](const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                                 bool round_scale, int64_t ctx, int64_t num_experts, int64_t layout,
+                                 int64_t capacity, int64_t expert_alignment, bool zero_padding) {
+        return python_errors([&] {
+          return omniep_torch::dispatch_fp8_direct(x, topk_idx, topk_weights, round_scale, ctx, num_experts, layout,
+                                                   capacity, expert_alignment, zero_padding);
+        });
+      }, nogil, "omniep_native::dispatch_fp8, entered directly.");
+  m.def("eager_cached_dispatch", [](const Tensor& x, const std::optional<Tensor>& x_scales,
+                                    const std::vector<Tensor>& handle, int64_t ctx, int64_t num_experts,
+                                    int64_t layout, int64_t capacity, int64_t expert_alignment) {
+        return python_errors([&] {
+          return omniep_torch::cached_dispatch_autograd(x, x_scales, handle, ctx, num_experts, layout, capacity,
+                                                        expert_alignment);
+        });
+      }, nogil, "omniep_native::cached_dispatch, entered directly.");
+  m.def("eager_combine", [](const Tensor& y, const std::optional<Tensor>& topk_weights,
+                            const std::optional<Tensor>& bias0, const std::optional<Tensor>& bias1,
+                            const std::vector<Tensor>& handle, int64_t ctx, int64_t num_experts, int64_t layout,
+                            int64_t capacity, int64_t expert_alignment, bool zero_padding) {
+        return python_errors([&] {
+          return omniep_torch::combine_autograd(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout,
+                                                capacity, expert_alignment, zero_padding);
+        });
+      }, nogil, "omniep_native::combine, entered directly.");
   m.def("take_raised", [](int64_t id) -> py::object {
         auto& c = omniep_torch::context_of(id);
         if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();

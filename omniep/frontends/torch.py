@@ -98,8 +98,10 @@ def _open(group, backend, device: str):
     if ctx is None or not ctx.alive:
         ctx = _BY_GROUP[(resolved, cls.name)] = cls.open(resolved)
         # Backends written in Python: their kernels called straight, not through the dispatcher, in eager
-        # use; the native ops: their default overloads (one C++ call either way).
-        ctx.eager_ops = torch_ops.EAGER if ctx.ops is torch.ops.omniep else torch_ops.Overloads(ctx.ops)
+        # use; the native ops: their direct entries where the backend's module has them, else their default
+        # overloads (one C++ call either way).
+        ctx.eager_ops = (torch_ops.EAGER if ctx.ops is torch.ops.omniep
+                         else torch_ops.Overloads(ctx.ops, getattr(ctx, "direct_entries", None)))
     _CONTEXTS[(group, backend, device)] = ctx
     return ctx
 

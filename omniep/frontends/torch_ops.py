@@ -187,13 +187,16 @@ def _profiled(name: str, kernel):
 
 
 class Overloads:
-    """The ``.default`` overloads of an op namespace's ops, as attributes: what the frontend calls eagerly
-    on the native backends (a call through the packet resolves the overload each time: ~3 µs more on the
-    lent H100 hosts, ``host_split_gpu.py``'s ``torch.ops dispatch`` rows)."""
+    """What the frontend calls eagerly on the native backends, per op: the ``direct`` module's ``eager_<op>``
+    where it has one (the same C++ Autograd kernel, entered without the dispatcher's boxed call from Python:
+    ``csrc/torch_ops/native_autograd.cpp``), else the op's ``.default`` overload (a call through the packet
+    resolves the overload each time: ~3 µs more on the lent H100 hosts, ``host_split_gpu.py``'s
+    ``torch.ops dispatch`` rows). Same arguments, results and autograd either way."""
 
-    def __init__(self, namespace):
+    def __init__(self, namespace, direct=None):
         for name in SCHEMAS:
-            setattr(self, name, getattr(namespace, name).default)
+            entry = getattr(direct, f"eager_{name}", None)
+            setattr(self, name, entry if entry is not None else getattr(namespace, name).default)
 
 
 class EAGER:

@@ -78,6 +78,7 @@ class NativeTorchBackend(TorchGroupBackend):
             self.device = torch.cuda.current_device()
             self.state = self._new_state(self.timeout_s)
             self._ops = importlib.import_module(TORCH_OPS_MODULE)
+            self.direct_entries = self._ops  # its eager_* entries: the frontend's eager calls (torch_ops.Overloads)
             self._ops.register_context(self.id, self.state.ep_rank, self.world, self.device, self.checks == "sync")
         except BaseException:
             self.destroy()
