@@ -72,11 +72,29 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
                                                                                 False)
         calls["direct entry combine"] = lambda: direct.eager_combine(d.recv_x, None, None, None, h, ctx.id, E, 0, cap,
                                                                      1, False)
+        # The public pairs with the frontend's eager ops swapped for the ops' default overloads (what it called
+        # before the direct entries): the same process and rounds, so the difference is the entry alone.
+        from omniep.frontends import torch_ops
+
+        by_entry = {"direct entries": ctx.eager_ops, "dispatcher": torch_ops.Overloads(ctx.ops)}
+
+        def through(entry, pair):
+            def call():
+                ctx.eager_ops = by_entry[entry]
+                return pair()
+            return call
+
+        cached_pair = calls["pair: cached_dispatch + combine"]
+        for entry in by_entry:
+            calls[f"pair: static dispatch + combine, {entry}"] = through(entry, static_pair)
+            calls[f"pair: cached_dispatch + combine, {entry}"] = through(entry, cached_pair)
     # Rounds over every call, interleaved: a slow spell of the machine lands on all rows alike.
     rounds = {name: [] for name in calls}
     for _ in range(args["rounds"]):
         for name, fn in calls.items():
             rounds[name].append(host_times(torch, fn, args["iters"]))
+    if direct is not None:
+        ctx.eager_ops = by_entry["direct entries"]
     rows = {name: (statistics.median(statistics.median(t) for t in v), statistics.median(quantile(t, 0.1) for t in v))
             for name, v in rounds.items()}
     if args["stamps"]:
