@@ -9,6 +9,9 @@ normal ``ht``: 4096 tokens, H=7168, top-8 of 256, bf16; low-latency ``ll``: 128 
   nothing waits and the launch queue never fills); not measurable for ``exact``, whose pair waits for
   its row count by design;
 * ``wall``: a steady loop of pairs, synchronised once at the end, per pair;
+  both over ``--rounds`` rounds interleaved across the rows (the median of the rounds' medians / 10th
+  percentiles; one round per row, in a fixed order, read 10–20 µs above ``host_split_gpu.py``'s
+  interleaved pairs on the same machine, RESULTS twenty-second session);
 * ``device``: the summed duration of the pair's GPU kernels and copies, from the CUDA profiler (run
   after every host and wall measurement: CUPTI slows later launches, host_timing.py).
 
@@ -16,12 +19,13 @@ normal ``ht``: 4096 tokens, H=7168, top-8 of 256, bf16; low-latency ``ll``: 128 
 slicing between the processes then inflates ``device`` and ``wall`` — or, with ``--per-gpu``, one GPU each.
 Prints a table, writes JSON.
 
-    python benchmarks/hot_path_gpu.py [--world 1] [--per-gpu] [--iters 50] [--shapes ht,ll] [--out hot_path.json]
+    python benchmarks/hot_path_gpu.py [--world 1] [--per-gpu] [--iters 50] [--rounds 3] [--shapes ht,ll] [--out hot_path.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -125,14 +129,22 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
             for _ in range(5):
                 step()  # warm-up: buffers grow, kernels load
             torch.cuda.synchronize()
-            dist.barrier()
-            host = None if mode == "exact" else host_times(torch, step, args["iters"], spin_cycles=2e6)
-            dist.barrier()
-            wall = _wall_us(torch, step, args["iters"])
-            dist.barrier()
-            rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, wall_us=wall,
-                             host_us=None if host is None else quantile(host, 0.5),
-                             host_p10_us=None if host is None else quantile(host, 0.1)))
+        # Rounds over every step, interleaved (as host_split_gpu.py's): a slow spell of the machine lands on
+        # every row alike, and no row is measured only right after a given other one.
+        host = {i: [] for i in range(len(steps))}
+        wall = {i: [] for i in range(len(steps))}
+        for _ in range(args["rounds"]):
+            for i, (shape, mode, step) in enumerate(steps):
+                dist.barrier()
+                if mode != "exact":
+                    host[i].append(host_times(torch, step, args["iters"], spin_cycles=2e6))
+                dist.barrier()
+                wall[i].append(_wall_us(torch, step, args["iters"]))
+        dist.barrier()
+        for i, (shape, mode, step) in enumerate(steps):
+            rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, wall_us=statistics.median(wall[i]),
+                             host_us=statistics.median(quantile(h, 0.5) for h in host[i]) if host[i] else None,
+                             host_p10_us=statistics.median(quantile(h, 0.1) for h in host[i]) if host[i] else None))
         for row, (shape, mode, step) in zip(rows, steps):
             kernels = {}
             row["device_us"] = device_us(torch, step, min(args["iters"], 20), by_name=kernels)[0]
@@ -155,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every row's host and wall timing "
+                   "(the median of the rounds' figures is reported)")
     p.add_argument("--shapes", default="ht,ll")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default="")
@@ -166,7 +180,7 @@ def main(argv=None) -> int:
                    help="each rank's stdout (device printf included) into PREFIX.rank<r> (scripts/stamps_ll.sh)")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, shapes=a.shapes.split(","), modes=a.modes.split(","), profile=a.profile,
-                kernels=a.kernels, plain=a.plain, rank_stdout=a.rank_stdout, per_gpu=a.per_gpu)
+                kernels=a.kernels, plain=a.plain, rank_stdout=a.rank_stdout, per_gpu=a.per_gpu, rounds=a.rounds)
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
