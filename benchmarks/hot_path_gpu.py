@@ -19,7 +19,7 @@ normal ``ht``: 4096 tokens, H=7168, top-8 of 256, bf16; low-latency ``ll``: 128 
 slicing between the processes then inflates ``device`` and ``wall`` — or, with ``--per-gpu``, one GPU each.
 Prints a table, writes JSON.
 
-    python benchmarks/hot_path_gpu.py [--world 1] [--per-gpu] [--iters 50] [--rounds 3] [--shapes ht,ll] [--out hot_path.json]
+    python benchmarks/hot_path_gpu.py [--world 1] [--per-gpu] [--iters 200] [--rounds 3] [--shapes ht,ll] [--out hot_path.json]
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--per-gpu", action="store_true", help="rank r on GPU r (else every rank on GPU 0)")
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=200,
+                   help="pairs per timing (as host_split_gpu.py; with 50 the medians read above its figures)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every row's host and wall timing "
                    "(the median of the rounds' figures is reported)")
     p.add_argument("--shapes", default="ht,ll")
