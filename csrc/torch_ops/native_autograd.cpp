@@ -234,6 +234,15 @@ auto python_errors(F&& f) -> decltype(f()) {
   }
 }
 
+// A direct entry: the function F with its own signature (so pybind11 casts exactly its arguments), its errors
+// through python_errors.
+template <auto F>
+struct Direct;
+template <typename R, typename... A, R (*F)(A...)>
+struct Direct<F> {
+  static R call(A... args) { return python_errors([&] { return F(args...); }); }
+};
+
 }  // namespace omniep_torch
 
 TORCH_LIBRARY_IMPL(omniep_native, Autograd, m) {
@@ -283,42 +292,16 @@ PYBIND11_MODULE(_native_torch, m) {
   // same C++ below them; profilers still see the ops (the calls below autograd go through the dispatcher).
   // Arguments in the schemas' order (omniep/frontends/torch_ops.py); the GIL is released while the op runs, as
   // the dispatcher's call from Python does.
-  using omniep_torch::python_errors;
-  using omniep_torch::Tensor;
+  using omniep_torch::Direct;
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("eager_dispatch", [](const Tensor& x, const std::optional<Tensor>& x_scales, const Tensor& topk_idx,
-                             const Tensor& topk_weights, int64_t ctx, int64_t num_experts, int64_t layout,
-                             int64_t capacity, int64_t expert_alignment, bool zero_padding) {
-        return python_errors([&] {
-          return omniep_torch::dispatch_autograd(x, x_scales, topk_idx, topk_weights, ctx, num_experts, layout,
-                                                 capacity, expert_alignment, zero_padding);
-        });
-      }, nogil, "omniep_native::dispatch, entered directly.");
-  m.def("eager_dispatch_fp8", [](const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                                 bool round_scale, int64_t ctx, int64_t num_experts, int64_t layout,
-                                 int64_t capacity, int64_t expert_alignment, bool zero_padding) {
-        return python_errors([&] {
-          return omniep_torch::dispatch_fp8_direct(x, topk_idx, topk_weights, round_scale, ctx, num_experts, layout,
-                                                   capacity, expert_alignment, zero_padding);
-        });
-      }, nogil, "omniep_native::dispatch_fp8, entered directly.");
-  m.def("eager_cached_dispatch", [](const Tensor& x, const std::optional<Tensor>& x_scales,
-                                    const std::vector<Tensor>& handle, int64_t ctx, int64_t num_experts,
-                                    int64_t layout, int64_t capacity, int64_t expert_alignment) {
-        return python_errors([&] {
-          return omniep_torch::cached_dispatch_autograd(x, x_scales, handle, ctx, num_experts, layout, capacity,
-                                                        expert_alignment);
-        });
-      }, nogil, "omniep_native::cached_dispatch, entered directly.");
-  m.def("eager_combine", [](const Tensor& y, const std::optional<Tensor>& topk_weights,
-                            const std::optional<Tensor>& bias0, const std::optional<Tensor>& bias1,
-                            const std::vector<Tensor>& handle, int64_t ctx, int64_t num_experts, int64_t layout,
-                            int64_t capacity, int64_t expert_alignment, bool zero_padding) {
-        return python_errors([&] {
-          return omniep_torch::combine_autograd(y, topk_weights, bias0, bias1, handle, ctx, num_experts, layout,
-                                                capacity, expert_alignment, zero_padding);
-        });
-      }, nogil, "omniep_native::combine, entered directly.");
+  m.def("eager_dispatch", &Direct<&omniep_torch::dispatch_autograd>::call, nogil,
+        "omniep_native::dispatch, entered directly.");
+  m.def("eager_dispatch_fp8", &Direct<&omniep_torch::dispatch_fp8_direct>::call, nogil,
+        "omniep_native::dispatch_fp8, entered directly.");
+  m.def("eager_cached_dispatch", &Direct<&omniep_torch::cached_dispatch_autograd>::call, nogil,
+        "omniep_native::cached_dispatch, entered directly.");
+  m.def("eager_combine", &Direct<&omniep_torch::combine_autograd>::call, nogil,
+        "omniep_native::combine, entered directly.");
   m.def("take_raised", [](int64_t id) -> py::object {
         auto& c = omniep_torch::context_of(id);
         if (c.raised.w[omniep::kStCode] == omniep::kStatusOk) return py::none();
