@@ -234,13 +234,20 @@ auto python_errors(F&& f) -> decltype(f()) {
   }
 }
 
+// What pybind11 casts a parameter of type T from. A TensorList is a view, which pybind11 cannot build from a
+// Python list; the entry takes an owning vector and lends F the view.
+template <typename T>
+struct PyParam { using type = T; };
+template <>
+struct PyParam<at::TensorList> { using type = std::vector<Tensor>; };
+
 // A direct entry: the function F with its own signature (so pybind11 casts exactly its arguments), its errors
 // through python_errors.
 template <auto F>
 struct Direct;
 template <typename R, typename... A, R (*F)(A...)>
 struct Direct<F> {
-  static R call(A... args) { return python_errors([&] { return F(args...); }); }
+  static R call(typename PyParam<A>::type... args) { return python_errors([&] { return F(args...); }); }
 };
 
 }  // namespace omniep_torch
