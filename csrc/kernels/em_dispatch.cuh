@@ -47,7 +47,7 @@ inline constexpr int32_t kEMSlotInResult = -2;
 // row of DeepEP's H = 7168 and its 56 scales: 7,392 B), and the dynamic shared memory a launch needs for them.
 inline constexpr int kEMResultsStageBytes = 8192;
 inline constexpr size_t kEMResultsSmemBytes =
-    static_cast<size_t>(kEMResultsStageBytes) * (kEMDispatchThreads / 32);
+    static_cast<size_t>(kEMResultsStageBytes) * (kEMDispatchThreads / gpu::kWarpSize);
 // The remote path stages per warp as combine does: the scratch the host sized for combine's warps
 // (kCombineThreads per block) serves these kernels' warps.
 static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combine's per-warp scratch");
@@ -191,13 +191,14 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   bool bulk_rows = false;
 #if defined(OMNIEP_BULK_LOADS)
   __shared__ __align__(8) uint64_t s_row_bar[kEMDispatchThreads / gpu::kWarpSize];
-  extern __shared__ int s_stages[];  // (the routing front's arrays before: done with by now)
-  bulk_rows = a.unit == 16 && (a.row2_bytes == 0 || a.unit2 == 16) &&
+  extern __shared__ __align__(128) uint8_t s_stages[];  // (the routing front's arrays before: done with by now)
+  bulk_rows = a.row_bytes > 0 && a.unit == 16 && (a.row2_bytes == 0 || a.unit2 == 16) &&
               a.row_bytes + a.row2_bytes <= kEMResultsStageBytes && bulk::dynamic_smem_bytes() >= kEMResultsSmemBytes;
   uint32_t phase = 0;
   if (bulk_rows && gpu::lane_id() == 0) {
     bulk::init(&s_row_bar[gpu::warp_id()]);
     bulk::proxy_fence_global();  // the peers' rows came through generic stores (the end barrier ordered them)
+    bulk::proxy_fence();  // and the stages are the routing front's arrays, written and read through generic accesses
   }
 #endif
   em_for_each_row(count, L, C, 0, [&](int64_t j) {
@@ -213,7 +214,7 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
 #if defined(OMNIEP_BULK_LOADS)
     if (bulk_rows) {
       if (gpu::lane_id() == 0) {
-        uint8_t* stage = reinterpret_cast<uint8_t*>(s_stages) + gpu::warp_id() * kEMResultsStageBytes;
+        uint8_t* stage = s_stages + gpu::warp_id() * kEMResultsStageBytes;
         uint64_t* bar = &s_row_bar[gpu::warp_id()];
         const uint32_t b1 = static_cast<uint32_t>(a.row_bytes), b2 = static_cast<uint32_t>(a.row2_bytes);
         bulk::wait_read_all();  // this warp's previous row has left the stage
