@@ -142,6 +142,27 @@ inline size_t em_sum_smem(std::map<const void*, size_t>& granted, const void* ke
   return vec && may_push ? granted_smem(granted, kernel, kEMSumSmemBytes) : 0;
 }
 
+// The dynamic shared memory of an expert-major dispatch launch: the routing front's arrays (`route_smem`), or,
+// where the kernel fills separate results whose rows fit a stage in 16-byte units, the results copy's bulk stages
+// (em_dispatch.cuh em_dispatch_results) where the GPU grants them — whichever is larger (the stages reuse the
+// front's arrays once it is done).
+inline size_t em_dispatch_smem(std::map<const void*, size_t>& granted, const void* kernel, const EMDispatchArgs& a,
+                               int rank, size_t route_smem) {
+#if defined(OMNIEP_CUDA)
+  // (the send half of a hook copies no results: no stages, which would also cost its pushes the L1 / shared split)
+  const bool fits = a.phase != kEMSend && a.out_x.p[rank] != nullptr && a.row_bytes > 0 && a.unit == 16 &&
+                    (a.row2_bytes == 0 || a.unit2 == 16) && a.row_bytes + a.row2_bytes <= kEMResultsStageBytes;
+  const size_t stages = fits ? granted_smem(granted, kernel, kEMResultsSmemBytes) : 0;
+  return stages > route_smem ? stages : route_smem;
+#else
+  (void)granted;
+  (void)kernel;
+  (void)a;
+  (void)rank;
+  return route_smem;
+#endif
+}
+
 // The largest token count of the launched ranks [first, first + count).
 template <typename Args>
 int most_tokens(const Args& a, int first, int count) {

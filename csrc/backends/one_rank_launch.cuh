@@ -111,10 +111,10 @@ class OneRankLauncher {
   void em_dispatch(EMDispatchArgs a, const Tr& tr, cudaStream_t stream) {
     require_gets(tr, "expert-major dispatch");
     check_group_shape(a.num_experts, a.capacity, num_ranks_);
-    const size_t smem = checked_smem(a);
     set_copy_units(a, rank_, 1, num_ranks_);
-    launch_wide(em_dispatch_kernel_for<Tr>(a), kEMDispatchThreads, smem, stream, a, tr, "expert-major dispatch",
-                /*whole_gpu=*/true);
+    const auto kernel = em_dispatch_kernel_for<Tr>(a);
+    const size_t smem = em_dispatch_smem(ring_, reinterpret_cast<const void*>(kernel), a, rank_, checked_smem(a));
+    launch_wide(kernel, kEMDispatchThreads, smem, stream, a, tr, "expert-major dispatch", /*whole_gpu=*/true);
   }
 
   template <typename Tr>

@@ -1,4 +1,4 @@
-// Bulk (TMA) loads from global into shared memory that complete on an mbarrier: CUDA sm_90 only
+// Bulk (TMA) loads from global into shared memory that complete on an mbarrier, and bulk stores back: CUDA sm_90 only
 // (OMNIEP_BULK_LOADS is defined in the device passes that have them). One lane issues a whole span
 // (up to the span's bytes in flight for one instruction); every lane of the warp waits on the barrier's
 // phase and reads the span from shared memory. The combine uses them (combine.cuh): a copy-like loop
@@ -46,6 +46,18 @@ OMNIEP_DEVICE void load(void* dst, const void* src, uint32_t bytes, uint64_t* ba
                "l"(src), "r"(bytes), "r"(smem_addr(bar))
                : "memory");
 }
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared `src` to global `dst`, in the issuing
+// thread's current bulk group; commit() closes the group. Before the span is written again, wait_read_all()
+// (every committed group has read its shared memory); before the thread's block may end, wait_all().
+OMNIEP_DEVICE void store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+OMNIEP_DEVICE void commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+OMNIEP_DEVICE void wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+OMNIEP_DEVICE void wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 OMNIEP_DEVICE void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

@@ -43,6 +43,11 @@ inline constexpr size_t kEMDispatchStaticSmem = 6144;
 // fills separate results (out_x): the copy's rows already are in the result, the results copy moves only
 // the slot's routing (l = slot / C, the weight).
 inline constexpr int32_t kEMSlotInResult = -2;
+// The results copy's bulk path (em_dispatch_results): a stage per warp for a row and its scales row (an fp8
+// row of DeepEP's H = 7168 and its 56 scales: 7,392 B), and the dynamic shared memory a launch needs for them.
+inline constexpr int kEMResultsStageBytes = 8192;
+inline constexpr size_t kEMResultsSmemBytes =
+    static_cast<size_t>(kEMResultsStageBytes) * (kEMDispatchThreads / gpu::kWarpSize);
 // The remote path stages per warp as combine does: the scratch the host sized for combine's warps
 // (kCombineThreads per block) serves these kernels' warps.
 static_assert(kEMDispatchThreads <= kCombineThreads, "em stages come from combine's per-warp scratch");
@@ -164,6 +169,11 @@ OMNIEP_DEVICE void em_route_counts(const EMDispatchArgs& a, const Tr& tr) {
 // (but those the rank's own pushes filled already: kEMSlotInResult).
 // One pass over the counted rows moves each row's payload, its scales row and its routing entry
 // together (one scan of the counts, the loads of both rows in flight at once); padding after it.
+// Bulk path (CUDA sm_90, 16-byte units, a row and its scales row within a warp's stage, the launch gave the
+// stages: em_results_smem): lane 0 moves both rows through its warp's stage in shared memory with one bulk
+// load each and one bulk store each — one round trip per row, where the register copy of a 7 KB fp8 row takes
+// four dependent rounds (8, 4, then 1 and 1 loads per lane) and its scales row a fifth: the copy is on every
+// rank's path after the end barrier (5.4 µs at DeepEP's LL shape, RESULTS twenty-first session).
 template <typename Tr>
 OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   const int L = a.num_experts / tr.num_ranks(), C = a.capacity;
@@ -178,6 +188,19 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
   const int32_t* recv_idx = tr.local(a.recv_topk_idx);
   const float* recv_w = tr.local(a.recv_topk_weights);
   const int me = tr.rank(), R = tr.num_ranks();
+  bool bulk_rows = false;
+#if defined(OMNIEP_BULK_LOADS)
+  __shared__ __align__(8) uint64_t s_row_bar[kEMDispatchThreads / gpu::kWarpSize];
+  extern __shared__ __align__(128) uint8_t s_stages[];  // (the routing front's arrays before: done with by now)
+  bulk_rows = a.row_bytes > 0 && a.unit == 16 && (a.row2_bytes == 0 || a.unit2 == 16) &&
+              a.row_bytes + a.row2_bytes <= kEMResultsStageBytes && bulk::dynamic_smem_bytes() >= kEMResultsSmemBytes;
+  uint32_t phase = 0;
+  if (bulk_rows && gpu::lane_id() == 0) {
+    bulk::init(&s_row_bar[gpu::warp_id()]);
+    bulk::proxy_fence_global();  // the peers' rows came through generic stores (the end barrier ordered them)
+    bulk::proxy_fence();  // and the stages are the routing front's arrays, written and read through generic accesses
+  }
+#endif
   em_for_each_row(count, L, C, 0, [&](int64_t j) {
     const int32_t v = recv_idx[j];  // (one load, every lane: the branch stays warp-uniform)
     const bool own = out_src != nullptr ? v % R == me : v == kEMSlotInResult;
@@ -188,9 +211,32 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
       if (out_src != nullptr) out_src[j] = v;
     }
     if (own) return;  // a copy of my own: its rows are in the result already (the push)
+#if defined(OMNIEP_BULK_LOADS)
+    if (bulk_rows) {
+      if (gpu::lane_id() == 0) {
+        uint8_t* stage = s_stages + gpu::warp_id() * kEMResultsStageBytes;
+        uint64_t* bar = &s_row_bar[gpu::warp_id()];
+        const uint32_t b1 = static_cast<uint32_t>(a.row_bytes), b2 = static_cast<uint32_t>(a.row2_bytes);
+        bulk::wait_read_all();  // this warp's previous row has left the stage
+        bulk::expect(bar, b1 + b2);
+        bulk::load(stage, recv_x + j * a.row_bytes, b1, bar);
+        if (b2 > 0) bulk::load(stage + b1, recv_x2 + j * a.row2_bytes, b2, bar);
+        bulk::wait(bar, phase);
+        bulk::store(out_x + j * a.row_bytes, stage, b1);
+        if (b2 > 0) bulk::store(out_x2 + j * a.row2_bytes, stage + b1, b2);
+        bulk::commit();
+      }
+      phase ^= 1u;
+      return;
+    }
+#endif
     if (a.row2_bytes > 0) warp_copy_row(out_x2 + j * a.row2_bytes, recv_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
     warp_copy_row(out_x + j * a.row_bytes, recv_x + j * a.row_bytes, a.row_bytes, a.unit);
   });
+#if defined(OMNIEP_BULK_LOADS)
+  if (bulk_rows && gpu::lane_id() == 0) bulk::wait_all();  // the rows are in the results before the block ends
+#endif
+  (void)bulk_rows;
   if (a.zero_padding) {
     em_for_each_row(count, L, C, 1, [&](int64_t j) {
       if (a.row2_bytes > 0) warp_zero_row(out_x2 + j * a.row2_bytes, a.row2_bytes, a.unit2);
