@@ -56,7 +56,18 @@ def table(calls: dict, skip: int) -> str:
         for mark in marks:
             cells = [f"{statistics.median(values[(mark, c)]):.1f}" if values[(mark, c)] else "" for c in cols]
             out.append(f"| {mark} | " + " | ".join(cells) + " |")
+        out.append(f"| (block start − the rank's first block start) | " +
+                   " | ".join(_start_lag(by_col, c, skip) for c in cols) + " |")
     return "\n".join(out)
+
+
+def _start_lag(by_col: dict, col: tuple, skip: int) -> str:
+    """Median µs from the start of the rank's lowest stamped block to this block's, call by call (one GPU's
+    timer: a block that starts late shifts every mark of its column by this much)."""
+    rank = col[0]
+    first = min(c for c in by_col if c[0] == rank)
+    lags = [(mine[0] - theirs[0]) / 1e3 for mine, theirs in zip(by_col[col][skip:], by_col[first][skip:])]
+    return f"{statistics.median(lags):.1f}" if lags else ""
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ def test_medians_per_mark_skip_warm_up_and_repeated_marks(tmp_path):
     assert len(calls["em::dispatch_kernel"][(0, 131)]) == 6
     out = mod.table(calls, skip=1)
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
-            if line.startswith("| ") and "mark" not in line}
+            if line.startswith("| ") and "mark" not in line and "block start" not in line}
     # calls 1..5: counted 2.1 .. 2.5 µs, median 2.3; the second "arrived" is its own row
     assert rows == {"counted": "2.3", "arrived": "3.0", "exchanged": "9.0", "arrived#2": "20.0"}, rows
     assert "5 calls after 1 skipped" in out
@@ -45,7 +45,7 @@ def test_warp_marks_are_rows_of_their_own(tmp_path):
     mod = _module()
     out = mod.table(mod.parse([str(log)]), skip=0)
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()
-            if line.startswith("| ") and "mark" not in line}
+            if line.startswith("| ") and "mark" not in line and "block start" not in line}
     assert rows == {"pushed": "120.0", "pushed(first_warp)": "110.0", "pushed(last_warp)": "186.0"}, rows
 
 
@@ -60,3 +60,19 @@ def test_kernel_names_with_spaces_are_kept(tmp_path):
     calls = mod.parse([str(log)])
     assert sorted(calls) == ["em::dispatch_kernel", "em::dispatch_kernel(fp8 cast)"]
     assert "| cast | 2.0 |" in mod.table({"k": calls["em::dispatch_kernel(fp8 cast)"]}, skip=0)
+
+
+def test_block_start_lag_against_the_ranks_first_block(tmp_path):
+    # block 131 starts 3 µs after block 0 in every call but the warm-up (one GPU timer: start= is absolute)
+    lines = []
+    for call in range(4):
+        start = 1_000_000 * (call + 1)
+        lag = 40_000 if call == 0 else 3_000 + 100 * call
+        lines.append(f"omniep-stamp em::dispatch_kernel rank=1 block=0 start={start} counted=2000")
+        lines.append(f"omniep-stamp em::dispatch_kernel rank=1 block=131 start={start + lag} counted=1500")
+    log = tmp_path / "rank1"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    out = mod.table(mod.parse([str(log)]), skip=1)
+    row = next(line for line in out.splitlines() if "block start" in line)
+    assert [c.strip() for c in row.split("|")[2:4]] == ["0.0", "3.2"], row

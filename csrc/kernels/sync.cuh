@@ -385,6 +385,7 @@ __device__ bool rank_barrier_flat(const Tr& tr, int phase, bool all_wait, const 
     s_ok = 0;  // benign race: every writer stores 0
   }
   __syncthreads();
+  OMNIEP_STAMP("signalled");  // (every peer's signal seen; the descriptors' judgment follows)
   if (t == 0 && s_ok && desc != nullptr) {
     s_ok = blockIdx.x == 0 ? exchange_verdict(tr, ws, *desc, s_slot) : exchange_goes_on(tr, ws, *desc, s_slot);
   }
