@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "torch_ops/direct_entry.h"
 #include "torch_ops/native_ops.h"
 
 namespace omniep_torch {
@@ -220,35 +221,6 @@ DispatchOut dispatch_fp8_direct(const Tensor& x, const Tensor& topk_idx, const T
   return h.call(x, topk_idx, topk_weights, round_scale, ctx, num_experts, layout, capacity, expert_alignment,
                 zero_padding);
 }
-
-// The direct entries' errors as Python sees the dispatcher's: TORCH_CHECK_VALUE's a ValueError, any other c10
-// error a RuntimeError, without the C++ backtrace (the frontend turns them into omniep's typed errors).
-template <typename F>
-auto python_errors(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::ValueError& e) {
-    throw pybind11::value_error(e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    throw std::runtime_error(e.what_without_backtrace());
-  }
-}
-
-// What pybind11 casts a parameter of type T from. A TensorList is a view, which pybind11 cannot build from a
-// Python list; the entry takes an owning vector and lends F the view.
-template <typename T>
-struct PyParam { using type = T; };
-template <>
-struct PyParam<at::TensorList> { using type = std::vector<Tensor>; };
-
-// A direct entry: the function F with its own signature (so pybind11 casts exactly its arguments), its errors
-// through python_errors.
-template <auto F>
-struct Direct;
-template <typename R, typename... A, R (*F)(A...)>
-struct Direct<F> {
-  static R call(typename PyParam<A>::type... args) { return python_errors([&] { return F(args...); }); }
-};
 
 }  // namespace omniep_torch
 
