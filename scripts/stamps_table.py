@@ -56,7 +56,7 @@ def table(calls: dict, skip: int) -> str:
         for mark in marks:
             cells = [f"{statistics.median(values[(mark, c)]):.1f}" if values[(mark, c)] else "" for c in cols]
             out.append(f"| {mark} | " + " | ".join(cells) + " |")
-        out.append(f"| (block start − the rank's first block start) | " +
+        out.append("| (block start − the rank's first block start) | " +
                    " | ".join(_start_lag(by_col, c, skip) for c in cols) + " |")
     return "\n".join(out)
 
