@@ -150,8 +150,7 @@ inline size_t em_dispatch_smem(std::map<const void*, size_t>& granted, const voi
                                int rank, size_t route_smem) {
 #if defined(OMNIEP_CUDA)
   // (the send half of a hook copies no results: no stages, which would also cost its pushes the L1 / shared split)
-  const bool fits = a.phase != kEMSend && a.out_x.p[rank] != nullptr && a.row_bytes > 0 && a.unit == 16 &&
-                    (a.row2_bytes == 0 || a.unit2 == 16) && a.row_bytes + a.row2_bytes <= kEMResultsStageBytes;
+  const bool fits = a.phase != kEMSend && a.out_x.p[rank] != nullptr && em_results_fit_stage(a);
   const size_t stages = fits ? granted_smem(granted, kernel, kEMResultsSmemBytes) : 0;
   return stages > route_smem ? stages : route_smem;
 #else

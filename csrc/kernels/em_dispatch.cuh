@@ -165,12 +165,19 @@ OMNIEP_DEVICE void em_route_counts(const EMDispatchArgs& a, const Tr& tr) {
                      tr.local(a.route.recv_stats));
 }
 
+// Whether the results copy's rows fit its bulk path: a row and its scales row within a warp's stage, in 16-byte
+// units. The launcher grants the stages (em_dispatch_smem) and the kernel takes the path on the same answer.
+OMNIEP_HOST_DEVICE bool em_results_fit_stage(const EMDispatchArgs& a) {
+  return a.row_bytes > 0 && a.unit == 16 && (a.row2_bytes == 0 || a.unit2 == 16) &&
+         a.row_bytes + a.row2_bytes <= kEMResultsStageBytes;
+}
+
 // After the end barrier: the counted slots of the symmetric receive buffers into the caller's results
 // (but those the rank's own pushes filled already: kEMSlotInResult).
 // One pass over the counted rows moves each row's payload, its scales row and its routing entry
 // together (one scan of the counts, the loads of both rows in flight at once); padding after it.
 // Bulk path (CUDA sm_90, 16-byte units, a row and its scales row within a warp's stage, the launch gave the
-// stages: em_results_smem): lane 0 moves both rows through its warp's stage in shared memory with one bulk
+// stages: em_dispatch_smem): lane 0 moves both rows through its warp's stage in shared memory with one bulk
 // load each and one bulk store each — one round trip per row, where the register copy of a 7 KB fp8 row takes
 // four dependent rounds (8, 4, then 1 and 1 loads per lane) and its scales row a fifth: the copy is on every
 // rank's path after the end barrier (5.4 µs at DeepEP's LL shape, RESULTS twenty-first session).
@@ -192,8 +199,7 @@ OMNIEP_DEVICE void em_dispatch_results(const EMDispatchArgs& a, const Tr& tr) {
 #if defined(OMNIEP_BULK_LOADS)
   __shared__ __align__(8) uint64_t s_row_bar[kEMDispatchThreads / gpu::kWarpSize];
   extern __shared__ __align__(128) uint8_t s_stages[];  // (the routing front's arrays before: done with by now)
-  bulk_rows = a.row_bytes > 0 && a.unit == 16 && (a.row2_bytes == 0 || a.unit2 == 16) &&
-              a.row_bytes + a.row2_bytes <= kEMResultsStageBytes && bulk::dynamic_smem_bytes() >= kEMResultsSmemBytes;
+  bulk_rows = em_results_fit_stage(a) && bulk::dynamic_smem_bytes() >= kEMResultsSmemBytes;
   uint32_t phase = 0;
   if (bulk_rows && gpu::lane_id() == 0) {
     bulk::init(&s_row_bar[gpu::warp_id()]);
