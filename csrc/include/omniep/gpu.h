@@ -8,7 +8,9 @@
 // Vendor differences kept here (kernels use only the names below):
 //   warp size        kWarpSize: 32 on NVIDIA, 64 on CDNA (gfx9: gfx90a, gfx940/942; wave32 RDNA is
 //                    refused at compile time); lane masks (ballots) are lane_mask_t, 32 or 64 bits.
-//   shuffles/ballots shfl / ballot / popc / lanes_below / lowest_lane / syncwarp.
+//   shuffles/ballots shfl / ballot / popc / lanes_below / lowest_lane / syncwarp; block_any (a barrier of the
+//                    block that ORs a predicate: one bar.red on NVIDIA; on AMD ockl's workgroup reduction,
+//                    three s_barriers and 256 B of static LDS).
 //   atomics, fences  system-scope acquire/release (PTX .sys; HIP __HIP_MEMORY_SCOPE_SYSTEM).
 //   timer            global_timer_ns: %globaltimer on NVIDIA, s_memrealtime (wall_clock64, 100 MHz on
 //                    gfx9) on AMD.
@@ -105,6 +107,9 @@ OMNIEP_DEVICE int lowest_lane(lane_mask_t m) {  // m != 0
   return static_cast<int>(__ffsll(static_cast<unsigned long long>(m))) - 1;
 }
 #endif
+// Whether pred holds on any thread of the block; every thread of the block calls it (a barrier). (The same
+// name on both vendors: HIP has __syncthreads_or too.)
+OMNIEP_DEVICE bool block_any(bool pred) { return __syncthreads_or(pred) != 0; }
 
 // ---- scoped loads, stores, atomics and fences ----
 #if defined(OMNIEP_CUDA)
