@@ -7,6 +7,9 @@
 #   scripts/gpu_check.sh                                   # everything (~9 minutes)
 #   GPU_TESTS="tests/gpu/test_hot_path.py" scripts/gpu_check.sh   # a subset of the tests
 #   PART=tests | PART=bench scripts/gpu_check.sh           # build + only one of the two
+#   PART=tests GPU_SHARD=1/2 scripts/gpu_check.sh          # the first of two contiguous halves of the tests
+#                                                          # (where the build and the whole suite do not fit
+#                                                          # one call: the two-GPU kinds, ~130 s to build)
 #   PART=soak SOAK_S=480 scripts/gpu_check.sh              # build + the fault-injecting soak (issue 15):
 #                                                          # two ranks on GPU 0, cuda_nvshmem over CUDA IPC
 #                                                          # (then GPU_TESTS, if set, in the same call)
@@ -32,9 +35,15 @@ if [[ "$PART" == soak ]]; then
   exit $status
 fi
 if [[ "$PART" != bench ]]; then
-  # shellcheck disable=SC2086
-  step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rfEs --timeout=400 \
-    -p no:cacheprovider
+  # shellcheck disable=SC2206
+  tests=(${GPU_TESTS:-tests/gpu})
+  if [[ -n "${GPU_SHARD:-}" ]]; then  # K/N: the K-th of N contiguous parts of the collected tests
+    mapfile -t tests < <("$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider "${tests[@]}" 2>/dev/null |
+      grep '::' | awk -v k="${GPU_SHARD%/*}" -v n="${GPU_SHARD#*/}" \
+        '{ id[NR] = $0 } END { c = int((NR + n - 1) / n); for (i = (k - 1) * c + 1; i <= k * c && i <= NR; i++) print id[i] }')
+    echo "gpu_check: shard $GPU_SHARD: ${#tests[@]} tests"
+  fi
+  step pytest "${GPU_TESTS_LIMIT:-420}" "$PY" -m pytest -m gpu "${tests[@]}" -v -rfEs --timeout=400 -p no:cacheprovider
 fi
 if [[ "$PART" != tests ]]; then
   # The benchmarks compile with a fresh TorchInductor cache: the layer's elementwise kernels (compiled
