@@ -19,7 +19,7 @@ import argparse
 import statistics
 import sys
 
-from host_timing import host_times, pin_cpu, quantile
+from host_timing import host_times, over_rounds, pin_cpu, quantile
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
@@ -98,8 +98,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     for _ in range(args["rounds"]):
         for name, fn in calls.items():
             rounds[name].append(host_times(torch, fn, args["iters"]))
-    rows = {name: (statistics.median(statistics.median(t) for t in v), statistics.median(quantile(t, 0.1) for t in v))
-            for name, v in rounds.items()}
+    rows = {name: over_rounds(v) for name, v in rounds.items()}
     if args["stamps"]:
         from omniep import _native_torch
 

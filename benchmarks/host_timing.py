@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -65,6 +66,13 @@ def quantile(sorted_times: list, q: float) -> float:
     """The ``q`` quantile (nearest rank) of sorted values: p10 is what a call costs when the machine
     does not interfere (the lent machines' medians moved by 30 % between runs)."""
     return sorted_times[min(len(sorted_times) - 1, int(q * len(sorted_times)))]
+
+
+def over_rounds(rounds: list) -> tuple:
+    """(median, p10) of a call's host time over interleaved rounds (each a sorted list from
+    :func:`host_times`): the median over rounds of each round's median, and of each round's p10 — a
+    slow spell of the machine moves one round, not the figure. Both quantiles by nearest rank."""
+    return (statistics.median(quantile(t, 0.5) for t in rounds), statistics.median(quantile(t, 0.1) for t in rounds))
 
 
 def device_us(torch, step, iters: int, skip: tuple = (), by_name: dict = None) -> tuple:

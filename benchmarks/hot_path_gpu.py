@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from host_timing import device_us, host_times, pin_cpu, quantile, rank_stdout, report, run_plain
+from host_timing import device_us, host_times, over_rounds, pin_cpu, rank_stdout, report, run_plain
 
 SHAPES = {"ht": dict(tokens=4096, hidden=7168, topk=8, experts=256), "ll": dict(tokens=128, hidden=7168, topk=8,
                                                                                  experts=256)}
@@ -142,9 +142,9 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                 wall[i].append(_wall_us(torch, step, args["iters"]))
         dist.barrier()
         for i, (shape, mode, step) in enumerate(steps):
+            host_us, host_p10_us = over_rounds(host[i]) if host[i] else (None, None)
             rows.append(dict(rank=rank, world=world, shape=shape, mode=mode, wall_us=statistics.median(wall[i]),
-                             host_us=statistics.median(quantile(h, 0.5) for h in host[i]) if host[i] else None,
-                             host_p10_us=statistics.median(quantile(h, 0.1) for h in host[i]) if host[i] else None))
+                             host_us=host_us, host_p10_us=host_p10_us))
         for row, (shape, mode, step) in zip(rows, steps):
             kernels = {}
             row["device_us"] = device_us(torch, step, min(args["iters"], 20), by_name=kernels)[0]
