@@ -7,6 +7,8 @@
 # finish). Where the time of a kernel whose ranks wait on each other goes — what ncu's replay cannot show.
 # Leaves a stamped build behind: the next build_all without OMNIEP_STAMPS rebuilds.
 #   OUT=... scripts/stamps_ll.sh     (on the device machine)
+#   SHAPE=deepep scripts/stamps_ll.sh   DeepEP's test_low_latency.py itself (carry .deepep), its kineto figures
+#                                    beside the stamps of its timed loop (STAMP_LAST calls, default 60)
 #   SHAPE=ht scripts/stamps_ll.sh    the rank-major kernels at DeepEP's normal shape instead (static and
 #                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank and, where two
 #                                    GPUs are visible, two ranks one GPU each)
@@ -16,6 +18,19 @@ source scripts/gpu_steps.sh
 export OMNIEP_STAMPS=ON
 build_all
 N="${STAMP_CALLS:-30}"
+if [[ "${SHAPE:-ll}" == deepep ]]; then
+  # DeepEP's own LL test through the shim (carry .deepep; two GPUs): its kineto figures and the stamps of the
+  # same calls side by side — the kernel's duration as DeepEP times it against the span its blocks stamp. Its
+  # timed loop is the last 60 fp8 dispatches and combines (two profiler periods of 30; the hook periods stamp
+  # as (send) / (receive)); the test's stdout (every rank's) goes to stamps_deepep.txt.
+  export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
+  export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
+  step stamps_deepep 240 bash -c "'$PY' .deepep/test_low_latency.py --num-processes 2 > '$OUT/stamps_deepep.txt' 2>&1"
+  grep -E "bandwidth|send/recv|Error|Traceback" "$OUT/stamps_deepep.txt"
+  "$PY" scripts/stamps_table.py "$OUT/stamps_deepep.txt" --last "${STAMP_LAST:-60}" | tee "$OUT/stamps_deepep.md"
+  unset OMNIEP_STAMPS
+  exit $status
+fi
 if [[ "${SHAPE:-ll}" == ht ]]; then
   step stamps_ht 150 "$PY" benchmarks/hot_path_gpu.py --world 1 --shapes ht --modes static,cached --plain "$N" \
     --rank-stdout "$OUT/stamps_ht"

@@ -76,3 +76,23 @@ def test_block_start_lag_against_the_ranks_first_block(tmp_path):
     out = mod.table(mod.parse([str(log)]), skip=1)
     row = next(line for line in out.splitlines() if "block start" in line)
     assert [c.strip() for c in row.split("|")[2:4]] == ["0.0", "3.2"], row
+
+
+def test_last_keeps_a_tests_timed_loop_after_calls_of_other_shapes(tmp_path):
+    # DeepEP's LL test: a correctness loop (other shapes: here 'counted' at 9 µs) before its timed loop (2 µs)
+    lines = []
+    for call in range(10):
+        ns = 9_000 if call < 7 else 2_000 + 100 * (call - 7)
+        for block in (0, 131):
+            lines.append(f"omniep-stamp em::dispatch_kernel rank=0 block={block} start={1_000_000 * (call + 1)} "
+                         f"counted={ns}")
+    log = tmp_path / "rank0"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    out = mod.table(mod.parse([str(log)]), skip=5, last=3)
+    assert "the last 3 calls" in out
+    row = next(line for line in out.splitlines() if line.startswith("| counted"))
+    assert [c.strip() for c in row.split("|")[2:4]] == ["2.1", "2.1"], row
+    # without it, the skip keeps two calls of the other shape (calls 5 and 6): the median moves
+    row = next(line for line in mod.table(mod.parse([str(log)]), skip=5).splitlines() if line.startswith("| counted"))
+    assert [c.strip() for c in row.split("|")[2:4]] == ["2.2", "2.2"], row
