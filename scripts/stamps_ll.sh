@@ -22,7 +22,8 @@ if [[ "${SHAPE:-ll}" == deepep ]]; then
   # DeepEP's own LL test through the shim (carry .deepep; two GPUs): its kineto figures and the stamps of the
   # same calls side by side — the kernel's duration as DeepEP times it against the span its blocks stamp. Its
   # timed loop is the last 60 fp8 dispatches and combines (two profiler periods of 30; the hook periods stamp
-  # as (send) / (receive)); the test's stdout (every rank's) goes to stamps_deepep.txt.
+  # as (send) / (receive)); the test's stdout (every rank's) goes to stamps_deepep.txt. Its kineto figures here
+  # include the stamps' printf at each kernel's end: set the spans against an unstamped run's figures.
   export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
   export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
   step stamps_deepep 240 bash -c "'$PY' .deepep/test_low_latency.py --num-processes 2 > '$OUT/stamps_deepep.txt' 2>&1"
