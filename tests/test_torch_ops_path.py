@@ -92,6 +92,31 @@ def test_eager_path_skips_the_dispatcher(world_of_one):
         ctx.ops = real
 
 
+@pytest.mark.parametrize("layout", ["rank_major", "expert_major"])
+def test_eager_ops_record_a_graph_exactly_when_a_gradient_is_needed(world_of_one, layout):
+    """The eager entry goes through its autograd Function only where a tensor argument needs a gradient (and
+    grad mode is on); either way the results are the same bits."""
+    cap = None if layout == "rank_major" else 12
+
+    def pair(x, w, grad_mode=True):
+        with torch.set_grad_enabled(grad_mode):
+            d = ep.dispatch(x, idx, w, num_experts=E, layout=layout, capacity=cap, backend="collective")
+            return d.recv_x, ep.combine(d.recv_x * 3.0, d.handle)
+
+    x, idx, w = _inputs()
+    plain = pair(x, w)
+    assert not any(t.requires_grad for t in plain)
+    for needs in ("x", "w"):  # one differentiable input is enough
+        xg = x.clone().requires_grad_(needs == "x")
+        wg = w.clone().requires_grad_(needs == "w")
+        tracked = pair(xg, wg)
+        assert tracked[1].grad_fn is not None, needs
+        assert all(torch.equal(a, b.detach()) for a, b in zip(plain, tracked)), needs
+        off = pair(xg, wg, grad_mode=False)
+        assert not any(t.requires_grad for t in off), needs
+        assert all(torch.equal(a, b) for a, b in zip(plain, off)), needs
+
+
 def test_a_profiler_sees_the_eager_ops_by_name(world_of_one):
     from torch.profiler import ProfilerActivity, profile
 

@@ -154,7 +154,8 @@ def _autograd(name: str, setup, backward):
     and ``backward(ctx, *grads)`` (a gradient per input; None for the ``Tensor[]`` handle, whose
     tensors autograd does not track). The kernel's forward is the op below autograd, so fake tensors
     and functionalization (torch.compile, make_fx, opcheck) get their turn; the eager one calls the
-    Python kernel itself, sparing the dispatcher's two boxed Python calls per op."""
+    Python kernel itself, sparing the dispatcher's two boxed Python calls per op, and only through its
+    Function when a tensor argument needs a gradient."""
     op = getattr(torch.ops.omniep, name).default
 
     def below(*inputs):
@@ -170,7 +171,17 @@ def _autograd(name: str, setup, backward):
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     _lib.impl(name, function(below, "autograd").apply, "Autograd")
-    setattr(EAGER, name, function(_profiled(name, _KERNELS[name]), "eager").apply)
+    plain = _profiled(name, _KERNELS[name])
+    tracked = function(plain, "eager").apply
+
+    def eager(*inputs):
+        # Where no tensor argument needs a gradient (or grad mode is off) autograd records nothing, and its
+        # Function costs ~18 µs a call on our CPU hosts (benchmarks/RESULTS.md, twenty-fourth session): the
+        # kernel alone then, with the same outputs.
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return tracked(*inputs)
+        return plain(*inputs)
+    setattr(EAGER, name, staticmethod(eager))
 
 
 def _profiled(name: str, kernel):
