@@ -20,6 +20,11 @@ processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``
 (NVLink).
 
     python benchmarks/ll_gpu.py [--world 1] [--per-gpu] [--iters 50] [--out ll.json]
+
+``--skew-us 0,30,100`` (two ranks) times instead each op when the ranks start it apart, as DeepEP's test does
+after its GEMM (its first timed call) and in its ``bench`` loop, where the hosts drift: a device barrier
+aligns the ranks, the last rank then spins the given µs, and CUDA events time the op on every rank. The
+first rank's time should be the skew plus the aligned time, the last rank's the aligned time.
 """
 
 from __future__ import annotations
@@ -92,8 +97,14 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
                            ("Buffer.low_latency_dispatch fp8 + recv stats", ll_dispatch_stats),
                            ("Buffer.low_latency_combine", ll_combine)):
                 steps.append((name, op, fn))
+        if args["deepep_defaults"]:  # the ops timed as in DeepEP's tests (utils.init_dist sets these)
+            torch.set_default_dtype(torch.bfloat16)
+            torch.set_default_device("cuda")
         if args["plain"]:
             run_plain(torch, steps, args["plain"])
+            steps = []
+        if args["skew"]:
+            rows = skewed(torch, dist, ep, rank, world, [st for st in steps if st[1] in SKEW_OPS], args)
             steps = []
         for name, op, step in steps:
             for _ in range(5):
@@ -133,6 +144,49 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
     return rows
 
 
+SKEW_OPS = ("Buffer.low_latency_dispatch fp8 + recv stats", "Buffer.low_latency_combine")
+
+
+def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> list:
+    """Each op's µs on this rank (CUDA events around it, median of ``iters``) when the last rank starts it
+    ``skew`` µs after the others, for each skew of ``args["skew"]``; the skew as spun (events around the spin)."""
+    import statistics
+
+    ctx = ep.context(None, None, "cuda")
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    late = rank == world - 1
+    rows = []
+    for _ in range(3):  # the spin's clock, calibrated: its cycles per µs (the first rounds read 10x long)
+        ev[0].record()
+        torch.cuda._sleep(int(1e6))
+        ev[1].record()
+        torch.cuda.synchronize()
+        cycles_per_us = 1e6 / (ev[0].elapsed_time(ev[1]) * 1e3)
+    for name, op, fn in steps:
+        for skew in args["skew"]:
+            times, spun = [], []
+            for i in range(args["iters"] + 3):
+                torch.cuda._sleep(int(2e5))  # the GPU busy while the host issues the barrier and the op
+                ctx.barrier()
+                ev[0].record()
+                if late and skew:
+                    torch.cuda._sleep(int(skew * cycles_per_us))
+                ev[1].record()
+                fn()
+                ev[2].record()
+                torch.cuda.synchronize()
+                if i >= 3:
+                    spun.append(ev[0].elapsed_time(ev[1]) * 1e3)
+                    times.append(ev[1].elapsed_time(ev[2]) * 1e3)
+            dist.barrier()
+            rows.append(dict(rank=rank, world=world, variant=name, op=op, skew_us=skew,
+                             spun_us=statistics.median(spun), op_us=statistics.median(times),
+                             op_max_us=max(times)))
+            print(f"rank {rank} {name} {op} skew {skew}: spun {rows[-1]['spun_us']:.1f} op {rows[-1]['op_us']:.1f} "
+                  f"(max {rows[-1]['op_max_us']:.1f})", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=1)
@@ -143,10 +197,14 @@ def main(argv=None) -> int:
                    help="run each op N times and time nothing (under ncu: scripts/profile_ll.sh)")
     p.add_argument("--rank-stdout", default="", metavar="PREFIX",
                    help="each rank's stdout (device printf included) into PREFIX.rank<r> (scripts/stamps_ll.sh)")
+    p.add_argument("--skew-us", default="", metavar="LIST",
+                   help="time the Buffer's LL ops with the last rank starting these µs late (two ranks or more)")
+    p.add_argument("--deepep-defaults", action="store_true",
+                   help="bf16 default dtype and cuda default device in every rank, as DeepEP's tests set them")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain,
-                rank_stdout=a.rank_stdout)
+                rank_stdout=a.rank_stdout, deepep_defaults=a.deepep_defaults, skew=[float(v) for v in a.skew_us.split(",") if v])
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
@@ -156,6 +214,18 @@ def main(argv=None) -> int:
     if a.plain:
         return 0
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}")
+    if args["skew"]:
+        lines = []
+        for name in args["variants"]:
+            for op in SKEW_OPS:
+                for skew in args["skew"]:
+                    mine = sorted((r for r in rows if (r["variant"], r["op"], r["skew_us"]) == (name, op, skew)),
+                                  key=lambda r: r["rank"])
+                    if mine:
+                        lines.append([name, op, f"{mine[-1]['spun_us']:.1f}"] +
+                                     [" / ".join(f"{r[k]:.1f}" for r in mine) for k in ("op_us", "op_max_us")])
+        return report(["variant", "op", "last rank's start (µs late)", "µs per rank (median)", "max"], lines, rows,
+                      a.out)
     lines = []
     for name in args["variants"]:
         for op in dict.fromkeys(r["op"] for r in rows):

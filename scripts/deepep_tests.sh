@@ -6,6 +6,10 @@
 #                                                          # as of b306af0~1 (before EPv2 moved them)
 # and carry `.deepep` to the device machine (run's `carry`). There:
 #   scripts/deepep_tests.sh                                # both tests, 2 processes, logs in $OUT
+#   DEEPEP_TRACE=1 scripts/deepep_tests.sh                 # the LL test alone, its profiler periods saved as
+#                                                          # traces ($OUT/trace/) and tabled per kernel
+#                                                          # (scripts/deepep_trace.py: idle before, cross-rank
+#                                                          # start offsets)
 # The tests import `deep_ep` from tests/deepep_shim (omniep.torch's Buffer, Config, EventOverlap).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +28,12 @@ build_all
 export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
 export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
 N="${DEEPEP_PROCESSES:-2}"
+if [[ -n "${DEEPEP_TRACE:-}" ]]; then
+  step deepep_ll_trace 240 "$PY" scripts/deepep_trace.py run --out "$OUT/trace" .deepep/test_low_latency.py -- \
+    --num-processes "$N"
+  "$PY" scripts/deepep_trace.py table "$OUT/trace" | tee "$OUT/deepep_ll_trace.md"
+  exit $status
+fi
 step deepep_intranode 240 "$PY" .deepep/test_intranode.py --num-processes "$N"
 step deepep_low_latency 420 "$PY" .deepep/test_low_latency.py --num-processes "$N"
 echo "deepep_tests: exit $status; logs in $OUT"

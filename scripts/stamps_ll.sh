@@ -9,6 +9,8 @@
 #   OUT=... scripts/stamps_ll.sh     (on the device machine)
 #   SHAPE=deepep scripts/stamps_ll.sh   DeepEP's test_low_latency.py itself (carry .deepep), its kineto figures
 #                                    beside the stamps of its timed loop (STAMP_LAST calls, default 60)
+#   SHAPE=skew scripts/stamps_ll.sh  two GPUs: the Buffer's LL ops with the last rank starting SKEW_US (default 100)
+#                                    µs late (benchmarks/ll_gpu.py --skew-us): where the wait goes
 #   SHAPE=ht scripts/stamps_ll.sh    the rank-major kernels at DeepEP's normal shape instead (static and
 #                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank and, where two
 #                                    GPUs are visible, two ranks one GPU each)
@@ -29,6 +31,13 @@ if [[ "${SHAPE:-ll}" == deepep ]]; then
   step stamps_deepep 240 bash -c "'$PY' .deepep/test_low_latency.py --num-processes 2 > '$OUT/stamps_deepep.txt' 2>&1"
   grep -E "bandwidth|send/recv|Error|Traceback" "$OUT/stamps_deepep.txt"
   "$PY" scripts/stamps_table.py "$OUT/stamps_deepep.txt" --last "${STAMP_LAST:-60}" | tee "$OUT/stamps_deepep.md"
+  unset OMNIEP_STAMPS
+  exit $status
+fi
+if [[ "${SHAPE:-ll}" == skew ]]; then
+  step stamps_skew 200 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --variants base --iters "$N" \
+    --skew-us "${SKEW_US:-100}" --rank-stdout "$OUT/stamps_skew"
+  "$PY" scripts/stamps_table.py "$OUT"/stamps_skew.rank* --last "$N" | tee "$OUT/stamps_skew.md"
   unset OMNIEP_STAMPS
   exit $status
 fi

@@ -195,3 +195,73 @@ def test_native_eager_ops_take_the_direct_entries_where_the_module_has_them():
         assert getattr(ops, name) == want, name
     plain = torch_ops.Overloads(namespace)
     assert all(getattr(plain, name) == f"{name}.default" for name in torch_ops.SCHEMAS)
+
+
+def test_the_default_device_mode_is_off_inside_the_ops_and_back_after(world_of_one):
+    """``torch.set_default_device`` (DeepEP's tests set it) puts a torch function mode on the stack whose Python
+    ``__torch_function__`` every tensor access then goes through (2x a Buffer LL op's host time on GPU). The
+    ops' entries take it off for the op and put it back: same bits, no call of it inside, and any other mode
+    still sees the op's calls."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._device import DeviceContext
+
+    from omniep.ep_core.errors import InputError
+
+    class CountingDevice(DeviceContext):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CountingDevice.calls += 1
+            return super().__torch_function__(func, types, args, kwargs)
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    _, idx, w = _inputs()
+    T, H = 6, 128
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    buf = ep.Buffer(None, 0, ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), low_latency_mode=True,
+                    num_qps_per_rank=E)
+
+    inside = [0]
+
+    def op(fn, *args, **kwargs):  # the mode's calls while an op runs, counted apart from this test's own
+        before = CountingDevice.calls
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            inside[0] += CountingDevice.calls - before
+
+    y = torch.randn(E, T, H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+
+    def ops():
+        d = op(ep.dispatch, x, idx, w, num_experts=E, capacity=T, layout="expert_major", backend="collective")
+        out = op(ep.combine, y.float(), d.handle)
+        rank_major = op(ep.dispatch, x, idx, w, num_experts=E, backend="collective")
+        again = op(ep.cached_dispatch, x, rank_major.handle)
+        (x8, scales), count, handle, _, _ = op(buf.low_latency_dispatch, x, idx, T, E, use_fp8=True)
+        ll_out, _, _ = op(buf.low_latency_combine, y, idx, w, handle)
+        return d.recv_x, again, out, x8.view(torch.uint8), scales, count, ll_out
+
+    plain = ops()
+    with CountingDevice("cpu"):
+        under = ops()
+        assert CountingDevice.calls > 0 and inside[0] == 0  # the test's calls went through it, the ops' none
+        assert torch._C._len_torch_function_stack() == 1  # and it is back after them
+        before = CountingDevice.calls
+        torch.empty(1)
+        assert CountingDevice.calls == before + 1
+        with pytest.raises(InputError, match="num_experts"):
+            ep.dispatch(x, idx, w, num_experts=0, backend="collective")
+        assert torch._C._len_torch_function_stack() == 1  # back after an op that raised, too
+        with Counting():  # another mode above it: left in place, it sees the op's calls as before
+            ep.combine(y.float(), ep.dispatch(x, idx, w, num_experts=E, capacity=T, layout="expert_major",
+                                              backend="collective").handle)
+        assert Counting.calls > 0
+    for a, b in zip(plain, under):
+        assert torch.equal(a, b)
+    buf.destroy()

@@ -22,10 +22,12 @@ in the same order (a rank whose loss ignores ``out`` still back-propagates throu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any, Optional
 
 import torch
+from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from ..backends.torch_group import default_group, pack_ue8m0
@@ -42,6 +44,29 @@ _LAYOUTS = {"rank_major": Layout.RANK_MAJOR, "expert_major": Layout.EXPERT_MAJOR
 _LAYOUT_CODE = {Layout.RANK_MAJOR: 0, Layout.EXPERT_MAJOR: 1}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _CONFIGS: dict = {}  # (num_experts, ranks, layout, capacity, alignment) -> DispatchConfig (frozen, shared)
+
+
+def without_default_device(fn):
+    """An op's public entry: where the only torch function mode on the stack is the default device's
+    (``torch.set_default_device``, ``with torch.device(...)``: DeepEP's tests set one), the op runs with it
+    off the stack and put back after. Every tensor access in Python (``x.shape``, ``x.dtype``, ...) otherwise
+    goes through that mode's Python ``__torch_function__``: ~1 µs each, 2x a Buffer LL op's host time
+    (benchmarks/RESULTS.md, 2026-11-27). It changes nothing the op makes: every tensor the frontends create
+    names its device. Any other mode (a user's, a tracer's) stays and sees the op as before."""
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        if (torch.compiler.is_compiling() or not torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_function_stack() != 1
+                or not isinstance(torch._C._get_function_stack_at(0), DeviceContext)):
+            return fn(*args, **kwargs)
+        mode = torch._C._pop_torch_function_stack()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
+
+    return entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +193,7 @@ def _config_ints(num_experts, capacity, expert_alignment) -> tuple:
     return experts, cap, align
 
 
+@without_default_device
 def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int, group=None,
              capacity: Optional[int] = None, expert_alignment: int = 1, layout="rank_major",
              backend: Optional[str] = None, use_fp8: bool = False, round_scale: bool = False,
@@ -299,6 +325,7 @@ def _config(handle) -> tuple:
             cfg.expert_alignment)
 
 
+@without_default_device
 def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True) -> torch.Tensor:
     """Send expert outputs back to the tokens' ranks and sum them: ``out[T, H]`` in ``y``'s dtype.
 
@@ -342,6 +369,7 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True
         raise ctx.translate(exc) from None
 
 
+@without_default_device
 def cached_dispatch(x, handle: Handle):
     """Dispatch ``x[T, H]`` (or ``(x, x_scales)`` for fp8) again with the routing of a rank-major
     ``handle``: no layout work, no host wait, only rows move. Returns ``recv_x`` (a tuple for fp8)

@@ -55,7 +55,7 @@ from ..ep_core import validation as v
 from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
 from ..ep_core.types import Layout, frozen_new
-from .torch import Handle, cached_dispatch, combine, context, dispatch
+from .torch import Handle, cached_dispatch, combine, context, dispatch, without_default_device
 
 
 # DeepEP's ``deep_ep.topk_idx_t``: the dtype its recipes cast ``topk_idx`` to (omniep takes int32 or int64).
@@ -415,6 +415,7 @@ class Buffer:
 
     # ---- normal (rank-major) mode ----------------------------------------------------------------
 
+    @without_default_device
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Local layout, no communication. ``topk_idx[T, K]`` int32/int64, ``-1`` = none.
@@ -433,6 +434,7 @@ class Buffer:
             per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
         return per_rank, None, per_expert, in_rank, on.done((topk_idx,), (per_rank, per_expert, in_rank))
 
+    @without_default_device
     def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
                  is_token_in_rank: Optional[torch.Tensor] = None,
@@ -545,6 +547,7 @@ class Buffer:
             if problem:
                 raise InputError(f"Buffer.dispatch: {problem} (pass what get_dispatch_layout returned)")
 
+    @without_default_device
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None,
                 bias=None, config=None, previous_event=None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
@@ -582,6 +585,7 @@ class Buffer:
         slots = num_max_dispatch_tokens_per_rank + num_experts * num_max_dispatch_tokens_per_rank
         return align_up(2 * slots * row, 128)
 
+    @without_default_device
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """A ``[L, R * num_max_dispatch_tokens_per_rank, H]`` bf16 tensor for the expert outputs of the next
         :meth:`low_latency_combine` (DeepEP's zero-copy path: fill it, then combine it with
@@ -599,10 +603,12 @@ class Buffer:
             buf = self._ll_combine_buffer = torch.empty(shape, dtype=torch.bfloat16, device=handle.tensors[0].device)
         return buf
 
+    @without_default_device
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         self._alive()  # nothing to clean: no state survives a call
 
+    @without_default_device
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats=None, use_fp8: bool = True, round_scale: bool = False,
@@ -700,6 +706,7 @@ class Buffer:
             carried = self._ll_sources[key] = rows.unsqueeze(1).expand(T, K).contiguous()
         return carried
 
+    @without_default_device
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -791,6 +798,7 @@ class _ReceiveHook:
         else:
             fn()
 
+    @without_default_device
     def call(self) -> None:
         if self.seq:
             self.ctx.receive(self.seq)
