@@ -37,7 +37,10 @@ def _patch_bench_kineto(out_dir: str) -> None:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        kwargs["trace_path"] = os.path.join(out_dir, f"trace.rank{rank}.{counter[0]}.json")
+        # (a period of several kernels per call — the hook periods — exports its trace itself, and a profile
+        # exports once: those periods are left untraced)
+        if kwargs.get("num_kernels_per_period", 1) <= 1:
+            kwargs["trace_path"] = os.path.join(out_dir, f"trace.rank{rank}.{counter[0]}.json")
         counter[0] += 1
         return original(*args, **kwargs)
 

@@ -69,8 +69,8 @@ def test_run_saves_every_spawned_process_trace(tmp_path):
             import torch.distributed as dist
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                                     world_size=num_local_ranks, rank=local_rank)
-            for _ in range(2):
-                bench_kineto(lambda: None, ("dispatch", "combine"))
+            for per_period in (1, 2, 1):  # (a hook period: several kernels per call, left untraced)
+                bench_kineto(lambda: None, ("dispatch", "combine"), num_kernels_per_period=per_period)
             dist.destroy_process_group()
 
         if __name__ == '__main__':
@@ -90,4 +90,4 @@ def test_run_saves_every_spawned_process_trace(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts/deepep_trace.py"), "run", "--out", str(out),
                     str(deepep / "fake_test.py"), "--", "--num-processes", "2", "--port", str(port)],
                    env=env, check=True, timeout=120)
-    assert sorted(os.listdir(out)) == [f"trace.rank{r}.{n}.json" for r in (0, 1) for n in (0, 1)]
+    assert sorted(os.listdir(out)) == [f"trace.rank{r}.{n}.json" for r in (0, 1) for n in (0, 2)]
