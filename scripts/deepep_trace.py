@@ -5,8 +5,10 @@ figure and our kernels' phase stamps disagree, the traces tell why: every kernel
 time before each (the GPU waiting on the host), and — the two processes' CUPTI timestamps share the host's clock —
 when each rank started the same call, so how long one rank's kernel waited for the other's launch.
 
-    python scripts/deepep_trace.py run --out DIR .deepep/test_low_latency.py -- --num-processes 2
-        runs the test with every bench_kineto period saved as DIR/trace.rank<r>.<n>.json
+    python scripts/deepep_trace.py run --out DIR [--rank-stdout PREFIX] .deepep/test_low_latency.py -- --num-processes 2
+        runs the test with every bench_kineto period saved as DIR/trace.rank<r>.<n>.json; with --rank-stdout each
+        process's stdout (device printf included: a stamped build's marks) goes to PREFIX.rank<r>, so that the
+        ranks' lines do not interleave (on one stdout, most of a stamped run's lines came back mixed)
     python scripts/deepep_trace.py table DIR [--names dispatch,combine]
         per (period, kernel name): calls, mean and median duration on each rank, the median idle gap before it,
         and the median of (this rank's start − the other rank's start) for the same call
@@ -47,17 +49,39 @@ def _patch_bench_kineto(out_dir: str) -> None:
     utils.bench_kineto = traced
 
 
+def _patch_init_dist(prefix: str) -> None:
+    """Make DeepEP's ``utils.init_dist(local_rank, ...)`` first send this process's stdout to prefix.rank<r>."""
+    import utils
+
+    original = utils.init_dist
+
+    def separate(local_rank, *args, **kwargs):
+        sys.stdout.flush()
+        fd = os.open(f"{prefix}.rank{local_rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.close(fd)
+        return original(local_rank, *args, **kwargs)
+
+    utils.init_dist = separate
+
+
+def _patch(env) -> None:
+    _patch_bench_kineto(env["OMNIEP_DEEPEP_TRACE_DIR"])
+    if env.get("OMNIEP_DEEPEP_RANK_STDOUT"):
+        _patch_init_dist(env["OMNIEP_DEEPEP_RANK_STDOUT"])
+
+
 def _exec_test(path: str) -> None:
     """Run DeepEP's test file in this module's namespace. Its spawned children re-run this file (the main module's
-    file) as __mp_main__, where the block below patches bench_kineto and defines the test's functions again
-    (without running its main block), so the pickled ``__main__.test_loop`` resolves there with the patch in
-    place before the test's ``from utils import bench_kineto``."""
+    file) as __mp_main__, where the block below patches DeepEP's utils and defines the test's functions again
+    (without running its main block), so the pickled ``__main__.test_loop`` resolves there with the patches in
+    place before the test's ``from utils import ...``."""
     with open(path) as f:
         exec(compile(f.read(), path, "exec"), globals())
 
 
 if __name__ == "__mp_main__" and os.environ.get("OMNIEP_DEEPEP_TRACE_DIR"):
-    _patch_bench_kineto(os.environ["OMNIEP_DEEPEP_TRACE_DIR"])
+    _patch(os.environ)
     _exec_test(os.environ["OMNIEP_DEEPEP_TRACE_TEST"])
 
 
@@ -139,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("test")
     r.add_argument("--out", required=True)
+    r.add_argument("--rank-stdout", default="", metavar="PREFIX")
     r.add_argument("rest", nargs=argparse.REMAINDER)
     t = sub.add_parser("table")
     t.add_argument("out")
@@ -150,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     os.environ["OMNIEP_DEEPEP_TRACE_DIR"] = os.path.abspath(a.out)
     os.environ["OMNIEP_DEEPEP_TRACE_TEST"] = os.path.abspath(a.test)
-    _patch_bench_kineto(os.environ["OMNIEP_DEEPEP_TRACE_DIR"])
+    os.environ["OMNIEP_DEEPEP_RANK_STDOUT"] = os.path.abspath(a.rank_stdout) if a.rank_stdout else ""
+    _patch(os.environ)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     sys.argv = [a.test, *rest]
     _exec_test(a.test)  # __name__ is "__main__" here: the test's main block runs

@@ -24,13 +24,16 @@ if [[ "${SHAPE:-ll}" == deepep ]]; then
   # DeepEP's own LL test through the shim (carry .deepep; two GPUs): its kineto figures and the stamps of the
   # same calls side by side — the kernel's duration as DeepEP times it against the span its blocks stamp. Its
   # timed loop is the last 60 fp8 dispatches and combines (two profiler periods of 30; the hook periods stamp
-  # as (send) / (receive)); the test's stdout (every rank's) goes to stamps_deepep.txt. Its kineto figures here
-  # include the stamps' printf at each kernel's end: set the spans against an unstamped run's figures.
+  # as (send) / (receive)). Each process's stdout goes to stamps_deepep.rank<r> (scripts/deepep_trace.py
+  # --rank-stdout: on one stdout the two ranks' printf interleaved, most lines lost), its periods' traces to
+  # stamps_deepep_trace/. Its kineto figures here include the stamps' printf at each kernel's end: set the spans
+  # against an unstamped run's figures (scripts/deepep_tests.sh with DEEPEP_TRACE=1).
   export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
   export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
-  step stamps_deepep 240 bash -c "'$PY' .deepep/test_low_latency.py --num-processes 2 > '$OUT/stamps_deepep.txt' 2>&1"
-  grep -E "bandwidth|send/recv|Error|Traceback" "$OUT/stamps_deepep.txt"
-  "$PY" scripts/stamps_table.py "$OUT/stamps_deepep.txt" --last "${STAMP_LAST:-60}" | tee "$OUT/stamps_deepep.md"
+  step stamps_deepep 240 "$PY" scripts/deepep_trace.py run --out "$OUT/stamps_deepep_trace" \
+    --rank-stdout "$OUT/stamps_deepep" .deepep/test_low_latency.py -- --num-processes 2
+  grep -hE "bandwidth|send/recv|Error|Traceback" "$OUT"/stamps_deepep.rank*
+  "$PY" scripts/stamps_table.py "$OUT"/stamps_deepep.rank* --last "${STAMP_LAST:-60}" | tee "$OUT/stamps_deepep.md"
   unset OMNIEP_STAMPS
   exit $status
 fi

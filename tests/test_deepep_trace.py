@@ -48,12 +48,18 @@ def test_table_durations_idle_and_cross_rank_start(tmp_path):
     assert "period 0" in out and out.count("| void omniep::em::dispatch_kernel |") == 2
 
 
-def test_run_saves_every_spawned_process_trace(tmp_path):
-    """The runner's patch of utils.bench_kineto reaches torch.multiprocessing.spawn's children (which re-run the
-    main module as __mp_main__); a stand-in for DeepEP's test and utils, same import shape, runs on the CPU."""
+def test_run_saves_every_spawned_process_trace_and_stdout(tmp_path):
+    """The runner's patches of utils.bench_kineto and utils.init_dist reach torch.multiprocessing.spawn's children
+    (which re-run the main module as __mp_main__); a stand-in for DeepEP's test and utils, same import shape, runs
+    on the CPU."""
     deepep = tmp_path / "deepep"
     deepep.mkdir()
     (deepep / "utils.py").write_text(textwrap.dedent("""
+        def init_dist(local_rank, num_local_ranks, port):
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    world_size=num_local_ranks, rank=local_rank)
+
         def bench_kineto(fn, kernel_names, trace_path=None, **kwargs):
             if trace_path is not None:
                 with open(trace_path, "w") as f:
@@ -63,12 +69,12 @@ def test_run_saves_every_spawned_process_trace(tmp_path):
     (deepep / "fake_test.py").write_text(textwrap.dedent("""
         import argparse
         import torch
-        from utils import bench_kineto
+        from utils import bench_kineto, init_dist
 
         def test_loop(local_rank, num_local_ranks, args):
             import torch.distributed as dist
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                    world_size=num_local_ranks, rank=local_rank)
+            init_dist(local_rank, num_local_ranks, args.port)
+            print(f"line of rank {local_rank}", flush=True)
             for per_period in (1, 2, 1):  # (a hook period: several kernels per call, left untraced)
                 bench_kineto(lambda: None, ("dispatch", "combine"), num_kernels_per_period=per_period)
             dist.destroy_process_group()
@@ -85,9 +91,11 @@ def test_run_saves_every_spawned_process_trace(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "out"
+    out, prefix = tmp_path / "out", tmp_path / "stdout"
     env = dict(os.environ, PYTHONPATH=f"{deepep}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    subprocess.run([sys.executable, str(ROOT / "scripts/deepep_trace.py"), "run", "--out", str(out),
+    subprocess.run([sys.executable, str(ROOT / "scripts/deepep_trace.py"), "run", "--out", str(out), "--rank-stdout", str(prefix),
                     str(deepep / "fake_test.py"), "--", "--num-processes", "2", "--port", str(port)],
                    env=env, check=True, timeout=120)
     assert sorted(os.listdir(out)) == [f"trace.rank{r}.{n}.json" for r in (0, 1) for n in (0, 2)]
+    for r in (0, 1):  # each process's stdout in its own file
+        assert (tmp_path / f"stdout.rank{r}").read_text() == f"line of rank {r}\n"
