@@ -265,3 +265,25 @@ def test_the_default_device_mode_is_off_inside_the_ops_and_back_after(world_of_o
     for a, b in zip(plain, under):
         assert torch.equal(a, b)
     buf.destroy()
+
+
+def test_handle_replace_copies_with_the_changes_only(world_of_one):
+    """``Handle.replace`` (the Buffer's LL combine swaps the weights in): a new handle of the same class, the
+    original untouched, an unknown field refused as ``dataclasses.replace`` refuses it."""
+    from omniep.frontends.torch_buffer import LowLatencyHandle
+
+    T, H = 6, 128
+    _, idx, w = _inputs()
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    buf = ep.Buffer(None, 0, ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E), low_latency_mode=True,
+                    num_qps_per_rank=E)
+    handle = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)[2]
+    weights = w * 2.0
+    new = handle.replace(topk_weights=weights)
+    assert type(new) is LowLatencyHandle and new is not handle
+    assert new.topk_weights is weights and handle.topk_weights is not weights
+    assert {k: v for k, v in vars(new).items() if k != "topk_weights"} == \
+        {k: v for k, v in vars(handle).items() if k != "topk_weights"}
+    with pytest.raises(TypeError, match="no field 'weights'"):
+        handle.replace(weights=weights)
+    buf.destroy()
