@@ -52,8 +52,9 @@ def without_default_device(fn):
     off the stack and put back after. Every tensor access in Python (``x.shape``, ``x.dtype``, ...) otherwise
     goes through that mode's Python ``__torch_function__``: ~1 µs each, 2x a Buffer LL op's host time
     (benchmarks/RESULTS.md, 2026-11-27). The op then runs as it does without a default device (every test's
-    case): what it makes is placed by its inputs' device, never by the default. Any other mode (a user's, a
-    tracer's) stays and sees the op as before."""
+    case): what it makes goes where the op puts it (its inputs' device, or the host for the collective backend's
+    metadata), never where the default says. Any other mode (a user's, a tracer's) stays and sees the op as
+    before."""
 
     @functools.wraps(fn)
     def entry(*args, **kwargs):
