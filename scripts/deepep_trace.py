@@ -10,8 +10,8 @@ when each rank started the same call, so how long one rank's kernel waited for t
         process's stdout (device printf included: a stamped build's marks) goes to PREFIX.rank<r>, so that the
         ranks' lines do not interleave (on one stdout, most of a stamped run's lines came back mixed)
     python scripts/deepep_trace.py table DIR [--names dispatch,combine]
-        per (period, kernel name): calls, mean and median duration on each rank, the median idle gap before it,
-        and the median of (this rank's start − the other rank's start) for the same call
+        per (period, kernel name): calls, mean / median / first / longest duration on each rank, the median idle gap
+        before it, and the median of (this rank's start − the other rank's start) for the same call
 
 (Run on the device machine with tests/deepep_shim and .deepep on PYTHONPATH, as scripts/deepep_tests.sh does.)
 """
@@ -104,7 +104,8 @@ def _short(name: str) -> str:
 
 
 def summarise(by_rank: dict[int, list[tuple[str, float, float]]], names: list[str]) -> list[dict]:
-    """One row per kernel whose name holds one of ``names``: per rank the calls, mean / median duration and median
+    """One row per kernel whose name holds one of ``names``: per rank the calls, mean / median / first / longest
+    duration (DeepEP's figure is the mean, which one slow call moves) and median
     idle before the call (its start − the previous kernel's end on that rank), and the median start offset against
     the lowest other rank for the same call index (positive: this rank started later)."""
     rows = []
@@ -129,7 +130,8 @@ def summarise(by_rank: dict[int, list[tuple[str, float, float]]], names: list[st
             durs = [c[1] for c in calls]
             rows.append({
                 "kernel": want, "rank": rank, "name": calls[0][3], "calls": len(calls),
-                "mean_us": statistics.fmean(durs), "median_us": statistics.median(durs),
+                "mean_us": statistics.fmean(durs), "median_us": statistics.median(durs), "first_us": durs[0],
+                "max_us": max(durs),
                 "idle_before_us": statistics.median(c[2] for c in calls),
                 "start_vs_other_us": statistics.median(offsets) if offsets else None,
             })
@@ -147,13 +149,13 @@ def table(out_dir: str, names: list[str]) -> str:
         by_rank = periods[period]
         lines.append(f"\nperiod {period}: kernels per rank " + ", ".join(
             f"rank {r}: {len(k)}" for r, k in sorted(by_rank.items())))
-        lines.append("| kernel | rank | calls | mean µs | median µs | idle before (median µs) | start − other rank's "
-                     "(median µs) |")
-        lines.append("|---|---|---|---|---|---|---|")
+        lines.append("| kernel | rank | calls | mean µs | median µs | first µs | max µs | idle before (median µs) | "
+                     "start − other rank's (median µs) |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in summarise(by_rank, names):
             off = "" if r["start_vs_other_us"] is None else f"{r['start_vs_other_us']:.1f}"
             lines.append(f"| {r['name']} | {r['rank']} | {r['calls']} | {r['mean_us']:.1f} | {r['median_us']:.1f} | "
-                         f"{r['idle_before_us']:.1f} | {off} |")
+                         f"{r['first_us']:.1f} | {r['max_us']:.1f} | {r['idle_before_us']:.1f} | {off} |")
     return "\n".join(lines)
 
 

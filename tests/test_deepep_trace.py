@@ -40,6 +40,7 @@ def test_table_durations_idle_and_cross_rank_start(tmp_path):
         {r: mod.kernels(str(tmp_path / f"trace.rank{r}.0.json")) for r in (0, 1)}, ["dispatch", "combine"])}
     d0, d1 = rows[("dispatch", 0)], rows[("dispatch", 1)]
     assert d0["calls"] == 2 and d0["mean_us"] == 32.0 and d0["median_us"] == 32.0
+    assert d0["first_us"] == 30.0 and d0["max_us"] == 34.0
     assert d0["idle_before_us"] == 5.0 and d1["idle_before_us"] == 5.5
     assert d0["start_vs_other_us"] == -3.0 and d1["start_vs_other_us"] == 3.0
     assert rows[("combine", 1)]["mean_us"] == 23.5
