@@ -21,10 +21,13 @@ processes sharing GPU 0 (CUDA IPC; time slicing inflates ``device``), or with ``
 
     python benchmarks/ll_gpu.py [--world 1] [--per-gpu] [--iters 50] [--out ll.json]
 
-``--skew-us 0,30,100`` (two ranks) times instead each op when the ranks start it apart, as DeepEP's test does
-after its GEMM (its first timed call) and in its ``bench`` loop, where the hosts drift: a device barrier
-aligns the ranks, the last rank then spins the given µs, and CUDA events time the op on every rank. The
-first rank's time should be the skew plus the aligned time, the last rank's the aligned time.
+``--skew-us 0,30,100`` (two ranks) times instead each op when the ranks start it apart, as in DeepEP's
+``bench`` loop, where the hosts drift: a device barrier aligns the ranks, the last rank then spins the given µs,
+and CUDA events time the op on every rank. The first rank's time should be the skew plus the aligned time, the
+last rank's the aligned time. ``--idle-ms 0,100,800``: the op after the last rank's host slept that long before
+the device barrier, so that the other GPUs sat that long in the barrier's kernel and the last one idle — DeepEP's
+first timed call, which follows its NCCL all_reduce where one GPU waited hundreds of ms (RESULTS, twenty-fifth
+session: ~230 µs on both ranks against ~31).
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
         if args["plain"]:
             run_plain(torch, steps, args["plain"])
             steps = []
-        if args["skew"]:
+        if args["skew"] or args["idle"]:
             rows = skewed(torch, dist, ep, rank, world, [st for st in steps if st[1] in SKEW_OPS], args)
             steps = []
         for name, op, step in steps:
@@ -148,12 +151,14 @@ SKEW_OPS = ("Buffer.low_latency_dispatch fp8 + recv stats", "Buffer.low_latency_
 
 
 def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> list:
-    """Each op's µs on this rank (CUDA events around it, median of ``iters``) when the last rank starts it
-    ``skew`` µs after the others, for each skew of ``args["skew"]``; the skew as spun (events around the spin)."""
+    """Each op's µs on this rank (CUDA events around it, median of the calls) when the last rank starts it late:
+    ``("skew", µs)``, spun on its GPU after a device barrier (the skew as spun: events around the spin), or
+    ``("idle", ms)``, its host asleep before the barrier (``min(iters, 5)`` calls each)."""
     import statistics
+    import time
 
     ctx = ep.context(None, None, "cuda")
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     late = rank == world - 1
     rows = []
     for _ in range(3):  # the spin's clock, calibrated: its cycles per µs (the first rounds read 10x long)
@@ -162,15 +167,22 @@ def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> l
         ev[1].record()
         torch.cuda.synchronize()
         cycles_per_us = 1e6 / (ev[0].elapsed_time(ev[1]) * 1e3)
+    settings = [("skew", v) for v in args["skew"]] + [("idle", v) for v in args["idle"]]
     for name, op, fn in steps:
-        for skew in args["skew"]:
+        for kind, value in settings:
+            calls = args["iters"] if kind == "skew" else min(args["iters"], 5)
             times, spun = [], []
-            for i in range(args["iters"] + 3):
+            for i in range(calls + 3):
+                if kind == "idle":
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    if late and value:
+                        time.sleep(value / 1e3)
                 torch.cuda._sleep(int(2e5))  # the GPU busy while the host issues the barrier and the op
                 ctx.barrier()
                 ev[0].record()
-                if late and skew:
-                    torch.cuda._sleep(int(skew * cycles_per_us))
+                if kind == "skew" and late and value:
+                    torch.cuda._sleep(int(value * cycles_per_us))
                 ev[1].record()
                 fn()
                 ev[2].record()
@@ -179,11 +191,11 @@ def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> l
                     spun.append(ev[0].elapsed_time(ev[1]) * 1e3)
                     times.append(ev[1].elapsed_time(ev[2]) * 1e3)
             dist.barrier()
-            rows.append(dict(rank=rank, world=world, variant=name, op=op, skew_us=skew,
+            rows.append(dict(rank=rank, world=world, variant=name, op=op, setting=kind, value=value,
                              spun_us=statistics.median(spun), op_us=statistics.median(times),
                              op_max_us=max(times)))
-            print(f"rank {rank} {name} {op} skew {skew}: spun {rows[-1]['spun_us']:.1f} op {rows[-1]['op_us']:.1f} "
-                  f"(max {rows[-1]['op_max_us']:.1f})", flush=True)
+            print(f"rank {rank} {name} {op} {kind} {value}: spun {rows[-1]['spun_us']:.1f} op "
+                  f"{rows[-1]['op_us']:.1f} (max {rows[-1]['op_max_us']:.1f})", flush=True)
     return rows
 
 
@@ -199,12 +211,15 @@ def main(argv=None) -> int:
                    help="each rank's stdout (device printf included) into PREFIX.rank<r> (scripts/stamps_ll.sh)")
     p.add_argument("--skew-us", default="", metavar="LIST",
                    help="time the Buffer's LL ops with the last rank starting these µs late (two ranks or more)")
+    p.add_argument("--idle-ms", default="", metavar="LIST",
+                   help="time the Buffer's LL ops after the last rank's host slept these ms before the barrier")
     p.add_argument("--deepep-defaults", action="store_true",
                    help="bf16 default dtype and cuda default device in every rank, as DeepEP's tests set them")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain,
-                rank_stdout=a.rank_stdout, deepep_defaults=a.deepep_defaults, skew=[float(v) for v in a.skew_us.split(",") if v])
+                rank_stdout=a.rank_stdout, deepep_defaults=a.deepep_defaults,
+                skew=[float(v) for v in a.skew_us.split(",") if v], idle=[float(v) for v in a.idle_ms.split(",") if v])
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
@@ -214,18 +229,20 @@ def main(argv=None) -> int:
     if a.plain:
         return 0
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}")
-    if args["skew"]:
+    if args["skew"] or args["idle"]:
         lines = []
+        settings = [("skew", v) for v in args["skew"]] + [("idle", v) for v in args["idle"]]
         for name in args["variants"]:
             for op in SKEW_OPS:
-                for skew in args["skew"]:
-                    mine = sorted((r for r in rows if (r["variant"], r["op"], r["skew_us"]) == (name, op, skew)),
-                                  key=lambda r: r["rank"])
+                for kind, value in settings:
+                    mine = sorted((r for r in rows if (r["variant"], r["op"], r["setting"], r["value"]) ==
+                                   (name, op, kind, value)), key=lambda r: r["rank"])
                     if mine:
-                        lines.append([name, op, f"{mine[-1]['spun_us']:.1f}"] +
+                        late = (f"starts {mine[-1]['spun_us']:.1f} µs late" if kind == "skew" else
+                                f"host slept {value:g} ms before the barrier")
+                        lines.append([name, op, late] +
                                      [" / ".join(f"{r[k]:.1f}" for r in mine) for k in ("op_us", "op_max_us")])
-        return report(["variant", "op", "last rank's start (µs late)", "µs per rank (median)", "max"], lines, rows,
-                      a.out)
+        return report(["variant", "op", "the last rank", "µs per rank (median)", "max"], lines, rows, a.out)
     lines = []
     for name in args["variants"]:
         for op in dict.fromkeys(r["op"] for r in rows):

@@ -10,7 +10,9 @@
 #   SHAPE=deepep scripts/stamps_ll.sh   DeepEP's test_low_latency.py itself (carry .deepep), its kineto figures
 #                                    beside the stamps of its timed loop (STAMP_LAST calls, default 60)
 #   SHAPE=skew scripts/stamps_ll.sh  two GPUs: the Buffer's LL ops with the last rank starting SKEW_US (default 100)
-#                                    µs late (benchmarks/ll_gpu.py --skew-us): where the wait goes
+#                                    µs late (benchmarks/ll_gpu.py --skew-us): where the wait goes; with IDLE_MS
+#                                    (e.g. 500) after its host slept that long instead (--idle-ms: DeepEP's first
+#                                    timed call)
 #   SHAPE=ht scripts/stamps_ll.sh    the rank-major kernels at DeepEP's normal shape instead (static and
 #                                    cached pairs, benchmarks/hot_path_gpu.py --plain; one rank and, where two
 #                                    GPUs are visible, two ranks one GPU each)
@@ -39,8 +41,11 @@ if [[ "${SHAPE:-ll}" == deepep ]]; then
 fi
 if [[ "${SHAPE:-ll}" == skew ]]; then
   step stamps_skew 200 "$PY" benchmarks/ll_gpu.py --world 2 --per-gpu --variants base --iters "$N" \
-    --skew-us "${SKEW_US:-100}" --rank-stdout "$OUT/stamps_skew"
-  "$PY" scripts/stamps_table.py "$OUT"/stamps_skew.rank* --last "$N" | tee "$OUT/stamps_skew.md"
+    $(if [[ -n "${IDLE_MS:-}" ]]; then echo --idle-ms "$IDLE_MS"; else echo --skew-us "${SKEW_US:-100}"; fi) \
+    --rank-stdout "$OUT/stamps_skew"
+  # (--idle-ms times min(N, 5) calls per op)
+  "$PY" scripts/stamps_table.py "$OUT"/stamps_skew.rank* --last "$([[ -n "${IDLE_MS:-}" ]] && echo 5 || echo "$N")" |
+    tee "$OUT/stamps_skew.md"
   unset OMNIEP_STAMPS
   exit $status
 fi
