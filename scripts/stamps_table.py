@@ -16,8 +16,12 @@ import re
 import statistics
 from collections import defaultdict
 
-# A kernel's name may hold spaces ("em::dispatch_kernel(fp8 cast)"); a mark's does not.
-LINE = re.compile(r"omniep-stamp (\S.*?) rank=(\d+) block=(\d+) start=(\d+) (\S+)=(\d+)")
+# A kernel's name may hold spaces in its parentheses ("em::dispatch_kernel(fp8 cast)"); a mark is a word with an
+# optional "(...)" ("arrived(last)", "pushed(first_warp)"), never a field's name. Both spelled out, so that where two processes' printf
+# interleaved on one stdout a mangled line matches nothing (it used to yield kernels such as
+# "em::dispatch_kernel(fp8 cast)omniep-stamp em::combine_kernel") and an intact stamp inside it is still read.
+LINE = re.compile(r"omniep-stamp ([A-Za-z_][\w:]*(?:\([\w ]+\))?) rank=(\d+) block=(\d+) start=(\d+) "
+                  r"(?!(?:start|rank|block)=)([A-Za-z_]+(?:\([a-z_]+\))?)=(\d+)(?=\s|$)")
 
 
 def parse(paths: list[str]) -> dict:
@@ -25,11 +29,8 @@ def parse(paths: list[str]) -> dict:
     calls: dict = defaultdict(lambda: defaultdict(list))
     for path in paths:
         with open(path, errors="replace") as f:
-            for line in f:
-                m = LINE.search(line)
-                if not m:
-                    continue
-                kernel, rank, block, start, mark, ns = m.groups()
+            for hit in (hit for line in f for hit in LINE.finditer(line)):
+                kernel, rank, block, start, mark, ns = hit.groups()
                 per = calls[kernel][(int(rank), int(block))]
                 if not per or per[-1][0] != int(start):
                     per.append((int(start), []))

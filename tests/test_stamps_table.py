@@ -96,3 +96,24 @@ def test_last_keeps_a_tests_timed_loop_after_calls_of_other_shapes(tmp_path):
     # without it, the skip keeps two calls of the other shape (calls 5 and 6): the median moves
     row = next(line for line in mod.table(mod.parse([str(log)]), skip=5).splitlines() if line.startswith("| counted"))
     assert [c.strip() for c in row.split("|")[2:4]] == ["2.2", "2.2"], row
+
+
+def test_lines_two_processes_interleaved_are_dropped_and_intact_stamps_kept(tmp_path):
+    """Two processes' printf on one stdout mix at the format's pieces (DeepEP's test, twenty-fifth session: 5,610 of
+    9,668 lines). A mangled line must not become a kernel or a mark of its own; a whole stamp inside one is read."""
+    log = tmp_path / "mixed"
+    log.write_text("\n".join([
+        "omniep-stamp em::dispatch_kernel(fp8 cast) rank=1 block=131 start=100 counted=1728omniep-stamp "
+        "em::dispatch_kernel(fp8 cast) rank=0 block=0 start=200",
+        " countedomniep-stamp em::dispatch_kernel(fp8 cast)=2816 rank=1",
+        " block=0omniep-stamp em::dispatch_kernel(fp8 cast) start=100 rank=0 counted block=131=2592 start=200",
+        "omniep-stamp em::dispatch_kernel(fp8 cast) rank=0 block=0 start=5 start=1795799520006101",
+        "omniep-stamp em::dispatch_kernel(fp8 cast)omniep-stamp em::combine_kernel rank=1 block=0 start=300 summed=7000",
+        "omniep-stamp em::dispatch_kernel(fp8 cast) rank=0 block=0 start=200 arrived(last)=4000",
+        "omniep-stamp em::combine_kernel rank=0 block=131 start=400 pushed(first_warp)=3000",
+    ]) + "\n")
+    calls = _module().parse([str(log)])
+    assert sorted(calls) == ["em::combine_kernel", "em::dispatch_kernel(fp8 cast)"]
+    assert calls["em::dispatch_kernel(fp8 cast)"] == {(0, 0): [(200, [("arrived(last)", 4000)])]}
+    assert calls["em::combine_kernel"] == {(1, 0): [(300, [("summed", 7000)])],
+                                           (0, 131): [(400, [("pushed(first_warp)", 3000)])]}
