@@ -50,16 +50,17 @@ def _patch_bench_kineto(out_dir: str) -> None:
 
 
 def _patch_init_dist(prefix: str) -> None:
-    """Make DeepEP's ``utils.init_dist(local_rank, ...)`` first send this process's stdout to prefix.rank<r>."""
+    """Make DeepEP's ``utils.init_dist(local_rank, ...)`` first send this process's stdout to prefix.rank<r>
+    (the benchmarks' ``host_timing.rank_stdout``)."""
     import utils
+
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from host_timing import rank_stdout
 
     original = utils.init_dist
 
     def separate(local_rank, *args, **kwargs):
-        sys.stdout.flush()
-        fd = os.open(f"{prefix}.rank{local_rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.close(fd)
+        rank_stdout(prefix, local_rank)
         return original(local_rank, *args, **kwargs)
 
     utils.init_dist = separate
@@ -149,8 +150,8 @@ def table(out_dir: str, names: list[str]) -> str:
         by_rank = periods[period]
         lines.append(f"\nperiod {period}: kernels per rank " + ", ".join(
             f"rank {r}: {len(k)}" for r, k in sorted(by_rank.items())))
-        lines.append("| kernel | rank | calls | mean µs | median µs | first µs | max µs | idle before (median µs) | "
-                     "start − other rank's (median µs) |")
+        lines.append("| kernel | rank | calls | mean µs | median µs | first µs | max µs | idle before "
+                     "(median µs) | start − other rank's (median µs) |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in summarise(by_rank, names):
             off = "" if r["start_vs_other_us"] is None else f"{r['start_vs_other_us']:.1f}"
