@@ -106,7 +106,7 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> list:
         if args["plain"]:
             run_plain(torch, steps, args["plain"])
             steps = []
-        if args["skew"] or args["idle"]:
+        if args["late"]:
             rows = skewed(torch, dist, ep, rank, world, [st for st in steps if st[1] in SKEW_OPS], args)
             steps = []
         for name, op, step in steps:
@@ -151,9 +151,10 @@ SKEW_OPS = ("Buffer.low_latency_dispatch fp8 + recv stats", "Buffer.low_latency_
 
 
 def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> list:
-    """Each op's µs on this rank (CUDA events around it, median of the calls) when the last rank starts it late:
-    ``("skew", µs)``, spun on its GPU after a device barrier (the skew as spun: events around the spin), or
-    ``("idle", ms)``, its host asleep before the barrier (``min(iters, 5)`` calls each)."""
+    """Each op's µs on this rank (CUDA events around it, median of the calls) when the last rank starts it late,
+    for each setting of ``args["late"]``: ``("skew", µs)``, spun on its GPU after a device barrier (the skew as
+    spun: events around the spin), or ``("idle", ms)``, its host asleep before the barrier (``min(iters, 5)``
+    calls each)."""
     import statistics
     import time
 
@@ -167,9 +168,8 @@ def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> l
         ev[1].record()
         torch.cuda.synchronize()
         cycles_per_us = 1e6 / (ev[0].elapsed_time(ev[1]) * 1e3)
-    settings = [("skew", v) for v in args["skew"]] + [("idle", v) for v in args["idle"]]
     for name, op, fn in steps:
-        for kind, value in settings:
+        for kind, value in args["late"]:
             calls = args["iters"] if kind == "skew" else min(args["iters"], 5)
             times, spun = [], []
             for i in range(calls + 3):
@@ -219,7 +219,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain,
                 rank_stdout=a.rank_stdout, deepep_defaults=a.deepep_defaults,
-                skew=[float(v) for v in a.skew_us.split(",") if v], idle=[float(v) for v in a.idle_ms.split(",") if v])
+                late=[("skew", float(v)) for v in a.skew_us.split(",") if v] +
+                [("idle", float(v)) for v in a.idle_ms.split(",") if v])
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
@@ -229,12 +230,11 @@ def main(argv=None) -> int:
     if a.plain:
         return 0
     print(f"\n{a.world} rank(s), {'one GPU each' if a.per_gpu else 'all on GPU 0'}")
-    if args["skew"] or args["idle"]:
+    if args["late"]:
         lines = []
-        settings = [("skew", v) for v in args["skew"]] + [("idle", v) for v in args["idle"]]
         for name in args["variants"]:
             for op in SKEW_OPS:
-                for kind, value in settings:
+                for kind, value in args["late"]:
                     mine = sorted((r for r in rows if (r["variant"], r["op"], r["setting"], r["value"]) ==
                                    (name, op, kind, value)), key=lambda r: r["rank"])
                     if mine:
