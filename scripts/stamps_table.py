@@ -17,9 +17,9 @@ import statistics
 from collections import defaultdict
 
 # A kernel's name may hold spaces in its parentheses ("em::dispatch_kernel(fp8 cast)"); a mark is a word with an
-# optional "(...)" ("arrived(last)", "pushed(first_warp)"), never a field's name. Both spelled out, so that where two processes' printf
-# interleaved on one stdout a mangled line matches nothing (it used to yield kernels such as
-# "em::dispatch_kernel(fp8 cast)omniep-stamp em::combine_kernel") and an intact stamp inside it is still read.
+# optional "(...)" ("arrived(last)", "pushed(first_warp)"), never a field's name. Both spelled out, so that where
+# two processes' printf interleaved on one stdout a mangled line matches nothing (it used to yield kernels such
+# as "em::dispatch_kernel(fp8 cast)omniep-stamp em::combine_kernel") and an intact stamp inside it is still read.
 LINE = re.compile(r"omniep-stamp ([A-Za-z_][\w:]*(?:\([\w ]+\))?) rank=(\d+) block=(\d+) start=(\d+) "
                   r"(?!(?:start|rank|block)=)([A-Za-z_]+(?:\([a-z_]+\))?)=(\d+)(?=\s|$)")
 

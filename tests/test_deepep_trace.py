@@ -94,8 +94,9 @@ def test_run_saves_every_spawned_process_trace_and_stdout(tmp_path):
         port = s.getsockname()[1]
     out, prefix = tmp_path / "out", tmp_path / "stdout"
     env = dict(os.environ, PYTHONPATH=f"{deepep}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    subprocess.run([sys.executable, str(ROOT / "scripts/deepep_trace.py"), "run", "--out", str(out), "--rank-stdout", str(prefix),
-                    str(deepep / "fake_test.py"), "--", "--num-processes", "2", "--port", str(port)],
+    subprocess.run([sys.executable, str(ROOT / "scripts/deepep_trace.py"), "run", "--out", str(out),
+                    "--rank-stdout", str(prefix), str(deepep / "fake_test.py"),
+                    "--", "--num-processes", "2", "--port", str(port)],
                    env=env, check=True, timeout=120)
     assert sorted(os.listdir(out)) == [f"trace.rank{r}.{n}.json" for r in (0, 1) for n in (0, 2)]
     for r in (0, 1):  # each process's stdout in its own file

@@ -108,7 +108,8 @@ def test_lines_two_processes_interleaved_are_dropped_and_intact_stamps_kept(tmp_
         " countedomniep-stamp em::dispatch_kernel(fp8 cast)=2816 rank=1",
         " block=0omniep-stamp em::dispatch_kernel(fp8 cast) start=100 rank=0 counted block=131=2592 start=200",
         "omniep-stamp em::dispatch_kernel(fp8 cast) rank=0 block=0 start=5 start=1795799520006101",
-        "omniep-stamp em::dispatch_kernel(fp8 cast)omniep-stamp em::combine_kernel rank=1 block=0 start=300 summed=7000",
+        "omniep-stamp em::dispatch_kernel(fp8 cast)omniep-stamp em::combine_kernel rank=1 block=0 start=300 "
+        "summed=7000",
         "omniep-stamp em::dispatch_kernel(fp8 cast) rank=0 block=0 start=200 arrived(last)=4000",
         "omniep-stamp em::combine_kernel rank=0 block=131 start=400 pushed(first_warp)=3000",
     ]) + "\n")
