@@ -27,7 +27,9 @@ and CUDA events time the op on every rank. The first rank's time should be the s
 last rank's the aligned time. ``--idle-ms 0,100,800``: the op after the last rank's host slept that long before
 the device barrier, so that the other GPUs sat that long in the barrier's kernel and the last one idle — DeepEP's
 first timed call, which follows its NCCL all_reduce where one GPU waited hundreds of ms (RESULTS, twenty-fifth
-session: ~230 µs on both ranks against ~31).
+session: ~230 µs on both ranks against ~31); each such call is followed by a second with no idle between ("the call
+after"), and ``--warm-ms 0,1,10`` has the last rank's GPU spin (one thread) that long after the idle, before the
+barrier: whether a busy GPU, with no traffic on the link, is enough to end the slow spell.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> l
     import time
 
     ctx = ep.context(None, None, "cuda")
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
     late = rank == world - 1
     rows = []
     for _ in range(3):  # the spin's clock, calibrated: its cycles per µs (the first rounds read 10x long)
@@ -169,15 +171,17 @@ def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> l
         torch.cuda.synchronize()
         cycles_per_us = 1e6 / (ev[0].elapsed_time(ev[1]) * 1e3)
     for name, op, fn in steps:
-        for kind, value in args["late"]:
+        for kind, value, warm_ms in args["late"]:
             calls = args["iters"] if kind == "skew" else min(args["iters"], 5)
-            times, spun = [], []
+            times, spun, again = [], [], []
             for i in range(calls + 3):
                 if kind == "idle":
                     torch.cuda.synchronize()
                     dist.barrier()
                     if late and value:
                         time.sleep(value / 1e3)
+                    if late and warm_ms:  # its GPU busy again (one thread spinning) before the op
+                        torch.cuda._sleep(int(warm_ms * 1e3 * cycles_per_us))
                 torch.cuda._sleep(int(2e5))  # the GPU busy while the host issues the barrier and the op
                 ctx.barrier()
                 ev[0].record()
@@ -186,16 +190,24 @@ def skewed(torch, dist, ep, rank: int, world: int, steps: list, args: dict) -> l
                 ev[1].record()
                 fn()
                 ev[2].record()
+                if kind == "idle":  # the next call, with no idle between: how long the slow spell lasts
+                    ctx.barrier()
+                    ev[3].record()
+                    fn()
+                    ev[4].record()
                 torch.cuda.synchronize()
                 if i >= 3:
                     spun.append(ev[0].elapsed_time(ev[1]) * 1e3)
                     times.append(ev[1].elapsed_time(ev[2]) * 1e3)
+                    if kind == "idle":
+                        again.append(ev[3].elapsed_time(ev[4]) * 1e3)
             dist.barrier()
-            rows.append(dict(rank=rank, world=world, variant=name, op=op, setting=kind, value=value,
+            rows.append(dict(rank=rank, world=world, variant=name, op=op, setting=kind, value=value, warm_ms=warm_ms,
                              spun_us=statistics.median(spun), op_us=statistics.median(times),
-                             op_max_us=max(times)))
-            print(f"rank {rank} {name} {op} {kind} {value}: spun {rows[-1]['spun_us']:.1f} op "
-                  f"{rows[-1]['op_us']:.1f} (max {rows[-1]['op_max_us']:.1f})", flush=True)
+                             op_max_us=max(times), next_us=statistics.median(again) if again else None))
+            print(f"rank {rank} {name} {op} {kind} {value} warm {warm_ms}: spun {rows[-1]['spun_us']:.1f} op "
+                  f"{rows[-1]['op_us']:.1f} (max {rows[-1]['op_max_us']:.1f})"
+                  + (f" next {rows[-1]['next_us']:.1f}" if again else ""), flush=True)
     return rows
 
 
@@ -213,14 +225,16 @@ def main(argv=None) -> int:
                    help="time the Buffer's LL ops with the last rank starting these µs late (two ranks or more)")
     p.add_argument("--idle-ms", default="", metavar="LIST",
                    help="time the Buffer's LL ops after the last rank's host slept these ms before the barrier")
+    p.add_argument("--warm-ms", default="0", metavar="LIST",
+                   help="with --idle-ms: the last rank's GPU then spins these ms (one thread) before the barrier")
     p.add_argument("--deepep-defaults", action="store_true",
                    help="bf16 default dtype and cuda default device in every rank, as DeepEP's tests set them")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     args = dict(iters=a.iters, variants=a.variants.split(","), per_gpu=a.per_gpu, plain=a.plain,
                 rank_stdout=a.rank_stdout, deepep_defaults=a.deepep_defaults,
-                late=[("skew", float(v)) for v in a.skew_us.split(",") if v] +
-                [("idle", float(v)) for v in a.idle_ms.split(",") if v])
+                late=[("skew", float(v), 0.0) for v in a.skew_us.split(",") if v] +
+                [("idle", float(v), float(w)) for v in a.idle_ms.split(",") if v for w in a.warm_ms.split(",") if w])
     sys.path.insert(0, ".")
     from omniep.testing.procs import run_ranks
 
@@ -234,15 +248,18 @@ def main(argv=None) -> int:
         lines = []
         for name in args["variants"]:
             for op in SKEW_OPS:
-                for kind, value in args["late"]:
-                    mine = sorted((r for r in rows if (r["variant"], r["op"], r["setting"], r["value"]) ==
-                                   (name, op, kind, value)), key=lambda r: r["rank"])
+                for kind, value, warm_ms in args["late"]:
+                    mine = sorted((r for r in rows if (r["variant"], r["op"], r["setting"], r["value"], r["warm_ms"]) ==
+                                   (name, op, kind, value, warm_ms)), key=lambda r: r["rank"])
                     if mine:
                         late = (f"starts {mine[-1]['spun_us']:.1f} µs late" if kind == "skew" else
-                                f"host slept {value:g} ms before the barrier")
+                                f"host slept {value:g} ms before the barrier" +
+                                (f", then its GPU spun {warm_ms:g} ms" if warm_ms else ""))
                         lines.append([name, op, late] +
-                                     [" / ".join(f"{r[k]:.1f}" for r in mine) for k in ("op_us", "op_max_us")])
-        return report(["variant", "op", "the last rank", "µs per rank (median)", "max"], lines, rows, a.out)
+                                     [" / ".join("—" if r[k] is None else f"{r[k]:.1f}" for r in mine)
+                                      for k in ("op_us", "op_max_us", "next_us")])
+        return report(["variant", "op", "the last rank", "µs per rank (median)", "max", "the call after (median)"],
+                      lines, rows, a.out)
     lines = []
     for name in args["variants"]:
         for op in dict.fromkeys(r["op"] for r in rows):
