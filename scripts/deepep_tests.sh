@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# DeepEP's own tests against omniep.torch (issue 14 item 4), on a GPU machine with two GPUs or more.
-# DeepEP's files stay out of the repository: put its V1 tests in the ignored folder .deepep first —
+# DeepEP's own tests against omniep.torch (issue 14 item 4), on a GPU machine with two GPUs or more — and the
+# same tests against DeepEP itself, built there from its source, for its figures beside ours on the same GPUs.
+# DeepEP's files stay out of the repository: put its V1 tests and source in the ignored folder .deepep first —
 #   the `fetch` tool gives a mirror of github:deepseek-ai/DeepEP, then
 #   scripts/deepep_tests.sh --extract <mirror git dir>     # tests/{test_intranode,test_low_latency,utils}.py
-#                                                          # as of b306af0~1 (before EPv2 moved them)
+#                                                          # as of b306af0~1 (before EPv2 moved them) in .deepep/,
+#                                                          # its setup.py, csrc/ and deep_ep/ in .deepep/src/
 # and carry `.deepep` to the device machine (run's `carry`). There:
 #   scripts/deepep_tests.sh                                # both tests, 2 processes, logs in $OUT
 #   DEEPEP_TRACE=1 scripts/deepep_tests.sh                 # the LL test alone, its profiler periods saved as
 #                                                          # traces ($OUT/trace/) and tabled per kernel
 #                                                          # (scripts/deepep_trace.py: idle before, cross-rank
 #                                                          # start offsets)
-# The tests import `deep_ep` from tests/deepep_shim (omniep.torch's Buffer, Config, EventOverlap).
+#   DEEPEP_SELF=1 scripts/deepep_tests.sh                  # the same against DeepEP itself (built by
+#                                                          # scripts/deepep_build.sh from .deepep/src, ~85 s)
+# The tests import `deep_ep` from tests/deepep_shim (omniep.torch's Buffer, Config, EventOverlap), or with
+# DEEPEP_SELF from DeepEP's own build.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEEPEP_REV="${DEEPEP_REV:-b306af0~1}"
@@ -19,14 +24,30 @@ if [[ "${1:-}" == "--extract" ]]; then
   for f in test_intranode.py test_low_latency.py utils.py; do
     git --git-dir "$2" show "$DEEPEP_REV:tests/$f" > ".deepep/$f" || exit 1
   done
-  echo "DeepEP's tests at $DEEPEP_REV in .deepep/"
+  rm -rf .deepep/src && mkdir -p .deepep/src
+  git --git-dir "$2" archive "$DEEPEP_REV" setup.py csrc deep_ep | tar x -C .deepep/src || exit 1
+  # csrc/kernels/configs.cuh includes <infiniband/mlx5dv.h> (rdma-core), which a bare GPU image may lack: its
+  # headers ride along (Debian's libibverbs-dev, fetched here where apt reaches a mirror).
+  if ibv=$(mktemp -d) && (cd "$ibv" && apt-get download -q libibverbs-dev >/dev/null && dpkg-deb -x ./*.deb x); then
+    mkdir -p .deepep/src/third-party/ibverbs && cp -r "$ibv/x/usr/include" .deepep/src/third-party/ibverbs/
+  else
+    echo "no libibverbs-dev headers fetched: DEEPEP_SELF needs /usr/include/infiniband/mlx5dv.h on the GPU machine"
+  fi
+  rm -rf "$ibv"
+  echo "DeepEP's tests at $DEEPEP_REV in .deepep/, its source in .deepep/src/"
   exit 0
 fi
 [[ -f .deepep/test_intranode.py ]] || { echo "no .deepep/: run scripts/deepep_tests.sh --extract <DeepEP git dir> first"; exit 2; }
 source scripts/gpu_steps.sh  # env (NVLS off), $OUT, $PY, step()
-build_all
-export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
-export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
+if [[ -n "${DEEPEP_SELF:-}" ]]; then
+  step deepep_build 400 bash scripts/deepep_build.sh .deepep/src
+  [[ $status -eq 0 ]] || exit $status
+  export PYTHONPATH="$PWD/.deepep/src:$PWD/.deepep:${PYTHONPATH:-}"
+else
+  build_all
+  export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
+  export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
+fi
 N="${DEEPEP_PROCESSES:-2}"
 if [[ -n "${DEEPEP_TRACE:-}" ]]; then
   step deepep_ll_trace 240 "$PY" scripts/deepep_trace.py run --out "$OUT/trace" .deepep/test_low_latency.py -- \
