@@ -1,14 +1,14 @@
 """DeepEP's own tests run against omniep on two GPUs, session after session: a plot of their kernel lines.
 
 Reads ``benchmarks/data/deepep_tests_history.csv`` (one row per figure RESULTS.md records from DeepEP's
-``test_low_latency.py`` / ``test_intranode.py`` through ``tests/deepep_shim``: when, which machine, which
-metric, each rank's µs, whether the tree was main's or a variant not kept, and the RESULTS.md line it was read
-from, with the text quoted) and draws two panels — the low-latency
-dispatch (fp8) and combine (bf16), the high-throughput dispatch (bf16) and combine — each point the mean of
-the ranks, with DeepEP V1's own figures on two H200s (measured side by side on 2026-11-22: LL 29–31 / 40 µs,
-HT 345 / 399 µs; the issue's figures, not re-measured since) and issue 14's targets as lines. Only main's
-trees on two H200s are drawn (the H100 pair is another machine; variants not kept are in the file, not in the
-plot). No GPU needed:
+``test_low_latency.py`` / ``test_intranode.py``: when, which machine, which metric, each rank's µs, whose build
+ran — ``main_tree`` 1: omniep's main through ``tests/deepep_shim``, 0: a variant not kept, ``deepep``: DeepEP V1
+itself, ``scripts/deepep_tests.sh`` with ``DEEPEP_SELF=1`` — and the RESULTS.md line it was read from, with the
+text quoted) and draws two panels — the low-latency dispatch (fp8) and combine (bf16), the high-throughput
+dispatch (bf16) and combine — each point the mean of the ranks, DeepEP V1's latest own figure on the same GPUs as
+a line (before any such row, the issue's figures from 2026-11-22: LL 29–31 / 40 µs, HT 345 / 399 µs), and issue
+14's targets. Only two-H200 rows are drawn (the H100 pair is another machine; variants not kept are in the file,
+not in the plot). No GPU needed:
 
     python benchmarks/plot_progress.py [--csv benchmarks/data/deepep_tests_history.csv] [--png ...]
 """
@@ -32,22 +32,27 @@ PANELS = (
 )
 
 
-def read(path: str) -> dict:
-    """``{metric: [(datetime, µs), ...]}`` of the two-H200 rows, the ranks' mean, in time order."""
-    out: dict = {}
+def read(path: str) -> tuple:
+    """``({metric: [(datetime, µs), ...]}, {metric: µs})``: omniep's main on two H200s, each figure the ranks'
+    mean, in time order; and DeepEP V1's latest own figure per metric on the same GPUs."""
+    ours: dict = {}
+    deepep: dict = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
-            if row["machine"] != "2xH200" or row["main_tree"] != "1":
+            if row["machine"] != "2xH200" or row["main_tree"] not in ("1", "deepep"):
                 continue
             ranks = [float(v) for v in (row["rank0_us"], row["rank1_us"]) if v]
-            when = datetime.datetime.fromisoformat(row["date_utc"])
-            out.setdefault(row["metric"], []).append((when, sum(ranks) / len(ranks)))
-    for points in out.values():
+            point = (datetime.datetime.fromisoformat(row["date_utc"]), sum(ranks) / len(ranks))
+            if row["main_tree"] == "1":
+                ours.setdefault(row["metric"], []).append(point)
+            elif row["metric"] not in deepep or point[0] >= deepep[row["metric"]][0]:
+                deepep[row["metric"]] = point
+    for points in ours.values():
         points.sort()
-    return out
+    return ours, {metric: point[1] for metric, point in deepep.items()}
 
 
-def plot(series: dict, path: str) -> bool:
+def plot(series: dict, deepep_measured: dict, path: str) -> bool:
     """The two panels into ``path``; False without matplotlib."""
     try:
         import matplotlib
@@ -64,7 +69,8 @@ def plot(series: dict, path: str) -> bool:
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=color, ms=3, lw=1,
                         label=f"omniep {label}")
-            ax.axhline(deepep, color=color, ls="--", lw=1, label=f"DeepEP V1 {label}")
+            ax.axhline(deepep_measured.get(key, deepep), color=color, ls="--", lw=1,
+                       label=f"DeepEP V1 {label}" + (" (same GPUs)" if key in deepep_measured else " (the issue's)"))
             ax.axhline(target, color=color, ls=":", lw=1, label=f"target {label}")
         ax.set_title(title, fontsize=9)
         ax.set_ylabel("kernel time in DeepEP's test (µs, mean of 2 ranks)")
@@ -84,12 +90,14 @@ def main(argv=None) -> int:
     p.add_argument("--csv", default=os.path.join(HERE, "data", "deepep_tests_history.csv"))
     p.add_argument("--png", default=os.path.join(HERE, "deepep_tests_progress.png"))
     a = p.parse_args(argv)
-    series = read(a.csv)
+    series, deepep = read(a.csv)
     for key, points in sorted(series.items()):
         first, last = points[0], points[-1]
         print(f"{key}: {len(points)} figures, {first[1]:.1f} µs ({first[0]:%m-%d %H:%M}) -> {last[1]:.1f} µs "
               f"({last[0]:%m-%d %H:%M})")
-    print(f"plot_progress: {'wrote ' + a.png if plot(series, a.png) else 'no matplotlib: no plot'}")
+    for key, us in sorted(deepep.items()):
+        print(f"{key}: DeepEP V1 itself, latest {us:.1f} µs")
+    print(f"plot_progress: {'wrote ' + a.png if plot(series, deepep, a.png) else 'no matplotlib: no plot'}")
     return 0
 
 
