@@ -1,12 +1,14 @@
 """Where the host time of one op goes on a GPU (one rank): the public omniep.torch call, the C++ op
 called directly through torch.ops (no Python frontend) and through its direct entry (no dispatcher from Python:
 what the frontend calls), and the raw costs it is made of (torch.empty,
-a kernel launch, a cudaMemcpyAsync), each timed on the host while a spin kernel keeps the GPU busy.
+a kernel launch, a cudaMemcpyAsync), each timed on the host while a spin kernel keeps the GPU busy; and the
+low-latency path layer by layer (``LL:`` rows: the Buffer's call, the frontend's op it makes, the direct entry).
 With OMNIEP_FUSED_COPY_BYTES=0 the kernels leave the local copy-out / copy-in to a launch of their own
 (the layout before 2026-11-25): run both to see what the fused copies save.
 
 ``--stamps``: after the rounds (timed without them), the C++ ops record where their host time goes
-(``_native_torch.set_host_stamps``) over ``--iters`` static pairs through the public API: a row per step of
+(``_native_torch.set_host_stamps``) over ``--iters`` static pairs through the public API, then as many of the
+Buffer's low-latency pairs (fp8 dispatch with DeepEP's recv stats, combine): a row per step of
 the C++ dispatch and combine (mean µs per call; what the rows leave of ``torch.ops dispatch`` is the
 dispatcher, the autograd layer and the conversion of the arguments and results).
 
@@ -93,6 +95,27 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         for entry in by_entry:
             calls[f"pair: static dispatch + combine, {entry}"] = through(entry, static_pair)
             calls[f"pair: cached_dispatch + combine, {entry}"] = through(entry, cached_pair)
+    # The low-latency path, layer by layer (DeepEP's decode shape but E = 256): the Buffer's call, the frontend's
+    # expert-major fp8 dispatch it makes (the same op and arguments, no Buffer), the direct entry under both; and
+    # the combine likewise. What one row leaves of the one above is that layer's Python.
+    M, L = T, E // world
+    buf = ep.Buffer(None, 0, ep.Buffer.get_low_latency_rdma_size_hint(M, H, world, E), low_latency_mode=True,
+                    num_qps_per_rank=L)
+    stats = torch.zeros(L, dtype=torch.int32, device="cuda")
+    _, _, ll_h, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+    sources = buf._sources(idx, M)
+    ll_y = torch.randn(L, world * M, H, device="cuda").to(torch.bfloat16)
+    ll_cap = world * M
+    calls["LL: Buffer.low_latency_dispatch fp8 + recv stats"] = lambda: buf.low_latency_dispatch(
+        x, idx, M, E, use_fp8=True, cumulative_local_expert_recv_stats=stats)
+    calls["LL: Buffer.low_latency_dispatch fp8"] = lambda: buf.low_latency_dispatch(x, idx, M, E, use_fp8=True)
+    calls["LL: omniep.torch.dispatch expert-major fp8"] = lambda: ep.dispatch(
+        x, idx, sources, num_experts=E, capacity=ll_cap, layout="expert_major", use_fp8=True)
+    calls["LL: Buffer.low_latency_combine"] = lambda: buf.low_latency_combine(ll_y, idx, w, ll_h)
+    calls["LL: omniep.torch.combine (its handle)"] = lambda: ep.combine(ll_y, ll_h.replace(topk_weights=w))
+    if hasattr(direct, "eager_dispatch_fp8"):
+        calls["LL: direct entry dispatch_fp8"] = lambda: direct.eager_dispatch_fp8(x, idx, sources, False, ctx.id, E,
+                                                                                   1, ll_cap, 1, False)
     # Rounds over every call, interleaved: a slow spell of the machine lands on all rows alike.
     rounds = {name: [] for name in calls}
     for _ in range(args["rounds"]):
@@ -102,14 +125,21 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
     if args["stamps"]:
         from omniep import _native_torch
 
-        _native_torch.set_host_stamps(True)
-        _native_torch.host_steps(True)
-        pairs = host_times(torch, static_pair, args["iters"])
-        _native_torch.set_host_stamps(False)
-        rows["stamps run: static pair (mean)"] = (statistics.fmean(pairs), quantile(pairs, 0.1))
-        for step, total, count in _native_torch.host_steps(True):
-            per_call = total / args["iters"]  # a step runs once per pair
-            rows[f"stamp {step} (mean, {count // args['iters']}x per pair)"] = (per_call, per_call)
+        def ll_pair():
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True,
+                                                             cumulative_local_expert_recv_stats=stats)
+            return buf.low_latency_combine(ll_y, idx, w, handle)
+
+        for label, pair in (("static pair", static_pair), ("LL Buffer pair", ll_pair)):
+            _native_torch.set_host_stamps(True)
+            _native_torch.host_steps(True)
+            pairs = host_times(torch, pair, args["iters"])
+            _native_torch.set_host_stamps(False)
+            rows[f"stamps run: {label} (mean)"] = (statistics.fmean(pairs), quantile(pairs, 0.1))
+            for step, total, count in _native_torch.host_steps(True):
+                per_call = total / args["iters"]  # a step runs once per pair
+                rows[f"{label}: stamp {step} (mean, {count // args['iters']}x per pair)"] = (per_call, per_call)
+    buf.destroy()
     ep.destroy()
     dist.destroy_process_group()
     return rows

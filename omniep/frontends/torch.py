@@ -177,7 +177,7 @@ def synchronize(group=None, backend: Optional[str] = None, device: Optional[str]
 
 # ---- the ops -------------------------------------------------------------------------------------
 
-def _config_ints(num_experts, capacity, expert_alignment) -> tuple:
+def config_ints(num_experts, capacity, expert_alignment) -> tuple:
     """``num_experts``, ``capacity`` (-1 = None) and ``expert_alignment`` as ints (any integral type)."""
     try:
         experts = operator.index(num_experts)
@@ -264,11 +264,25 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     if lay not in ctx.layouts:
         raise UnsupportedError(ctx.name, f"layout {lay.value}",
                                registry.serving("torch", lambda c: lay in c.layouts, exclude=ctx.name))
-    experts, cap, align = _config_ints(num_experts, capacity, expert_alignment)
+    experts, cap, align = config_ints(num_experts, capacity, expert_alignment)
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    code = _LAYOUT_CODE[lay]
+    check_fp8(x, x_scales, lay, use_fp8, round_scale, use_ue8m0)
+    zero = bool(zero_padding) and lay == Layout.EXPERT_MAJOR  # (written by the backend's dispatch itself)
+    compiling = torch.compiler.is_compiling()
+    out, tensors, config = dispatch_op(ctx, x, x_scales, topk_idx, topk_weights, experts, lay, cap, align, zero,
+                                       use_fp8, round_scale, compiling)
+    handle = _new(Handle, {"tensors": tensors, "context": ctx, "config": config, "topk_weights": topk_weights,
+                           "zero_padding": zero}, compiling)
+    recv_x = (out[0], pack_ue8m0(out[1]) if use_ue8m0 else out[1]) if x_scales is not None or use_fp8 else out[0]
+    return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
+                             "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
+                             "handle": handle, "status": None}, compiling)
+
+
+def check_fp8(x: torch.Tensor, x_scales, lay: Layout, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
+    """The fp8 cast's arguments of a dispatch (:func:`dispatch`'s ``use_fp8``, ``round_scale``, ``use_ue8m0``)."""
     if use_fp8:
         if x_scales is not None:
             raise InputError("use_fp8 casts a bf16 x itself: pass x alone, not a pair (x, x_scales)")
@@ -285,13 +299,22 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
                              f"x of shape {tuple(x.shape)}")
     elif round_scale or use_ue8m0:
         raise InputError("round_scale / use_ue8m0 shape the scales of the fp8 cast: they need use_fp8=True")
-    zero = bool(zero_padding) and lay == Layout.EXPERT_MAJOR  # (written by the backend's dispatch itself)
+
+
+def dispatch_op(ctx, x, x_scales, topk_idx, topk_weights, experts: int, lay: Layout, cap: int, align: int,
+                zero: bool, use_fp8: bool, round_scale: bool, compiling: bool):
+    """The dispatch op on arguments already checked (by :func:`dispatch`, or by the Buffer's low-latency
+    dispatch for its own): ``(out, tensors, config)`` — the op's outputs in its schema's order (recv_x,
+    recv_x_scales, recv_topk_idx, recv_topk_weights, num_recv, num_recv_tokens_per_expert, dropped, the
+    backend's handle tensors), the handle's tensors, and its shared :class:`DispatchConfig`. ``cap`` -1: none.
+    ``compiling``: ``torch.compiler.is_compiling()``, asked once by the caller."""
+    ops = _ops(ctx, x, compiling)
+    code = _LAYOUT_CODE[lay]
     try:
         if use_fp8:
-            out = _ops(ctx, x).dispatch_fp8(x, topk_idx, topk_weights, bool(round_scale), ctx.id, experts, code,
-                                            cap, align, zero)
+            out = ops.dispatch_fp8(x, topk_idx, topk_weights, bool(round_scale), ctx.id, experts, code, cap, align, zero)
         else:
-            out = _ops(ctx, x).dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align, zero)
+            out = ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align, zero)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
         raise ctx.translate(exc) from None
     key = (experts, ctx.world, lay, cap, align)
@@ -300,34 +323,32 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
         config = _CONFIGS[key] = DispatchConfig(experts, ctx.world, lay, None if cap < 0 else cap, align)
     # recv_topk_weights may be differentiable: the handle keeps it out of the autograd graph.
     recv_w = out[3].detach() if out[3].requires_grad else out[3]
-    handle = _new(Handle, {"tensors": (out[2], recv_w, *out[7]), "context": ctx, "config": config,
-                           "topk_weights": topk_weights, "zero_padding": zero})
-    recv_x = (out[0], pack_ue8m0(out[1]) if use_ue8m0 else out[1]) if x_scales is not None or use_fp8 else out[0]
-    return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
-                             "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
-                             "handle": handle, "status": None})
+    return out, (out[2], recv_w, *out[7]), config
 
 
-def _ops(ctx, x):
-    """The ops to call: the ``torch.ops`` namespace while anything traces (torch.compile, a dispatch mode
-    such as make_fx's or FakeTensorMode, a tensor subclass): it sees the schemas and fake kernels;
-    otherwise the context's eager entry points (:data:`torch_ops.EAGER` for backends written in Python)."""
-    if torch.compiler.is_compiling():  # first: Dynamo folds it and traces nothing after
+def _ops(ctx, x, compiling: bool):
+    """The ops to call: the ``torch.ops`` namespace while anything traces (torch.compile — ``compiling``, which
+    Dynamo folds, so that it traces nothing after —, a dispatch mode such as make_fx's or FakeTensorMode, a tensor
+    subclass): it sees the schemas and fake kernels; otherwise the context's eager entry points
+    (:data:`torch_ops.EAGER` for backends written in Python)."""
+    if compiling:
         return ctx.ops
     if type(x) in _PLAIN and _dispatch_mode() is None:
         return ctx.eager_ops
     return ctx.ops
 
 
-def _new(cls, fields: dict):
+def _new(cls, fields: dict, compiling: bool):
     """A frozen result object: eagerly without the dataclass ``__init__`` (ep_core.types.frozen_new);
-    through it while Dynamo traces (it does not trace ``__dict__`` updates)."""
-    if torch.compiler.is_compiling():
+    through it while Dynamo traces (``compiling``: it does not trace ``__dict__`` updates)."""
+    if compiling:
         return cls(**fields)
     return frozen_new(cls, fields)
 
 
-def _config(handle) -> tuple:
+def config_of(handle) -> tuple:
+    """The op arguments a handle stands for: ``(context id, num_experts, layout code, capacity or -1,
+    expert_alignment)``; refuses anything but a :class:`Handle`."""
     if not isinstance(handle, Handle):
         raise InputError(f"handle must be the handle returned by omniep.torch.dispatch, got {type(handle).__name__}")
     cfg, ctx = handle.config, handle.context
@@ -356,7 +377,7 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True
     on every backend (the weighted combine's weight gradient is a dot product over H whose rounding is
     each backend's own, DESIGN §2).
     """
-    config = _config(handle)
+    config = config_of(handle)
     if bias is None:
         b0 = b1 = None
     elif isinstance(bias, (tuple, list)):
@@ -372,9 +393,18 @@ def combine(y: torch.Tensor, handle: Handle, *, bias=None, weighted: bool = True
         else:  # unit weights at the sources and on the held slots (the backward scales by the latter)
             weights = torch.ones_like(handle.topk_weights)
             tensors = (tensors[0], (tensors[0] >= 0).to(torch.float32), *tensors[2:])
+    return combine_op(handle, config, y, weights, tensors, b0, b1)
+
+
+def combine_op(handle: Handle, config: tuple, y: torch.Tensor, weights, tensors: tuple, b0=None, b1=None):
+    """The combine op on arguments already checked (by :func:`combine`, or by the Buffer's low-latency combine
+    for its own): ``handle``'s context and padding rule, ``config`` its :func:`config_of` tuple, ``weights``
+    (expert-major) and the handle ``tensors`` to use (the handle's own, or :func:`combine`'s unit-weight
+    ones), the bias terms."""
     ctx = handle.context
     try:
-        return _ops(ctx, y).combine(y, weights, b0, b1, list(tensors), *config, handle.zero_padding)
+        return _ops(ctx, y, torch.compiler.is_compiling()).combine(y, weights, b0, b1, list(tensors), *config,
+                                                                   handle.zero_padding)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
 
@@ -384,7 +414,7 @@ def cached_dispatch(x, handle: Handle):
     """Dispatch ``x[T, H]`` (or ``(x, x_scales)`` for fp8) again with the routing of a rank-major
     ``handle``: no layout work, no host wait, only rows move. Returns ``recv_x`` (a tuple for fp8)
     shaped like the first dispatch's. Differentiable in ``x`` (its adjoint is a combine)."""
-    config = _config(handle)
+    config = config_of(handle)
     if handle.config.layout != Layout.RANK_MAJOR:
         raise InputError("cached dispatch serves rank-major handles; dispatch again for the expert-major layout")
     if type(x) is tuple:
@@ -393,7 +423,8 @@ def cached_dispatch(x, handle: Handle):
         x_scales = None
     ctx = handle.context
     try:
-        recv_x, recv_scales = _ops(ctx, x).cached_dispatch(x, x_scales, list(handle.tensors), *config)
+        recv_x, recv_scales = _ops(ctx, x, torch.compiler.is_compiling()).cached_dispatch(x, x_scales,
+                                                                                           list(handle.tensors), *config)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
     return (recv_x, recv_scales) if x_scales is not None else recv_x

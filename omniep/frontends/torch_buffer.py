@@ -55,7 +55,8 @@ from ..ep_core import validation as v
 from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
 from ..ep_core.types import Layout, frozen_new
-from .torch import Handle, cached_dispatch, combine, context, dispatch, without_default_device
+from .torch import (Handle, cached_dispatch, check_fp8, combine, combine_op, config_ints, config_of, context, dispatch,
+                     dispatch_op, without_default_device)
 
 
 # DeepEP's ``deep_ep.topk_idx_t``: the dtype its recipes cast ``topk_idx`` to (omniep takes int32 or int64).
@@ -646,6 +647,10 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise InputError("low_latency_dispatch: async_finish and return_recv_hook exclude each other (the hook "
                              "runs the receive on the caller's stream)")
+        experts = config_ints(num_experts, None, 1)[0]
+        x_in = x.detach() if use_fp8 and x.requires_grad else x
+        check_fp8(x_in, None, Layout.EXPERT_MAJOR, use_fp8, round_scale, use_ue8m0)
+        compiling = torch.compiler.is_compiling()
         sources = self._sources(topk_idx, M)
         stats = cumulative_local_expert_recv_stats
         if stats is not None and (not isinstance(stats, torch.Tensor) or stats.dim() != 1 or stats.device != x.device
@@ -662,29 +667,31 @@ class Buffer:
             if in_kernel:
                 self._context.recv_stats_next(stats)
             try:
-                # Split, the scales are packed when they have arrived (by the hook), not now.
-                d = dispatch(x.detach() if use_fp8 else x, topk_idx, sources, num_experts=num_experts,
-                             group=self.group, capacity=self.group_size * M, layout=Layout.EXPERT_MAJOR,
-                             backend=self.backend, use_fp8=use_fp8, round_scale=round_scale,
-                             use_ue8m0=use_ue8m0 and not hook.split)
+                # The frontend's op on the arguments checked here (omniep.torch.dispatch would check them again).
+                out, tensors, config = dispatch_op(self._context, x_in, None, topk_idx, sources, experts,
+                                                   Layout.EXPERT_MAJOR, self.group_size * M, 1, False, use_fp8,
+                                                   round_scale, compiling)
             except BaseException:
                 if in_kernel:  # (the native dispatch consumes it; one that failed before its call did not)
                     self._context.recv_stats_next(None)
                 raise
-            count = d.num_recv_tokens_per_expert
+            count = out[5]
             if stats is not None and not in_kernel:
                 stats += count.to(stats.dtype)
-        recv_x = d.recv_x
-        if use_ue8m0 and hook.split:
+        recv_x = (out[0], out[1]) if use_fp8 else out[0]
+        if use_ue8m0:  # split: the scales are packed when they have arrived (by the hook), not now
             x8, scales = recv_x
-            packed = torch.empty(scales.shape[:-1] + (scales.shape[-1] // 4,), dtype=torch.int32, device=x8.device)
-            hook.then(functools.partial(_pack_into, packed, scales))
+            if hook.split:
+                packed = torch.empty(scales.shape[:-1] + (scales.shape[-1] // 4,), dtype=torch.int32,
+                                     device=x8.device)
+                hook.then(functools.partial(_pack_into, packed, scales))
+            else:
+                packed = pack_ue8m0(scales)
             recv_x = (x8, packed)
         self._ll_hidden = int(x.shape[1])
-        h = d.handle
-        handle = frozen_new(LowLatencyHandle, {"tensors": h.tensors, "context": h.context, "config": h.config,
-                                               "topk_weights": h.topk_weights, "zero_padding": h.zero_padding,
-                                               "num_max_dispatch_tokens_per_rank": M, "hidden": self._ll_hidden})
+        fields = {"tensors": tensors, "context": self._context, "config": config, "topk_weights": sources,
+                  "zero_padding": False, "num_max_dispatch_tokens_per_rank": M, "hidden": self._ll_hidden}
+        handle = LowLatencyHandle(**fields) if compiling else frozen_new(LowLatencyHandle, fields)
         event = on.done((x, topk_idx, sources, stats), (recv_x, count, handle))
         return recv_x, count, handle, event, (hook.call if return_recv_hook else None)
 
@@ -736,10 +743,11 @@ class Buffer:
         if async_finish and return_recv_hook:
             raise InputError("low_latency_combine: async_finish and return_recv_hook exclude each other (the hook "
                              "runs the receive on the caller's stream)")
-        weights = topk_weights.to(torch.float32)
+        weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
         with self._stream(x.device, None, async_finish) as on:
             with self._sends_only(return_recv_hook and x.is_cuda) as hook:
-                combined = combine(x, handle.replace(topk_weights=weights))
+                # The frontend's op with the caller's weights (omniep.torch.combine would take the dispatch's).
+                combined = combine_op(handle, config_of(handle), x, weights, handle.tensors)
             if out is not None:
                 hook.then(functools.partial(out.copy_, combined))  # after the sums (with a hook: when it is called)
                 combined = out
