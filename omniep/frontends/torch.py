@@ -312,7 +312,8 @@ def dispatch_op(ctx, x, x_scales, topk_idx, topk_weights, experts: int, lay: Lay
     code = _LAYOUT_CODE[lay]
     try:
         if use_fp8:
-            out = ops.dispatch_fp8(x, topk_idx, topk_weights, bool(round_scale), ctx.id, experts, code, cap, align, zero)
+            out = ops.dispatch_fp8(x, topk_idx, topk_weights, bool(round_scale), ctx.id, experts, code, cap, align,
+                                   zero)
         else:
             out = ops.dispatch(x, x_scales, topk_idx, topk_weights, ctx.id, experts, code, cap, align, zero)
     except (RuntimeError, ValueError) as exc:  # the native ops raise c10 errors: the typed one here
@@ -423,8 +424,8 @@ def cached_dispatch(x, handle: Handle):
         x_scales = None
     ctx = handle.context
     try:
-        recv_x, recv_scales = _ops(ctx, x, torch.compiler.is_compiling()).cached_dispatch(x, x_scales,
-                                                                                           list(handle.tensors), *config)
+        ops = _ops(ctx, x, torch.compiler.is_compiling())
+        recv_x, recv_scales = ops.cached_dispatch(x, x_scales, list(handle.tensors), *config)
     except (RuntimeError, ValueError) as exc:
         raise ctx.translate(exc) from None
     return (recv_x, recv_scales) if x_scales is not None else recv_x
