@@ -14,6 +14,8 @@
 #                                                          # start offsets)
 #   DEEPEP_SELF=1 scripts/deepep_tests.sh                  # the same against DeepEP itself (built by
 #                                                          # scripts/deepep_build.sh from .deepep/src, ~85 s)
+#   DEEPEP_SELF=both scripts/deepep_tests.sh               # DeepEP itself, then omniep, in one call (with
+#                                                          # DEEPEP_TRACE too); logs deepep_* / omniep_*
 # The tests import `deep_ep` from tests/deepep_shim (omniep.torch's Buffer, Config, EventOverlap), or with
 # DEEPEP_SELF from DeepEP's own build.
 set -uo pipefail
@@ -39,23 +41,40 @@ if [[ "${1:-}" == "--extract" ]]; then
 fi
 [[ -f .deepep/test_intranode.py ]] || { echo "no .deepep/: run scripts/deepep_tests.sh --extract <DeepEP git dir> first"; exit 2; }
 source scripts/gpu_steps.sh  # env (NVLS off), $OUT, $PY, step()
-if [[ -n "${DEEPEP_SELF:-}" ]]; then
-  step deepep_build 400 bash scripts/deepep_build.sh .deepep/src
-  [[ $status -eq 0 ]] || exit $status
-  export PYTHONPATH="$PWD/.deepep/src:$PWD/.deepep:${PYTHONPATH:-}"
-else
-  build_all
-  export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
-  export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
-fi
 N="${DEEPEP_PROCESSES:-2}"
-if [[ -n "${DEEPEP_TRACE:-}" ]]; then
-  step deepep_ll_trace 240 "$PY" scripts/deepep_trace.py run --out "$OUT/trace" .deepep/test_low_latency.py -- \
-    --num-processes "$N"
-  "$PY" scripts/deepep_trace.py table "$OUT/trace" | tee "$OUT/deepep_ll_trace.md"
+# One side's runs, logs named after it: "omniep" (the shim over omniep.torch) or "deepep" (DeepEP itself). Each
+# side in a subshell, so that its PYTHONPATH (which `deep_ep` it imports) stays its own.
+side() (
+  local who=$1
+  if [[ $who == deepep ]]; then
+    step deepep_build 400 bash scripts/deepep_build.sh .deepep/src
+    [[ $status -eq 0 ]] || exit $status
+    export PYTHONPATH="$PWD/.deepep/src:$PWD/.deepep:${PYTHONPATH:-}"
+  else
+    build_all
+    export PYTHONPATH="$PWD/tests/deepep_shim:$PWD/.deepep:${PYTHONPATH:-}"
+    export OMNIEP_BACKEND="${OMNIEP_BACKEND:-cuda_nvshmem}"
+  fi
+  if [[ -n "${DEEPEP_TRACE:-}" ]]; then
+    step "${who}_ll_trace" 240 "$PY" scripts/deepep_trace.py run --out "$OUT/${who}_trace" .deepep/test_low_latency.py \
+      -- --num-processes "$N"
+    "$PY" scripts/deepep_trace.py table "$OUT/${who}_trace" | tee "$OUT/${who}_ll_trace.md"
+  else
+    step "${who}_intranode" 240 "$PY" .deepep/test_intranode.py --num-processes "$N"
+    step "${who}_low_latency" 420 "$PY" .deepep/test_low_latency.py --num-processes "$N"
+  fi
   exit $status
-fi
-step deepep_intranode 240 "$PY" .deepep/test_intranode.py --num-processes "$N"
-step deepep_low_latency 420 "$PY" .deepep/test_low_latency.py --num-processes "$N"
+)
+case "${DEEPEP_SELF:-}" in
+  "") sides=(omniep) ;;
+  both) sides=(deepep omniep) ;;
+  *) sides=(deepep) ;;
+esac
+for who in "${sides[@]}"; do
+  side "$who" || { rc=$?; [[ $status -eq 0 ]] && status=$rc; }
+done
+# Each side's own timing lines, one after the other (the two-GPU comparison at a glance).
+grep -H -E "Best (dispatch|combine)|bandwidth|send/recv" "$OUT"/*_intranode.log "$OUT"/*_low_latency.log \
+  "$OUT"/*_ll_trace.log 2>/dev/null | sed "s|$OUT/||"
 echo "deepep_tests: exit $status; logs in $OUT"
 exit $status
