@@ -126,8 +126,8 @@ def rank_main(rank: int, world: int, port: int, args: dict) -> dict:
         from omniep import _native_torch
 
         def ll_pair():
-            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True,
-                                                             cumulative_local_expert_recv_stats=stats)
+            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True,
+                                                          cumulative_local_expert_recv_stats=stats)
             return buf.low_latency_combine(ll_y, idx, w, handle)
 
         for label, pair in (("static pair", static_pair), ("LL Buffer pair", ll_pair)):
