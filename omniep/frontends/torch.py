@@ -273,12 +273,12 @@ def dispatch(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, num_exper
     compiling = torch.compiler.is_compiling()
     out, tensors, config = dispatch_op(ctx, x, x_scales, topk_idx, topk_weights, experts, lay, cap, align, zero,
                                        use_fp8, round_scale, compiling)
-    handle = _new(Handle, {"tensors": tensors, "context": ctx, "config": config, "topk_weights": topk_weights,
-                           "zero_padding": zero}, compiling)
+    handle = frozen_result(Handle, {"tensors": tensors, "context": ctx, "config": config,
+                                    "topk_weights": topk_weights, "zero_padding": zero}, compiling)
     recv_x = (out[0], pack_ue8m0(out[1]) if use_ue8m0 else out[1]) if x_scales is not None or use_fp8 else out[0]
-    return _new(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
-                             "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
-                             "handle": handle, "status": None}, compiling)
+    return frozen_result(Dispatched, {"recv_x": recv_x, "recv_topk_idx": out[2], "recv_topk_weights": out[3],
+                                      "num_recv": out[4], "num_recv_tokens_per_expert": out[5], "dropped": out[6],
+                                      "handle": handle, "status": None}, compiling)
 
 
 def check_fp8(x: torch.Tensor, x_scales, lay: Layout, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> None:
@@ -339,7 +339,7 @@ def _ops(ctx, x, compiling: bool):
     return ctx.ops
 
 
-def _new(cls, fields: dict, compiling: bool):
+def frozen_result(cls, fields: dict, compiling: bool):
     """A frozen result object: eagerly without the dataclass ``__init__`` (ep_core.types.frozen_new);
     through it while Dynamo traces (``compiling``: it does not trace ``__dict__`` updates)."""
     if compiling:

@@ -56,7 +56,7 @@ from ..ep_core.capacity import align_up
 from ..ep_core.errors import DestroyedError, InputError, UnsupportedError
 from ..ep_core.types import Layout, frozen_new
 from .torch import (Handle, cached_dispatch, check_fp8, combine, combine_op, config_ints, config_of, context, dispatch,
-                     dispatch_op, without_default_device)
+                     dispatch_op, frozen_result, without_default_device)
 
 
 # DeepEP's ``deep_ep.topk_idx_t``: the dtype its recipes cast ``topk_idx`` to (omniep takes int32 or int64).
@@ -691,7 +691,7 @@ class Buffer:
         self._ll_hidden = int(x.shape[1])
         fields = {"tensors": tensors, "context": self._context, "config": config, "topk_weights": sources,
                   "zero_padding": False, "num_max_dispatch_tokens_per_rank": M, "hidden": self._ll_hidden}
-        handle = LowLatencyHandle(**fields) if compiling else frozen_new(LowLatencyHandle, fields)
+        handle = frozen_result(LowLatencyHandle, fields, compiling)
         event = on.done((x, topk_idx, sources, stats), (recv_x, count, handle))
         return recv_x, count, handle, event, (hook.call if return_recv_hook else None)
 
